@@ -1,0 +1,75 @@
+"""Environment capture: what every Record says about the machine and software that produced it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+import transformers
+
+import gcbench
+
+
+def _run(*cmd: str) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+@cache
+def git_sha() -> str | None:
+    """The gcbench source checkout's commit, with '-dirty' when it has uncommitted changes; None outside git."""
+    src = str(Path(gcbench.__file__).resolve().parent.parent)
+    sha = _run("git", "-C", src, "rev-parse", "HEAD")
+    if sha and _run("git", "-C", src, "status", "--porcelain", "--untracked-files=no"):
+        sha += "-dirty"
+    return sha
+
+
+def capture_env(device: str) -> dict:
+    """Versions, device, and the numeric settings that change results (TF32, matmul precision)."""
+    env = {
+        "gcbench": gcbench.__version__,
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "gpu_name": None,
+        "gpu_memory_bytes": None,
+        "driver": None,
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        env["gpu_name"] = props.name
+        env["gpu_memory_bytes"] = props.total_memory
+        env["driver"] = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+        env["driver"] = env["driver"].splitlines()[0] if env["driver"] else None
+    return env
+
+
+def available_memory_bytes(device: str) -> int:
+    """Memory a run may use now: free CUDA memory, or the host's MemAvailable for CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

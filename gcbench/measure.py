@@ -1,0 +1,170 @@
+"""Measuring instruments: step statistics, the CPU live-tensor tracker, saved-activation bytes, FLOPs, MFU peaks."""
+
+from __future__ import annotations
+
+import statistics
+import weakref
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+# FlopCounterMode knows the CUDA SDPA kernels but not the CPU flash kernel that SDPA picks on CPU; without these
+# two formulas attention would count zero FLOPs on CPU. Same formulas as the CUDA flash kernel (causal not halved).
+if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+
+    @flop_counter.register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    @flop_counter.register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _sdpa_cpu_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of raw samples (e.g. per-step milliseconds): the one place medians and IQRs are computed."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Stats:
+        xs = sorted(samples)
+        if not xs:
+            raise ValueError("no samples")
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
+        return cls(statistics.median(xs), q1, q3, xs[0], xs[-1], len(xs))
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Peak of live tensor bytes on CPU: each new storage adds its bytes, its release subtracts them.
+
+    Storages that existed before (parameters, gradients, optimizer state) are added with `track`. A storage is
+    counted once however many views share it. With `cap_bytes`, going past the cap raises a real
+    torch.OutOfMemoryError, so OOM handling can be exercised without a GPU. This is not an allocator: no
+    fragmentation, no caching, no 512-byte rounding — it is reported as `peak_tracked_bytes`, never as CUDA memory.
+    """
+
+    def __init__(self, cap_bytes: int | None = None):
+        super().__init__()
+        self.cap_bytes = cap_bytes
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            self._add(t.untyped_storage())
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = id(storage), storage.nbytes()
+        if nbytes == 0 or key in self._live:
+            return
+        self._live[key] = nbytes
+        self.current += nbytes
+        # Storages keep their Python object while the storage lives, so this fires when the memory is freed.
+        weakref.finalize(storage, self._release, key)
+        if self.current > self.peak:
+            self.peak = self.current
+            if self.cap_bytes is not None and self.current > self.cap_bytes:
+                raise torch.OutOfMemoryError(
+                    f"live tensors need {self.current} bytes, past the memory cap of {self.cap_bytes} bytes")
+
+    def _release(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage())
+        return out
+
+
+class SavedActivations:
+    """Bytes autograd keeps for backward during a forward: distinct storages passed to saved_tensors_hooks.
+
+    Parameters and buffers are excluded (they are model state). Tensors saved inside a non-reentrant checkpoint
+    go to the checkpoint's own hooks and are dropped; the checkpoint's inputs are saved through ours, so a
+    checkpointed block counts exactly what it stores.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor]):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._saved: dict[int, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._saved.values())
+
+    @contextmanager
+    def recording(self):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in self._exclude:
+                self._saved[s.data_ptr()] = s.nbytes()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            yield self
+
+
+@contextmanager
+def counting_flops():
+    """FLOPs of everything run inside (forward, backward and any recompute); read `.get_total_flops()`."""
+    with FlopCounterMode(display=False) as counter:
+        yield counter
+
+
+# Dense bf16 tensor-core peak FLOP/s (no sparsity), matched against torch.cuda.get_device_name(); first match wins.
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+]
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The device's dense bf16 peak in FLOP/s, or None when unknown."""
+    for key, value in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return value
+    return None

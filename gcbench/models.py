@@ -1,0 +1,172 @@
+"""Model presets: transformers config classes with random weights; nothing is ever downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# Presets are built from configs only; this makes any accidental hub access fail fast instead of hanging.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch import nn  # noqa: E402
+
+from gcbench.errors import GcbenchError  # noqa: E402
+
+transformers.logging.set_verbosity_error()  # config-validation chatter about random-init presets is noise here
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build and train one architecture family."""
+
+    config_cls: type[transformers.PretrainedConfig]
+    auto_model: type  # the Auto* class with a training head (labels -> loss)
+    learned_positions: bool  # a learned position table caps seq_len; RoPE models can be stretched
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(transformers.LlamaConfig, transformers.AutoModelForCausalLM, learned_positions=False),
+    "mistral": Family(transformers.MistralConfig, transformers.AutoModelForCausalLM, learned_positions=False),
+    "gpt2": Family(transformers.GPT2Config, transformers.AutoModelForCausalLM, learned_positions=True),
+    "bert": Family(transformers.BertConfig, transformers.AutoModelForMaskedLM, learned_positions=True),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    family: str
+    summary: str
+    make_config: Callable[[], transformers.PretrainedConfig]
+
+
+MODELS: dict[str, Preset] = {}
+
+
+def preset(name: str, family: str, summary: str, **config) -> None:
+    """Register a preset: `config` are the keyword arguments of the family's config class."""
+    cls = FAMILIES[family].config_cls
+    MODELS[name] = Preset(name, family, summary, lambda: cls(**config))
+
+
+_LLAMA = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+preset("llama-7b", "llama", "Llama-2 7B: 32 x 4096, MHA 32 heads, SwiGLU 11008",
+       hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, **_LLAMA)
+preset("llama-13b", "llama", "Llama-2 13B: 40 x 5120, MHA 40 heads, SwiGLU 13824",
+       hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, **_LLAMA)
+preset("mistral-7b", "mistral", "Mistral 7B v0.1: 32 x 4096, GQA 32 query / 8 kv heads, SwiGLU 14336",
+       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096)
+preset("gpt2", "gpt2", "GPT-2 124M: 12 x 768, 12 heads, learned positions (<= 1024), dropout 0.1",
+       n_embd=768, n_layer=12, n_head=12)
+preset("gpt2-medium", "gpt2", "GPT-2 355M: 24 x 1024, 16 heads", n_embd=1024, n_layer=24, n_head=16)
+preset("gpt2-xl", "gpt2", "GPT-2 1.5B: 48 x 1600, 25 heads", n_embd=1600, n_layer=48, n_head=25)
+preset("bert-base", "bert", "BERT base (MLM): 12 x 768, 12 heads, <= 512 positions, dropout 0.1",
+       hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+preset("bert-large", "bert", "BERT large (MLM): 24 x 1024, 16 heads",
+       hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+# Tiny presets for CI: a few blocks, hidden <= 128, dropout on so that RNG replay in recompute is exercised.
+preset("tiny-llama", "llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1",
+       hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+       vocab_size=512, max_position_embeddings=2048, attention_dropout=0.1, tie_word_embeddings=False)
+preset("tiny-gpt2", "gpt2", "CI: 4 x 64, 4 heads, dropout 0.1 everywhere",
+       n_embd=64, n_layer=4, n_head=4, vocab_size=512, n_positions=2048, bos_token_id=0, eos_token_id=0,
+       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+preset("tiny-bert", "bert", "CI: 4 x 64, 4 heads, dropout 0.1 (MLM head)",
+       hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=512,
+       max_position_embeddings=2048)
+
+
+def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
+    """The config of a preset name or of a local Hugging Face config.json; returns (config, family)."""
+    if model in MODELS:
+        p = MODELS[model]
+        return p.make_config(), p.family
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.suffix == ".json":
+        raise GcbenchError(f"unknown model {model!r}; presets: {', '.join(MODELS)} (or a path to a config.json)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise GcbenchError(f"cannot read model config {str(path)!r}: {e}") from None
+    family = data.get("model_type") if isinstance(data, dict) else None
+    if family not in FAMILIES:
+        raise GcbenchError(f"{str(path)!r}: model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+    data.pop("model_type")
+    return FAMILIES[family].config_cls(**data), family
+
+
+def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
+                   attn: str | None) -> transformers.PretrainedConfig:
+    """Apply the run's shape to a config: truncate blocks, check positions, training-only settings."""
+    n = config.num_hidden_layers
+    if layers is not None:
+        if not 1 <= layers <= n:
+            raise GcbenchError(f"--layers {layers} is out of range: the model has {n} blocks")
+        config.num_hidden_layers = layers
+    max_pos = _max_positions(config)
+    if seq_len > max_pos:
+        if FAMILIES[family].learned_positions:
+            raise GcbenchError(f"--seq {seq_len} exceeds the {max_pos} learned positions of this {family} model")
+        config.max_position_embeddings = seq_len  # RoPE has no table; the limit is nominal
+    config.use_cache = False
+    if attn is not None:
+        config._attn_implementation = attn
+    return config
+
+
+def _max_positions(config) -> int:
+    return getattr(config, "n_positions", None) or config.max_position_embeddings
+
+
+def build_model(config, family: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """Random-init the model directly on `device` in `dtype` (a 7B model is never materialised on the host)."""
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    with torch.device(device):
+        model = FAMILIES[family].auto_model.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.train()
+    return model
+
+
+def build_meta_model(config, family: str) -> nn.Module:
+    """The model on the meta device: shapes and parameter counts, no memory, no init time."""
+    with torch.device("meta"):
+        return FAMILIES[family].auto_model.from_config(config)
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer block list: the ModuleList holding `num_hidden_layers` modules of one class."""
+    n = model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n and len({type(m) for m in module}) == 1:
+            return module
+    raise GcbenchError(f"cannot find the {n} transformer blocks of {type(model).__name__}")
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def describe(name: str) -> dict:
+    """One row of `gcbench models`: name, params, layers, hidden, heads, attention kind."""
+    p = MODELS[name]
+    config = p.make_config()
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return {
+        "name": name,
+        "family": p.family,
+        "params": count_params(build_meta_model(config, p.family)),
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "heads": heads,
+        "attention": "MHA" if kv == heads else f"GQA ({kv} kv heads)",
+        "summary": p.summary,
+    }

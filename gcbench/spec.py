@@ -1,0 +1,116 @@
+"""RunSpec: everything that defines one measured configuration, validated when it is made."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gcbench.errors import GcbenchError
+from gcbench.models import load_config, prepare_config
+from gcbench.policies import Policy, parse_policy
+
+PRECISIONS = {
+    # name: (parameter dtype, autocast dtype or None)
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),  # pure bf16: params, grads and optimizer state in bf16
+    "amp-bf16": (torch.float32, torch.bfloat16),  # fp32 master weights, bf16 matmuls under autocast
+}
+OPTIMIZERS = ("adamw", "sgd", "none")
+ATTENTION = ("eager", "sdpa", "flash_attention_2")
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000 (GiB = 2**30, GB = 10**9; a bare number is bytes)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise GcbenchError(f"cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise GcbenchError(f"size {text!r} must be positive")
+    return value
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when CUDA is available, else 'cpu'; refuse CUDA on a machine without it."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if re.fullmatch(r"cuda(:\d+)?", device):
+        if not torch.cuda.is_available():
+            raise GcbenchError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise GcbenchError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return device
+    raise GcbenchError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N)")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration to measure. Made only through validation: every field is concrete and legal."""
+
+    model: str  # preset name or path to a Hugging Face config.json
+    seq_len: int  # tokens per sample
+    batch_size: int  # samples per step
+    policy: Policy = field(default_factory=lambda: parse_policy("none"))
+    layers: int | None = None  # keep only the first N blocks (activation memory is linear in N); None = all
+    precision: str = ""  # fp32 | bf16 | amp-bf16; "" = bf16 on CUDA, fp32 on CPU
+    optimizer: str = "adamw"  # adamw (2 states/param) | sgd (momentum: 1 state/param) | none (no step)
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    attn: str | None = None  # attention implementation; None = sdpa
+    warmup_steps: int = 3  # untimed; >= 2 so optimizer state exists before measuring
+    measure_steps: int = 10  # timed; the median is reported
+    seed: int = 0
+    memory_cap_bytes: int | None = None  # CPU: tracker raises OOM past it; CUDA: per-process memory fraction
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalisation
+        if isinstance(self.policy, str):
+            set_("policy", parse_policy(self.policy))
+        for name in ("seq_len", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise GcbenchError(f"--{name.split('_')[0]} must be a positive integer, got {value}")
+        if self.warmup_steps < 0 or self.measure_steps < 1:
+            raise GcbenchError("--warmup must be >= 0 and --steps >= 1")
+        set_("device", resolve_device(self.device))
+        if not self.precision:
+            set_("precision", "bf16" if self.device.startswith("cuda") else "fp32")
+        if self.precision not in PRECISIONS:
+            raise GcbenchError(f"unknown precision {self.precision!r} ({', '.join(PRECISIONS)})")
+        if self.optimizer not in OPTIMIZERS:
+            raise GcbenchError(f"unknown optimizer {self.optimizer!r} ({', '.join(OPTIMIZERS)})")
+        if self.attn is not None and self.attn not in ATTENTION:
+            raise GcbenchError(f"unknown attention implementation {self.attn!r} ({', '.join(ATTENTION)})")
+        if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
+            raise GcbenchError("--memory-cap must be positive")
+        config, _ = self.model_config()
+        self.policy.validate(config.num_hidden_layers)
+
+    def model_config(self):
+        """(config, family) with this run's layers, sequence length and attention applied."""
+        config, family = load_config(self.model)
+        return prepare_config(config, family, layers=self.layers, seq_len=self.seq_len, attn=self.attn), family
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return PRECISIONS[self.precision][1]
+
+    def as_record(self) -> dict[str, Any]:
+        """The spec's fields as they appear in a Record (flat, JSON-ready)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["policy"] = self.policy.name
+        out["policy_options"] = self.policy.options()
+        return out

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from gcbench.spec import RunSpec
+from gcbench.worker import run
+
+TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
+CLASSIC = ("none", "full", "every-k:k=2", "segments:k=2", "sqrtn")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def tiny_spec(model="tiny-llama", policy="none", **overrides) -> RunSpec:
+    fields = dict(model=model, seq_len=128, batch_size=2, policy=policy, device="cpu", warmup_steps=1,
+                  measure_steps=1)
+    return RunSpec(**(fields | overrides))
+
+
+@pytest.fixture(scope="session")
+def classic_records():
+    """One CPU record per (tiny family, classic policy): measured once, asserted on by many tests."""
+    return {(m, p): run(tiny_spec(m, p, seq_len=256)) for m in TINY for p in CLASSIC}

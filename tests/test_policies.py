@@ -1,0 +1,108 @@
+"""Policies are exact and device-free: same gradients as `none`, recompute FLOPs and saved bytes as theory says."""
+
+import pytest
+import torch
+
+from gcbench.errors import GcbenchError
+from gcbench.models import build_model, find_blocks
+from gcbench.policies import POLICIES, CheckpointedGroup, EveryK, Segments, SqrtN, parse_policy
+from gcbench.worker import make_batch
+from tests.conftest import CLASSIC, TINY, tiny_spec
+
+
+def gradients(model_name: str, policy: str, dropout_seed: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    spec = tiny_spec(model_name, policy)
+    config, family = spec.model_config()
+    torch.manual_seed(0)
+    model = build_model(config, family, "cpu", torch.float32)
+    params = list(model.parameters())
+    spec.policy.apply(find_blocks(model))
+    torch.manual_seed(dropout_seed)
+    loss = model(**make_batch(spec, config, "cpu")).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in params]
+
+
+@pytest.mark.parametrize("model_name", TINY)
+def test_dropout_is_active_so_rng_replay_is_tested(model_name):
+    loss_a, _ = gradients(model_name, "none", dropout_seed=1)
+    loss_b, _ = gradients(model_name, "none", dropout_seed=2)
+    assert not torch.equal(loss_a, loss_b)
+
+
+@pytest.mark.parametrize("policy", [p for p in CLASSIC if p != "none"])
+@pytest.mark.parametrize("model_name", TINY)
+def test_gradients_equal_none(model_name, policy):
+    loss_ref, ref = gradients(model_name, "none")
+    loss, got = gradients(model_name, policy)
+    torch.testing.assert_close(loss, loss_ref)
+    assert len(got) == len(ref) and all(g is not None for g in got)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
+
+
+def test_policy_wraps_the_blocks_it_should_and_undo_restores_them():
+    spec = tiny_spec("tiny-gpt2", "segments:k=3")
+    config, family = spec.model_config()
+    model = build_model(config, family, "cpu", torch.float32)
+    blocks = find_blocks(model)
+    originals = list(blocks)
+    undo = spec.policy.apply(blocks)
+    assert isinstance(blocks[0], CheckpointedGroup) and len(blocks[0].blocks) == 3
+    assert isinstance(blocks[3], CheckpointedGroup) and len(blocks[3].blocks) == 1
+    undo()
+    assert list(blocks) == originals
+
+
+def test_groups_follow_the_documented_semantics():
+    assert EveryK(k=2).groups(5) == [range(1, 2), range(3, 4)]
+    assert EveryK(k=1).groups(3) == POLICIES["full"]().groups(3)
+    assert Segments(k=2).groups(5) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert SqrtN().groups(32) == Segments(k=6).groups(32)  # ceil(sqrt(32)) = 6
+    assert SqrtN().groups(16) == Segments(k=4).groups(16)
+
+
+def test_parse_policy():
+    assert parse_policy("every-k:k=3") == EveryK(k=3)
+    assert str(parse_policy("segments:k=4")) == "segments:k=4"
+    assert str(parse_policy("sqrtn")) == "sqrtn"
+    for bad, msg in [("bogus", "unknown policy"), ("every-k:j=2", "bad option"), ("every-k:k=two", "not a int"),
+                     ("full:k=2", "bad option"), ("every-k:k", "bad option")]:
+        with pytest.raises(GcbenchError, match=msg):
+            parse_policy(bad)
+
+
+@pytest.mark.parametrize("policy", ["every-k:k=0", "segments:k=999", "every-k:k=-1"])
+def test_k_out_of_range_is_refused_not_clamped(policy):
+    with pytest.raises(GcbenchError, match="out of range"):
+        tiny_spec(policy=policy)
+
+
+@pytest.mark.parametrize("model_name", TINY)
+def test_flops_order_with_recompute(classic_records, model_name):
+    flops = {p: classic_records[model_name, p]["flops"] for p in CLASSIC}
+    model_flops = {classic_records[model_name, p]["model_flops"] for p in CLASSIC}
+    assert len(model_flops) == 1  # model FLOPs do not depend on the policy
+    assert flops["none"] == model_flops.pop()
+    assert flops["none"] < flops["every-k:k=2"] < flops["full"]
+    assert flops["segments:k=2"] > flops["none"] and flops["sqrtn"] > flops["none"]
+    # full recomputes every block's forward once: at most one extra forward (a third of fwd+bwd)
+    assert flops["full"] <= flops["none"] * 4 / 3
+
+
+@pytest.mark.parametrize("model_name", TINY)
+def test_saved_bytes_and_tracked_peak_order(classic_records, model_name):
+    saved = {p: classic_records[model_name, p]["saved_activation_bytes"] for p in CLASSIC}
+    peak = {p: classic_records[model_name, p]["peak_tracked_bytes"] for p in CLASSIC}
+    assert saved["none"] > saved["every-k:k=2"] > saved["full"]
+    assert peak["none"] > peak["every-k:k=2"] > peak["full"]
+    assert peak["sqrtn"] < peak["none"]
+
+
+def test_full_saves_exactly_the_block_inputs_plus_the_unwrapped_rest(classic_records):
+    """With every block checkpointed, the saving from `none` is all block internals minus one input per block."""
+    rec_none, rec_full = classic_records["tiny-gpt2", "none"], classic_records["tiny-gpt2", "full"]
+    block_input = 2 * 256 * 64 * 4  # batch x seq x hidden x fp32
+    saved_full = rec_full["saved_activation_bytes"]
+    assert saved_full >= 4 * block_input  # 4 stored block inputs
+    assert saved_full < rec_none["saved_activation_bytes"] / 2
