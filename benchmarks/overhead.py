@@ -1,0 +1,83 @@
+"""Harness overhead: gcbench's measured step vs a bare hand-written training loop (not a test).
+
+Both run on the same model, optimizer, batch, policy and device, interleaved in one process (A, B, A, B, ...)
+so that drift (thermal, background load) hits both alike. Each side is timed from the outside the same way
+(perf_counter, with a synchronize on CUDA). Prints the ratio of medians; the target is <= 1.01.
+
+    python benchmarks/overhead.py --model gpt2 --seq 256 --batch 1 --policy full --rounds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+
+from gcbench.measure import Stats
+from gcbench.models import build_model, find_blocks
+from gcbench.spec import RunSpec
+from gcbench.worker import TrainingStep, _time_cpu, _time_cuda, make_batch, make_optimizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--policy", default="full")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--rounds", type=int, default=30)
+    args = ap.parse_args()
+
+    spec = RunSpec(model=args.model, seq_len=args.seq, batch_size=args.batch, policy=args.policy,
+                   layers=args.layers, device=args.device, measure_steps=1)
+    config, family = spec.model_config()
+    torch.manual_seed(spec.seed)
+    model = build_model(config, family, spec.device, spec.param_dtype)
+    spec.policy.apply(find_blocks(model))
+    optimizer = make_optimizer(spec.optimizer, model)
+    batch = make_batch(spec, config, spec.device)
+    step = TrainingStep(model, optimizer, batch, spec)
+    cuda = spec.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if spec.autocast_dtype:
+        autocast = lambda: torch.autocast(torch.device(spec.device).type, dtype=spec.autocast_dtype)  # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
+
+    def gcbench_step() -> None:
+        (_time_cuda if cuda else _time_cpu)(step, spec, lambda _: None)
+
+    def bare_step() -> None:
+        optimizer.zero_grad(set_to_none=False)
+        with autocast():
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        optimizer.step()
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(3):  # warm-up: optimizer state, allocator, kernels
+        bare_step()
+    harness, bare = [], []
+    for _ in range(args.rounds):
+        harness.append(timed(gcbench_step))
+        bare.append(timed(bare_step))
+    h, b = Stats.of(harness), Stats.of(bare)
+    where = torch.cuda.get_device_name(spec.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{spec.model} seq {spec.seq_len} batch {spec.batch_size} {spec.policy} {spec.precision} on {where}")
+    print(f"gcbench measured step: median {h.median:.2f} ms (IQR {h.iqr:.2f})")
+    print(f"bare training loop:    median {b.median:.2f} ms (IQR {b.iqr:.2f})")
+    print(f"ratio gcbench / bare:  {h.median / b.median:.4f}  ({args.rounds} interleaved rounds)")
+
+
+if __name__ == "__main__":
+    main()

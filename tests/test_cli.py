@@ -1,0 +1,140 @@
+"""The CLI through typer's CliRunner: what the user sees and what lands in the results file."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.results import SCHEMA_VERSION, read_records
+
+runner = CliRunner()
+TINY_RUN = ["run", "--model", "tiny-llama", "--seq", "32", "--batch", "2", "--device", "cpu", "--warmup", "1",
+            "--steps", "2"]
+REQUIRED = ["schema_version", "model", "n_layers", "n_params", "seq_len", "batch_size", "policy", "policy_options",
+            "precision", "optimizer", "device", "status", "step_ms", "step_ms_median", "tokens_per_s",
+            "peak_tracked_bytes", "activation_peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
+            "saved_activation_bytes", "flops", "env"]
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "every-k:k=2", "segments:k=2", "sqrtn"])
+def test_run_writes_one_valid_record(tmp_path, policy):
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, [*TINY_RUN, "--policy", policy, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "step time" in result.stdout and "tokens/s" in result.stdout
+    [record] = read_records(out)
+    assert set(REQUIRED) <= set(record)
+    assert record["schema_version"] == SCHEMA_VERSION and record["status"] == "ok"
+    assert record["policy"] == policy.partition(":")[0] and record["model"] == "tiny-llama"
+    assert len(record["step_ms"]) == 2 and record["step_ms_median"] > 0
+    assert record["peak_tracked_bytes"] > record["param_bytes"] + record["grad_bytes"] + record["optimizer_bytes"]
+    assert record["env"]["torch"] == torch.__version__
+    assert "peak_allocated_bytes" not in record  # a CPU run never claims CUDA allocator numbers
+
+
+def test_run_appends_and_keeps_earlier_records(tmp_path):
+    out = tmp_path / "r.jsonl"
+    for policy in ("none", "full"):
+        assert runner.invoke(app, [*TINY_RUN, "--policy", policy, "--out", str(out)]).exit_code == 0
+    assert [r["policy"] for r in read_records(out)] == ["none", "full"]
+
+
+def test_memory_cap_makes_an_oom_record(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, [*TINY_RUN, "--memory-cap", "5MiB", "--out", str(out)])
+    assert result.exit_code == 1
+    [record] = read_records(out)
+    assert record["status"] == "oom" and "memory cap" in record["error"]
+
+
+def test_models_and_policies_list_the_registries(monkeypatch):
+    from rich.console import Console
+
+    from gcbench import cli
+    from gcbench.models import MODELS
+    from gcbench.policies import POLICIES
+
+    monkeypatch.setattr(cli, "console", Console(width=250))
+
+    models = runner.invoke(app, ["models"])
+    assert models.exit_code == 0
+    for name in MODELS:
+        assert name in models.stdout
+    assert "6,738.4 M" in models.stdout  # llama-7b parameter count from the meta-device build
+    policies = runner.invoke(app, ["policies"])
+    assert policies.exit_code == 0
+    for name in POLICIES:
+        assert name in policies.stdout
+    assert "k=2" in policies.stdout
+
+
+BAD_INPUT = [
+    (["--model", "nope"], "unknown model"),
+    (["--policy", "bogus"], "unknown policy"),
+    (["--policy", "every-k:k=0"], "out of range"),
+    (["--policy", "segments:k=999"], "out of range"),
+    (["--seq", "0"], "--seq must be a positive integer"),
+    (["--batch", "-1"], "--batch must be a positive integer"),
+    (["--layers", "99"], "--layers 99 is out of range"),
+    (["--precision", "fp8"], "unknown precision"),
+    (["--memory-cap", "lots"], "cannot read 'lots' as a size"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT)
+def test_bad_input_is_one_line_exit_2_and_results_untouched(tmp_path, args, message):
+    out = tmp_path / "r.jsonl"
+    out.write_text('{"keep": "me"}\n')
+    result = runner.invoke(app, [*TINY_RUN, *args, "--out", str(out)])
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+    assert out.read_text() == '{"keep": "me"}\n'
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-CUDA message")
+def test_cuda_without_cuda(tmp_path):
+    result = runner.invoke(app, [*TINY_RUN[:-6], "--device", "cuda", "--out", str(tmp_path / "r.jsonl")])
+    assert result.exit_code == 2 and "CUDA is not available" in result.stderr
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_unwritable_out_leaves_nothing(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = runner.invoke(app, [*TINY_RUN, "--out", str(blocker / "sub" / "r.jsonl")])
+    assert result.exit_code == 2 and "cannot write results" in result.stderr
+    assert blocker.read_text() == ""
+
+
+def test_model_too_large_for_the_device_is_refused_at_once(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["run", "--model", "llama-7b", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 2
+    assert "GiB for parameters, gradients and adamw state" in result.stderr and "--layers" in result.stderr
+    assert not out.exists()
+
+
+def test_local_config_json(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128}))
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, [*TINY_RUN[:2], str(config), *TINY_RUN[3:], "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_records(out)[0]["n_layers"] == 2
+    config.write_text(json.dumps({"model_type": "t5"}))
+    bad = runner.invoke(app, [*TINY_RUN[:2], str(config), *TINY_RUN[3:], "--out", str(out)])
+    assert bad.exit_code == 2 and "not supported" in bad.stderr
+
+
+def test_usage_errors_through_the_entry_point_are_one_line():
+    """Type errors are caught by click before our code runs; main() still makes them one line, exit 2."""
+    proc = subprocess.run([sys.executable, "-c", "from gcbench.cli import main; main()", "run", "--seq", "abc"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--seq" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,114 @@
+"""Instruments and the results store."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from gcbench.errors import GcbenchError
+from gcbench.measure import LiveTensorTracker, SavedActivations, Stats, counting_flops, peak_flops
+from gcbench.results import append_record, load, read_records
+from gcbench.spec import parse_bytes
+
+
+def test_stats_from_raw_samples():
+    s = Stats.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.min, s.max, s.n) == (3.0, 1.0, 5.0, 5)
+    assert s.q1 == 2.0 and s.q3 == 4.0 and s.iqr == 2.0
+    assert Stats.of([7.0]).iqr == 0.0
+
+
+def test_tracker_adds_new_storages_and_subtracts_freed_ones():
+    with LiveTensorTracker() as tracker:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 B
+        view = a[:10]  # same storage: not counted again
+        b = torch.empty(500, dtype=torch.float64)  # 4000 B
+        assert tracker.current == 8000
+        del a, view
+        assert tracker.current == 4000
+        c = torch.empty(250, dtype=torch.float32)  # 1000 B
+    assert tracker.peak == 8000 and tracker.current == 5000
+    del b, c
+
+
+def test_tracker_cap_raises_a_real_oom():
+    with pytest.raises(torch.OutOfMemoryError, match="memory cap"):
+        with LiveTensorTracker(cap_bytes=10_000):
+            keep = [torch.empty(1000) for _ in range(5)]  # noqa: F841
+
+
+def test_saved_activations_excludes_parameters():
+    lin = torch.nn.Linear(64, 64, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    saved = SavedActivations(exclude=list(lin.parameters()))
+    with saved.recording():
+        y = torch.relu(lin(x))  # mm saves x (and the weight: excluded); relu saves its output
+    assert saved.bytes == x.nbytes + y.nbytes
+
+
+def test_flops_include_recompute():
+    lin = torch.nn.Linear(32, 32)
+    x = torch.randn(4, 32, requires_grad=True)
+    with counting_flops() as plain:
+        lin(x).sum().backward()
+    with counting_flops() as ckpt:
+        torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum().backward()
+    assert plain.get_total_flops() == 3 * 2 * 4 * 32 * 32  # fwd + 2 bwd matmuls
+    assert ckpt.get_total_flops() == 4 * 2 * 4 * 32 * 32  # + the recomputed forward
+
+
+def test_cpu_attention_flops_are_counted():
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    with counting_flops() as c:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    assert c.get_total_flops() > 0
+
+
+def test_peak_flops_table():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("NVIDIA L40S") == 362e12
+    assert peak_flops("Some Future GPU") is None
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("512") == 512
+    for bad in ("lots", "-1GiB", "0", "3 parsecs"):
+        with pytest.raises(GcbenchError):
+            parse_bytes(bad)
+
+
+def test_results_round_trip_and_truncated_last_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_record(path, {"schema_version": 1, "a": 1})
+    with open(path, "a") as f:
+        f.write('{"schema_version": 1, "a": ')  # a writer killed mid-line
+    with pytest.warns(UserWarning, match="truncated last line"):
+        assert [r["a"] for r in read_records(path)] == [1]
+    append_record(path, {"schema_version": 1, "a": 2})  # the next append starts on a fresh line
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1])["a"] == 2
+    with pytest.raises(GcbenchError, match=":2: corrupt"):  # now the broken line is in the middle
+        read_records(path)
+
+
+def test_other_schema_version_is_refused(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_record(path, {"schema_version": 99})
+    with pytest.raises(GcbenchError, match="schema_version 99"):
+        read_records(path)
+
+
+def test_load_is_a_dataframe_with_env_columns(tmp_path):
+    for seq in (32, 64):
+        append_record(tmp_path / "r.jsonl", {"schema_version": 1, "seq_len": seq, "env": {"torch": "x"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        df = load(tmp_path)
+    assert list(df["seq_len"]) == [32, 64] and list(df["env.torch"]) == ["x", "x"]
+    with pytest.raises(GcbenchError, match="no such results file"):
+        load(tmp_path / "missing.jsonl")
