@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -22,7 +21,6 @@ from gcbench.errors import GcbenchError
 
 app = typer.Typer(
     help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
-    no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
@@ -30,6 +28,14 @@ console = Console()
 err_console = Console(stderr=True)
 
 DEFAULT_OUT = Path("results/runs.jsonl")
+
+
+@app.callback(invoke_without_command=True)
+def _root(ctx: typer.Context) -> None:
+    # Help for a bare `gcbench` (instead of no_args_is_help, whose help-as-error would be squeezed into one line).
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit(0)
 
 
 @contextmanager
@@ -125,15 +131,189 @@ def policies() -> None:
     console.print(table)
 
 
+@app.command()
+def report(
+    paths: Annotated[list[Path], typer.Argument(help="results files (*.jsonl) or directories holding them")],
+    out: Annotated[Path | None, typer.Option(help="also write report.md, a self-contained report.html and "
+                                                  "figures/*.png|svg into this directory")] = None,
+) -> None:
+    """Tables of many runs grouped by device, model, seq and batch, with `x none` ratios; --out adds figures
+    and a report to share."""
+    from gcbench.report import load_results, results_frame, terminal_tables, write_report
+
+    with domain_errors():
+        df, notes = load_results(paths)
+        for note in notes:
+            typer.echo(f"gcbench: warning: {note}", err=True)
+        frame = results_frame(df)
+        for item in terminal_tables(frame):
+            console.print(item)
+        if out is not None:
+            written = write_report(frame, out)
+            console.print(f"report written to {out}/ ({len(written)} files: report.md, report.html, "
+                          f"{len(written) - 2} figure files)")
+
+
+@app.command()
+def compare(
+    old: Annotated[Path, typer.Argument(help="results before (file or directory)")],
+    new: Annotated[Path, typer.Argument(help="results after (file or directory)")],
+    fail: Annotated[str | None, typer.Option(help="regression thresholds, e.g. peak:5%,time:10%,tokens:10%; a "
+                                                  "config past one (or one that no longer runs) exits with 1")]
+    = None,
+) -> None:
+    """Changes in peak memory, step time and tokens/s between two results, matched config by config."""
+    from gcbench.compare import compare_results, comparison_tables, parse_thresholds
+    from gcbench.report import load_results, results_frame
+
+    with domain_errors():
+        thresholds = parse_thresholds(fail)
+        frames = []
+        for path in (old, new):
+            df, notes = load_results([path])
+            for note in notes:
+                typer.echo(f"gcbench: warning: {note}", err=True)
+            frames.append(results_frame(df))
+        result = compare_results(*frames, thresholds)
+    for table in comparison_tables(result, thresholds):
+        console.print(table)
+    for title, specs in (("only in OLD (not compared)", result.only_old), ("only in NEW (not compared)",
+                                                                           result.only_new)):
+        if specs:
+            console.print(f"[bold]{title}:[/] {len(specs)}")
+            for spec in specs:
+                console.print(f"  {spec}")
+    if result.regressions:
+        console.print(f"[bold red]{len(result.regressions)} regression(s) past --fail {fail}:[/]")
+        for line in result.regressions:
+            console.print(f"  {line}")
+        raise typer.Exit(1)
+    if thresholds:
+        console.print(f"[green]no regression past --fail {fail}[/]")
+
+
+@app.command()
+def sweep(
+    config: Annotated[Path | None, typer.Option(help="TOML file with the grid (keys: the option names below); "
+                                                     "options given here override it")] = None,
+    model: Annotated[str | None, typer.Option(help="models, comma-separated: presets or config.json paths")] = None,
+    seq: Annotated[str | None, typer.Option(help="sequence lengths, e.g. 512,1024,2048")] = None,
+    batch: Annotated[str | None, typer.Option(help="batch sizes, e.g. 1,2,4,8")] = None,
+    policy: Annotated[str | None, typer.Option(help="policies, e.g. none,full,every-k:k=2,sqrtn (the default)")]
+    = None,
+    layers: Annotated[int | None, typer.Option(help="keep only the first N blocks of every model")] = None,
+    precision: Annotated[str | None, typer.Option(help="fp32 | bf16 | amp-bf16 (default: bf16 on CUDA, fp32 on CPU)")]
+    = None,
+    optimizer: Annotated[str | None, typer.Option(help="adamw (default) | sgd | none")] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N]")] = None,
+    attn: Annotated[str | None, typer.Option(help="attention implementation: eager | sdpa (default sdpa)")] = None,
+    warmup: Annotated[int | None, typer.Option(help="untimed warm-up steps per config (default 3)")] = None,
+    steps: Annotated[int | None, typer.Option(help="timed steps per config (default 10)")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed for weights, batch and dropout")] = None,
+    memory_cap: Annotated[str | None, typer.Option(help="memory limit per config, e.g. 2GiB (CPU: tracked bytes; "
+                                                        "CUDA: per-process fraction)")] = None,
+    out: Annotated[Path | None, typer.Option(help="JSON Lines file records are appended to (default "
+                                                  "results/sweep.jsonl); configs already in it are not run again")]
+    = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds per config before its child is killed (default "
+                                                       "600)")] = None,
+    isolation: Annotated[str | None, typer.Option(help="process: a fresh child per config (default) | none: in "
+                                                       "this process (faster start, no timeout, less safe)")] = None,
+    no_skip: Annotated[bool, typer.Option("--no-skip", help="also run configs larger than one that ran out of "
+                                                           "memory (default: record them as skipped)")] = False,
+    rerun: Annotated[bool, typer.Option("--rerun", help="run every config, even those already in --out")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and its size; run nothing")] = False,
+) -> None:
+    """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result."""
+    from gcbench.sweep import Sweep, SweepSpec, grid_table, largest_fit_table, summary_table
+
+    options = {"model": model, "seq": seq, "batch": batch, "policy": policy, "layers": layers,
+               "precision": precision, "optimizer": optimizer, "device": device, "attn": attn, "warmup": warmup,
+               "steps": steps, "seed": seed, "memory-cap": memory_cap, "out": out, "timeout": timeout,
+               "isolation": isolation}
+    with domain_errors():
+        grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
+        job = Sweep(grid, rerun=rerun, skip_after_oom=not no_skip, console=err_console)
+        if dry_run:
+            console.print(grid_table(job))
+            return
+        try:
+            records = job.run()
+        except KeyboardInterrupt:
+            typer.echo(f"gcbench: interrupted; finished configs are in {grid.out}, run the same command again "
+                       "to resume", err=True)
+            raise typer.Exit(130) from None
+    console.print(summary_table(records))
+    fits = largest_fit_table(records)
+    if fits is not None:
+        console.print(fits)
+    console.print(f"[dim]records in {grid.out} (sweep {job.sweep_id})[/]")
+    # OOMs, timeouts and skips are results; an error (a crash, a bug) is not: make scripts notice it.
+    if any(r["status"] == "error" and r.get("sweep_id") == job.sweep_id for r in records):
+        raise typer.Exit(1)
+
+
+@app.command()
+def estimate(
+    model: Annotated[str, typer.Option(help="models, comma-separated: presets or config.json paths")],
+    seq: Annotated[str, typer.Option(help="sequence lengths, e.g. 512,2048,8192")] = "2048",
+    batch: Annotated[str, typer.Option(help="batch sizes, e.g. 1,4")] = "1",
+    policy: Annotated[str, typer.Option(help="policies, e.g. none,full,every-k:k=2,sqrtn")] = "none",
+    method: Annotated[str, typer.Option(help="analytic (per-block formulas, instant) | simulate (the real step "
+                                             "on fake tensors, seconds); comma-separated")] = "analytic,simulate",
+    device: Annotated[str, typer.Option(help="what to predict for: cuda (torch.cuda.max_memory_allocated; no GPU "
+                                             "needed) | cpu (the live-tensor peak of a CPU run)")] = "cuda",
+    gpu_memory: Annotated[str | None, typer.Option(help="memory to fit in, e.g. 80GiB: adds a fits / does not fit "
+                                                        "column")] = None,
+    layers: Annotated[int | None, typer.Option(help="keep only the first N blocks (default: all)")] = None,
+    precision: Annotated[str | None, typer.Option(help="fp32 | bf16 | amp-bf16 (default: bf16 for cuda, fp32 for "
+                                                       "cpu)")] = None,
+    optimizer: Annotated[str, typer.Option(help="adamw | sgd (momentum) | none")] = "adamw",
+    attn: Annotated[str | None, typer.Option(help="attention implementation: eager | sdpa (default sdpa)")] = None,
+    output_format: Annotated[str, typer.Option("--format", help="table | json (one JSON object per config and "
+                                                                "method, one per line)")] = "table",
+) -> None:
+    """Predict the peak memory of a training step without running it (no GPU needed): params, grads, optimizer
+    state and activations per config, by formulas and by a fake-tensor simulation."""
+    import json
+
+    from gcbench.estimate import estimate_grid
+    from gcbench.report import estimate_table
+    from gcbench.spec import parse_bytes
+    from gcbench.sweep import parse_options
+
+    with domain_errors():
+        if output_format not in ("table", "json"):
+            raise GcbenchError(f"unknown --format {output_format!r} (table, json)")
+        memory = parse_bytes(gpu_memory) if gpu_memory else None
+        grid = parse_options({"model": model, "seq": seq, "batch": batch, "policy": policy})
+        methods = [m.strip() for m in method.split(",") if m.strip()]
+        with err_console.status("estimating"):
+            results = estimate_grid(grid["models"], grid["seq_lens"], grid["batch_sizes"], grid["policies"],
+                                    methods, target=device, precision=precision or "", layers=layers,
+                                    optimizer=optimizer, attn=attn)
+    rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
+            for spec, e in results]
+    if output_format == "json":
+        for row in rows:
+            typer.echo(json.dumps(row))
+    else:
+        # piped output has no width of its own: do not squeeze the columns into rich's default 80
+        (console if console.is_terminal else Console(width=140)).print(estimate_table(rows, memory))
+
+
 def main() -> None:
     """Console entry point: usage errors too become one line on stderr with exit code 2."""
     try:
-        app(standalone_mode=False)
-    except click.exceptions.Exit as e:
+        # Without standalone mode, click *returns* the code of a typer.Exit raised in a command (exit 1 on an OOM,
+        # 2 on a domain error, 1 on a compare regression) instead of raising it: pass it on, or CI sees success.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except typer.Exit as e:
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         typer.echo("gcbench: aborted", err=True)
         sys.exit(130)
-    except click.ClickException as e:
+    except typer.TyperException as e:  # click's usage errors, vendored by typer
         typer.echo(f"gcbench: error: {e.format_message()}", err=True)
         sys.exit(2)

@@ -6,6 +6,7 @@ import statistics
 import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +70,14 @@ class LiveTensorTracker(TorchDispatchMode):
     counted once however many views share it. With `cap_bytes`, going past the cap raises a real
     torch.OutOfMemoryError, so OOM handling can be exercised without a GPU. This is not an allocator: no
     fragmentation, no caching, no 512-byte rounding — it is reported as `peak_tracked_bytes`, never as CUDA memory.
+    `granularity_bytes` rounds every storage up to a multiple (512 mimics the CUDA caching allocator's blocks; the
+    memory estimator uses it, measurements keep 1).
     """
 
-    def __init__(self, cap_bytes: int | None = None):
+    def __init__(self, cap_bytes: int | None = None, granularity_bytes: int = 1):
         super().__init__()
         self.cap_bytes = cap_bytes
+        self.granularity_bytes = granularity_bytes
         self.current = 0
         self.peak = 0
         self._live: dict[int, int] = {}
@@ -89,6 +93,7 @@ class LiveTensorTracker(TorchDispatchMode):
         key, nbytes = id(storage), storage.nbytes()
         if nbytes == 0 or key in self._live:
             return
+        nbytes = -(-nbytes // self.granularity_bytes) * self.granularity_bytes
         self._live[key] = nbytes
         self.current += nbytes
         # Storages keep their Python object while the storage lives, so this fires when the memory is freed.
@@ -115,7 +120,8 @@ class SavedActivations:
 
     Parameters and buffers are excluded (they are model state). Tensors saved inside a non-reentrant checkpoint
     go to the checkpoint's own hooks and are dropped; the checkpoint's inputs are saved through ours, so a
-    checkpointed block counts exactly what it stores.
+    checkpointed block counts exactly what it stores. Op outputs a selective checkpoint caches arrive via
+    `note_saved`. Tensors an inner hook moves off the device (activation offload) are not counted here.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor]):
@@ -126,16 +132,39 @@ class SavedActivations:
     def bytes(self) -> int:
         return sum(self._saved.values())
 
+    def add(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if s.data_ptr() not in self._exclude:
+            self._saved[s.data_ptr()] = s.nbytes()
+
     @contextmanager
     def recording(self):
         def pack(t: torch.Tensor) -> torch.Tensor:
-            s = t.untyped_storage()
-            if s.data_ptr() not in self._exclude:
-                self._saved[s.data_ptr()] = s.nbytes()
+            self.add(t)
             return t
 
-        with saved_tensors_hooks(pack, lambda t: t):
-            yield self
+        token = _RECORDING.set(self)
+        try:
+            with saved_tensors_hooks(pack, lambda t: t):
+                yield self
+        finally:
+            _RECORDING.reset(token)
+
+
+# The recording in progress, so that tensors kept for backward by other means than saved_tensors_hooks can be counted.
+_RECORDING: ContextVar[SavedActivations | None] = ContextVar("gcbench_saved_activations", default=None)
+
+
+def note_saved(tensors: Iterable[torch.Tensor]) -> None:
+    """Count `tensors` in the SavedActivations recording in progress, if any.
+
+    For tensors autograd keeps outside saved_tensors_hooks: selective checkpointing caches op outputs in its own
+    storage, invisible to the hooks, so the `sac` policy reports them here.
+    """
+    recording = _RECORDING.get()
+    if recording is not None:
+        for t in tensors:
+            recording.add(t)
 
 
 @contextmanager

@@ -46,6 +46,26 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def drop_truncated_last_line(path: Path) -> str | None:
+    """Cut a half-written last line (a writer killed mid-line) off `path` and return it; None when the file
+    ends cleanly. Needed before appending: after a new record it would be a corrupt line in the middle."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    start = data.rstrip(b"\n").rfind(b"\n") + 1
+    tail = data[start:]
+    try:
+        if isinstance(json.loads(tail or b"{}"), dict):
+            return None
+    except ValueError:
+        pass
+    with open(path, "r+b") as f:
+        f.truncate(start)
+        os.fsync(f.fileno())
+    return tail.decode(errors="replace")
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """All records of one file. A corrupt last line (a killed run) is warned about and skipped; a corrupt line
     elsewhere, or a record of another schema version, is an error."""
@@ -94,9 +114,13 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
 
 def load(*paths: str | Path) -> pd.DataFrame:
     """Every record of the given files/directories as one DataFrame, a row per config; `env` is flattened
-    to `env.*` columns and `source` names the file."""
+    to `env.*` columns, `source` names the file and `policy_label` is the policy with its options ("every-k:k=2";
+    flattening would otherwise scatter the options over NaN-padded `policy_options.*` columns)."""
+    from gcbench.report import policy_label
+
     rows = []
     for path in result_files(paths or ("results",)):
         for record in read_records(path):
-            rows.append({**record, "source": str(path)})
+            label = policy_label(record) if "policy" in record else None
+            rows.append({**record, "policy_label": label, "source": str(path)})
     return pd.json_normalize(rows, max_level=1) if rows else pd.DataFrame()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,16 @@ def resolve_device(device: str) -> str:
     raise GcbenchError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N)")
 
 
+def _check_flash_attention(device: str, precision: str) -> None:
+    """flash_attention_2 runs only on CUDA, in 16-bit, with the flash-attn package: refuse early, not mid-run."""
+    if not device.startswith("cuda"):
+        raise GcbenchError("--attn flash_attention_2 needs a CUDA device (on CPU use --attn eager or sdpa)")
+    if precision == "fp32":
+        raise GcbenchError("--attn flash_attention_2 needs 16-bit activations: use --precision bf16 or amp-bf16")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise GcbenchError("--attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One configuration to measure. Made only through validation: every field is concrete and legal."""
@@ -90,6 +101,8 @@ class RunSpec:
             raise GcbenchError(f"unknown optimizer {self.optimizer!r} ({', '.join(OPTIMIZERS)})")
         if self.attn is not None and self.attn not in ATTENTION:
             raise GcbenchError(f"unknown attention implementation {self.attn!r} ({', '.join(ATTENTION)})")
+        if self.attn == "flash_attention_2":
+            _check_flash_attention(self.device, self.precision)
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise GcbenchError("--memory-cap must be positive")
         config, _ = self.model_config()
@@ -114,3 +127,16 @@ class RunSpec:
         out["policy"] = self.policy.name
         out["policy_options"] = self.policy.options()
         return out
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RunSpec:
+        """The spec back from `as_record()` or a stored Record (extra keys ignored), validated again: the JSON
+        round trip a sweep uses to hand a spec to its child process and to match records when resuming."""
+        values = {f.name: record[f.name] for f in dataclasses.fields(cls) if f.name in record}
+        policy = parse_policy(str(record.get("policy", "none")))
+        try:
+            values["policy"] = dataclasses.replace(policy, **(record.get("policy_options") or {}))
+        except TypeError:
+            raise GcbenchError(f"record has options {record.get('policy_options')!r} that policy "
+                               f"{policy.name!r} does not take") from None
+        return cls(**values)

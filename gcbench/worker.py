@@ -75,12 +75,14 @@ class TrainingStep:
         return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:
+def make_optimizer(name: str, model: nn.Module, foreach: bool | None = None) -> torch.optim.Optimizer | None:
+    """`foreach` None = torch's default (the multi-tensor path on CUDA: one parameter-sized temporary in the step);
+    the memory estimator forces it on to simulate a CUDA step with CPU tensors."""
     params = list(model.parameters())
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-5)
+        return torch.optim.AdamW(params, lr=1e-5, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-5, momentum=0.9)
+        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=foreach)
     return None
 
 
@@ -118,7 +120,12 @@ def check_fits(spec: RunSpec, meta_model: nn.Module) -> None:
 
 def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
     """Measure `spec` in this process. An out-of-memory is a result (status 'oom'), not an exception."""
+    from gcbench.estimate import predict_for_run  # estimate imports this module
+
     record: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **spec.as_record(), "status": "ok", "error": None}
+    # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
+    # (CUDA) or peak_tracked_bytes (CPU) should read; None when no method can predict this policy.
+    record["predicted_peak_bytes"], record["prediction_method"] = predict_for_run(spec)
     try:
         record.update(_measure(spec, progress or (lambda _: None)))
     except torch.OutOfMemoryError as e:
@@ -127,6 +134,8 @@ def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
         gc.collect()
         if spec.device.startswith("cuda"):
             torch.cuda.empty_cache()
+            if spec.memory_cap_bytes is not None:  # the cap is process-wide: lift it for the next in-process run
+                torch.cuda.set_per_process_memory_fraction(1.0, spec.device)
     record["env"] = capture_env(spec.device)
     return record
 
@@ -154,6 +163,7 @@ def _measure(spec: RunSpec, progress: Progress) -> dict[str, Any]:
     model = build_model(config, family, spec.device, spec.param_dtype)
     undo_policy = spec.policy.apply(find_blocks(model))
     step = TrainingStep(model, make_optimizer(spec.optimizer, model), make_batch(spec, config, spec.device), spec)
+    policy_fields = spec.policy.prepare(step)  # compiling, host-offload bytes: see Policy.prepare
 
     # A CPU memory cap must bite from the first step, as a GPU's memory would.
     capped = LiveTensorTracker(spec.memory_cap_bytes) if spec.memory_cap_bytes and not cuda else None
@@ -191,6 +201,7 @@ def _measure(spec: RunSpec, progress: Progress) -> dict[str, Any]:
     out["tokens_per_s"] = spec.batch_size * spec.seq_len / median_s
     peak = peak_flops(torch.cuda.get_device_name(spec.device)) if cuda and spec.precision != "fp32" else None
     out["mfu"] = out["model_flops"] / median_s / peak if peak else None
+    out.update(policy_fields)
     return out
 
 

@@ -138,3 +138,13 @@ def test_usage_errors_through_the_entry_point_are_one_line():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "--seq" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_exit_codes_reach_the_shell(tmp_path):
+    """Through the real entry point: a domain error exits 2, an OOM record exits 1 (not 0)."""
+    entry = [sys.executable, "-c", "from gcbench.cli import main; main()"]
+    bad = subprocess.run([*entry, "run", "--model", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("gcbench: error: unknown model")
+    oom = subprocess.run([*entry, *TINY_RUN, "--memory-cap", "5MiB", "--out", str(tmp_path / "r.jsonl")],
+                         capture_output=True, text=True)
+    assert oom.returncode == 1

@@ -48,14 +48,16 @@ def test_saved_activations_excludes_parameters():
 
 
 def test_flops_include_recompute():
-    lin = torch.nn.Linear(32, 32)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
     x = torch.randn(4, 32, requires_grad=True)
     with counting_flops() as plain:
-        lin(x).sum().backward()
+        mlp(x).sum().backward()
     with counting_flops() as ckpt:
-        torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum().backward()
-    assert plain.get_total_flops() == 3 * 2 * 4 * 32 * 32  # fwd + 2 bwd matmuls
-    assert ckpt.get_total_flops() == 4 * 2 * 4 * 32 * 32  # + the recomputed forward
+        torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False).sum().backward()
+    one_matmul = 2 * 4 * 32 * 32
+    assert plain.get_total_flops() == 2 * 3 * one_matmul  # two layers: forward + two backward matmuls each
+    # The hidden ReLU output is needed in backward: at least the first layer's forward runs again.
+    assert plain.get_total_flops() + one_matmul <= ckpt.get_total_flops() <= plain.get_total_flops() + 2 * one_matmul
 
 
 def test_cpu_attention_flops_are_counted():

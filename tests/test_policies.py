@@ -10,15 +10,16 @@ from gcbench.worker import make_batch
 from tests.conftest import CLASSIC, TINY, tiny_spec
 
 
-def gradients(model_name: str, policy: str, dropout_seed: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    spec = tiny_spec(model_name, policy)
+def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str = "cpu"):
+    """(loss, gradients in parameter order) of one fp32 forward+backward under `policy`."""
+    spec = tiny_spec(model_name, policy, device=device, precision="fp32")
     config, family = spec.model_config()
     torch.manual_seed(0)
-    model = build_model(config, family, "cpu", torch.float32)
+    model = build_model(config, family, device, torch.float32)
     params = list(model.parameters())
     spec.policy.apply(find_blocks(model))
     torch.manual_seed(dropout_seed)
-    loss = model(**make_batch(spec, config, "cpu")).loss
+    loss = model(**make_batch(spec, config, device)).loss
     loss.backward()
     return loss.detach(), [p.grad for p in params]
 

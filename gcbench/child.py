@@ -1,0 +1,81 @@
+"""The child side of a sweep: one process runs one RunSpec and sends its Record back over a pipe.
+
+Children are forked from a multiprocessing fork server that imported torch, transformers and gcbench once
+(see sweep.ProcessRunner), so a child starts in tens of milliseconds instead of the seconds a fresh interpreter
+spends on imports. The fork server never touches CUDA: every child still creates its own CUDA context and
+allocator, and an OOM, a sticky CUDA error or a segfault dies with it.
+
+Messages to the parent, in order: ("env", capture_env dict), ("progress", text)..., ("record", record dict).
+A child that raises prints the error on its stderr and exits non-zero without a record; the parent then writes
+an `error` record holding the last lines of that stderr.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from gcbench import env
+from gcbench.errors import GcbenchError
+from gcbench.models import MODELS, build_meta_model, load_config
+from gcbench.spec import RunSpec
+from gcbench.worker import run
+
+
+def _warm_up_fork_server() -> None:
+    """Work every child would otherwise repeat, done once in the fork server that imports this module."""
+    # The git sha: two git processes per child otherwise. The server imported the code now, so this sha is it.
+    env.git_sha()
+    # transformers imports a family's modeling code lazily, at its first model build: ~0.6 s per child on 2 CPU
+    # cores. A meta-device build per family (no memory, no compute, no CUDA) pulls it in here instead.
+    for family in sorted({p.family for p in MODELS.values()}):
+        name = next(p.name for p in MODELS.values() if p.family == family)
+        build_meta_model(*load_config(name))
+
+
+_warm_up_fork_server()
+
+
+def run_child(spec_record: dict[str, Any], conn: Connection, lifeline: Connection, log_path: str) -> None:
+    """Entry point of one child: measure the spec, stream progress, send the record."""
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
+    # The sweep decides when a child stops (it terminates it); Ctrl-C in the terminal is for the parent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _redirect_output(log_path)
+    except OSError:  # the sweep already gave up on this child and removed its log
+        os._exit(70)
+    faulthandler.enable()  # a segfault leaves a Python traceback in the log the parent reads
+    try:
+        spec = RunSpec.from_record(spec_record)
+        conn.send(("env", env.capture_env(spec.device)))
+        record = run(spec, progress=lambda text: conn.send(("progress", text)))
+    except GcbenchError as e:
+        print(f"gcbench: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    conn.send(("record", record))
+
+
+def _redirect_output(log_path: str) -> None:
+    # At the file-descriptor level, so C/C++ messages (CUDA, OpenMP, faulthandler) land in the log as well.
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _exit_with_parent(lifeline: Connection) -> None:
+    # The parent holds the other end until this child is done; EOF means the sweep died (kill -9): stop at once
+    # rather than hold a GPU the next (resumed) sweep is about to measure on.
+    try:
+        lifeline.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(70)

@@ -1,0 +1,133 @@
+"""`gcbench compare OLD NEW`: the same configs measured twice, what changed, and which changes are regressions.
+
+Records are matched by spec — device, model setup (model, layers, precision, optimizer, attention, memory cap,
+seed), seq, batch and policy; how a config was measured (warm-up and measured steps) is not part of the match.
+A spec found in only one of the two is listed, never compared.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pandas as pd
+from rich.table import Table
+from rich.text import Text
+
+from gcbench.errors import GcbenchError
+from gcbench.report import FAILED, GROUP_KEYS, byte_unit, policy_rank
+
+# --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
+METRICS = {
+    "peak": ("peak_bytes", "peak memory", +1),
+    "time": ("step_ms_median", "step time", +1),
+    "tokens": ("tokens_per_s", "tokens/s", -1),
+}
+SPEC_KEYS = [*GROUP_KEYS, "policy_label"]
+
+
+def parse_thresholds(text: str | None) -> dict[str, float]:
+    """'peak:5%,time:10%' -> {'peak': 0.05, 'time': 0.10}: the largest tolerated worsening, as a fraction."""
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([a-z]+)\s*:\s*([0-9]*\.?[0-9]+)\s*%?\s*", part)
+        if not m or m.group(1) not in METRICS:
+            raise GcbenchError(f"--fail {text!r}: expected key:percent pairs like peak:5%,time:10% "
+                               f"(keys: {', '.join(METRICS)})")
+        out[m.group(1)] = float(m.group(2)) / 100
+    return out
+
+
+def spec_label(row: dict) -> str:
+    return (f"{row['setup']} · seq {row['seq_len']} · batch {row['batch_size']} · {row['policy_label']} "
+            f"· {row['device_label']}")
+
+
+@dataclass
+class Comparison:
+    matched: pd.DataFrame  # a row per spec in both: `<column>_old`, `<column>_new`, `<key>_change` (new/old - 1)
+    only_old: list[str]  # spec labels
+    only_new: list[str]
+    regressions: list[str]  # one sentence each; empty when no thresholds were given
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.regressions)
+
+
+def compare_results(old: pd.DataFrame, new: pd.DataFrame, thresholds: dict[str, float]) -> Comparison:
+    """Match two `report.results_frame`s by spec; a change past its threshold, or a config that ran before and now
+    does not (ok -> OOM), is a regression. Relative changes only between two successful runs."""
+    columns = [*SPEC_KEYS, "status", "step_ms_iqr", *(col for col, _, _ in METRICS.values())]
+    merged = old[columns].merge(new[columns], on=SPEC_KEYS, how="outer", suffixes=("_old", "_new"), indicator=True)
+    label = lambda frame: [spec_label(r) for r in frame.to_dict("records")]  # noqa: E731
+    only_old = label(merged[merged["_merge"] == "left_only"])
+    only_new = label(merged[merged["_merge"] == "right_only"])
+    matched = merged[merged["_merge"] == "both"].drop(columns="_merge").reset_index(drop=True)
+    if matched.empty:
+        raise GcbenchError("the two results have no config in common (nothing to compare); specs are matched by "
+                           "device, model setup, seq, batch and policy")
+    both_ok = (matched["status_old"] == "ok") & (matched["status_new"] == "ok")
+    for key, (col, _, _) in METRICS.items():
+        matched[f"{key}_change"] = (matched[f"{col}_new"] / matched[f"{col}_old"] - 1).where(both_ok)
+    # A step-time change smaller than either run's own spread (IQR) is noise, whatever its size in percent.
+    matched["time_within_noise"] = (
+        (matched["step_ms_median_new"] - matched["step_ms_median_old"]).abs()
+        <= matched[["step_ms_iqr_old", "step_ms_iqr_new"]].max(axis=1)) & both_ok
+
+    regressions = []
+    if thresholds:
+        for r in matched.to_dict("records"):
+            if r["status_old"] == "ok" and r["status_new"] != "ok":
+                regressions.append(f"{spec_label(r)}: ran before, now {FAILED.get(r['status_new'], r['status_new'])}")
+            for key, limit in thresholds.items():
+                _, what, sign = METRICS[key]
+                change = r[f"{key}_change"]
+                if change == change and change * sign > limit:
+                    regressions.append(f"{spec_label(r)}: {what} {change:+.1%} (tolerated {limit:.0%})")
+    return Comparison(matched, only_old, only_new, regressions)
+
+
+def comparison_tables(c: Comparison, thresholds: dict[str, float]) -> list[Table]:
+    """One rich table per device and setup: old -> new and the relative change of each metric."""
+    tables = []
+    frame = c.matched.assign(_rank=c.matched["policy_label"].map(policy_rank))
+    frame = frame.sort_values(["device_label", "setup", "seq_len", "batch_size", "_rank"])
+    for (device, setup), part in frame.groupby(["device_label", "setup"], sort=False):
+        scale, unit = byte_unit(part[["peak_bytes_old", "peak_bytes_new"]].max().max())
+        table = Table(title=f"{setup} — {device}", header_style="bold",
+                      caption="change = new / old - 1; (noise) = step-time change within the runs' IQR",
+                      caption_justify="left")
+        for col in ("seq", "batch", "policy", "status", f"peak {unit}", "Δ peak", "step ms", "Δ time", "tokens/s",
+                    "Δ tokens/s"):
+            table.add_column(col, justify="left" if col in ("policy", "status") else "right")
+        for r in part.to_dict("records"):
+            status = r["status_new"] if r["status_old"] == r["status_new"] else \
+                f"{r['status_old']} -> {r['status_new']}"
+            table.add_row(
+                str(r["seq_len"]), str(r["batch_size"]), r["policy_label"],
+                Text(status, style="bold red" if r["status_new"] != "ok" else ""),
+                _pair(r["peak_bytes_old"] / scale, r["peak_bytes_new"] / scale, "{:,.2f}"),
+                _change(r["peak_change"], +1, thresholds.get("peak")),
+                _pair(r["step_ms_median_old"], r["step_ms_median_new"], "{:,.1f}"),
+                _change(r["time_change"], +1, thresholds.get("time"), noise=r["time_within_noise"]),
+                _pair(r["tokens_per_s_old"], r["tokens_per_s_new"], "{:,.0f}"),
+                _change(r["tokens_change"], -1, thresholds.get("tokens")),
+            )
+        tables.append(table)
+    return tables
+
+
+def _pair(old: float, new: float, fmt: str) -> str:
+    show = lambda v: fmt.format(v) if v == v else "-"  # noqa: E731 - NaN for a run that did not finish
+    return f"{show(old)} -> {show(new)}"
+
+
+def _change(change: float, sign: int, limit: float | None, noise: bool = False) -> Text:
+    if change != change:
+        return Text("-")
+    worse = change * sign
+    style = "bold red" if limit is not None and worse > limit else "green" if worse < 0 else ""
+    return Text(f"{change:+.1%}" + (" (noise)" if noise else ""), style=style)

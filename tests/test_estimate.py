@@ -1,0 +1,173 @@
+"""Predictions held against CPU measurements: the simulation is exact, the formulas close, both order policies alike."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.errors import GcbenchError
+from gcbench.estimate import CUDA_BLOCK_BYTES, analytic, estimate, estimate_grid, simulate, understands
+from gcbench.policies import POLICIES, parse_policy
+from gcbench.spec import RunSpec
+from gcbench.worker import run
+from tests.conftest import CLASSIC, TINY, tiny_spec
+
+runner = CliRunner()
+JSON_FIELDS = {"model", "seq_len", "batch_size", "policy", "method", "peak_bytes", "param_bytes", "grad_bytes",
+               "optimizer_bytes", "activation_bytes", "seconds"}
+
+
+@pytest.mark.parametrize("policy", CLASSIC)
+@pytest.mark.parametrize("model", TINY)
+def test_simulate_matches_the_measured_tracked_peak(classic_records, model, policy):
+    record = classic_records[model, policy]
+    predicted = simulate(tiny_spec(model, policy, seq_len=256), target="cpu")
+    assert abs(predicted.peak_bytes / record["peak_tracked_bytes"] - 1) <= 0.02
+    # the model state is the same tensors in both
+    assert (predicted.param_bytes, predicted.grad_bytes, predicted.optimizer_bytes) == \
+        (record["param_bytes"], record["grad_bytes"], record["optimizer_bytes"])
+
+
+@pytest.mark.parametrize("policy", CLASSIC)
+@pytest.mark.parametrize("model", TINY)
+def test_analytic_is_within_ten_percent_of_the_measured_peak(classic_records, model, policy):
+    record = classic_records[model, policy]
+    predicted = analytic(tiny_spec(model, policy, seq_len=256), target="cpu")
+    assert abs(predicted.peak_bytes / record["peak_tracked_bytes"] - 1) <= 0.10
+    assert predicted.seconds < 2
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_every_record_carries_the_prediction(classic_records, model):
+    record = classic_records[model, "none"]
+    assert record["prediction_method"] == "simulate"
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]  # exact on CPU
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+@pytest.mark.parametrize("model", TINY)
+def test_both_methods_order_the_policies_alike(model, target):
+    for method in ("analytic", "simulate"):
+        peak = {p: estimate(tiny_spec(model, p, seq_len=256), method, target).peak_bytes
+                for p in ("none", "every-k:k=2", "full")}
+        assert peak["none"] > peak["every-k:k=2"] > peak["full"], (method, peak)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
+def test_analytic_follows_simulate_for_a_7b_slice_on_cuda(precision):
+    # 4 blocks of llama-7b at seq 4096: activations dominate, flash attention, foreach AdamW
+    for policy in ("none", "sqrtn", "every-k:k=2"):
+        spec = RunSpec(model="llama-7b", seq_len=4096, batch_size=2, policy=policy, layers=4, device="cpu",
+                       precision=precision)
+        a, s = analytic(spec, "cuda"), simulate(spec, "cuda")
+        assert a.attention_kernel == s.attention_kernel == "flash"
+        assert abs(a.peak_bytes / s.peak_bytes - 1) <= 0.03, (policy, a, s)
+
+
+def test_cuda_target_uses_cuda_kernels_and_allocator_blocks():
+    # tiny-gpt2 has attention dropout: CPU runs SDPA's math path (seq x seq kept), CUDA runs flash (nothing kept)
+    spec = tiny_spec("tiny-gpt2", "none", seq_len=512, precision="bf16")
+    cpu, cuda = simulate(spec, "cpu"), simulate(spec, "cuda")
+    assert (cpu.attention_kernel, cuda.attention_kernel) == ("math", "flash")
+    assert cuda.activation_bytes < cpu.activation_bytes / 2
+    for part in (cuda.peak_bytes, cuda.param_bytes, cuda.grad_bytes, cuda.optimizer_bytes):
+        assert part % CUDA_BLOCK_BYTES == 0
+
+
+def test_foreach_adamw_temporaries_can_be_the_peak_on_cuda():
+    # with every block checkpointed, CUDA's multi-tensor AdamW (sqrt of v for all parameters) sets the peak
+    spec = RunSpec(model="llama-7b", seq_len=512, batch_size=1, policy="full", layers=2, device="cpu",
+                   precision="bf16")
+    for method in ("analytic", "simulate"):
+        e = estimate(spec, method, "cuda")
+        assert e.peak_phase == "optimizer step"
+        assert e.activation_bytes >= e.param_bytes - 2**20  # one parameter-sized temporary
+
+
+def test_llama_7b_simulates_all_32_blocks_quickly_without_memory():
+    spec = RunSpec(model="llama-7b", seq_len=4096, batch_size=4, policy="sqrtn", device="cpu", precision="bf16")
+    s = simulate(spec, "cuda")
+    assert s.seconds <= 60
+    assert 60 * 2**30 < s.peak_bytes < 80 * 2**30  # params+grads+AdamW in bf16 are 50 GiB; no real memory used
+    assert abs(analytic(spec, "cuda").peak_bytes / s.peak_bytes - 1) <= 0.02
+
+
+def test_analytic_refuses_policies_it_does_not_understand_but_simulate_runs_them():
+    beyond = [name for name in POLICIES if name not in {p.partition(":")[0] for p in CLASSIC}]
+    for name in beyond:
+        policy = parse_policy(name)
+        assert not understands(policy)
+        with pytest.raises(GcbenchError, match="analytic model does not know"):
+            analytic(tiny_spec("tiny-llama", name), "cpu")
+    for name in CLASSIC:
+        assert understands(parse_policy(name))
+
+
+@pytest.mark.slow  # a real run per policy
+@pytest.mark.parametrize("name", [n for n in ("sac", "attn", "offload") if n in POLICIES])
+def test_simulate_runs_other_cpu_policies_exactly(name):
+    spec = tiny_spec("tiny-llama", name, seq_len=64)
+    record = run(spec)
+    assert record["prediction_method"] == "simulate"
+    assert simulate(spec, "cpu").peak_bytes == record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+
+
+def test_simulate_refuses_compiled_blocks_with_one_clear_error():
+    if "budget" not in POLICIES:
+        pytest.skip("no compiling policy registered")
+    with pytest.raises(GcbenchError, match="torch.compile"):
+        simulate(tiny_spec("tiny-llama", "budget"), "cpu")
+
+
+def test_simulate_leaves_no_patch_behind():
+    sdpa, dropout = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout
+    simulate(tiny_spec("tiny-gpt2", "full", seq_len=32), "cuda")
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa and torch.nn.functional.dropout is dropout
+
+
+def test_grid_validates_every_spec_before_running_any():
+    with pytest.raises(GcbenchError, match="learned positions"):
+        estimate_grid(["tiny-llama", "gpt2"], [4096], [1], ["none"], ["simulate"])
+    with pytest.raises(GcbenchError, match="analytic model does not know"):
+        estimate_grid(["tiny-llama"], [32], [1], ["none", "sac"], ["analytic"])
+
+
+def test_cli_json_has_one_object_per_config_and_method():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "32,64", "--batch", "2", "--policy",
+                                 "none,full", "--method", "analytic,simulate", "--device", "cpu", "--format",
+                                 "json", "--gpu-memory", "64MiB"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 2 * 2 * 2
+    assert all(JSON_FIELDS <= set(r) for r in rows)
+    assert {(r["seq_len"], r["policy"], r["method"]) for r in rows} == {
+        (s, p, m) for s in (32, 64) for p in ("none", "full") for m in ("analytic", "simulate")}
+    assert all(r["fits"] and r["peak_bytes"] == r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+               + r["activation_bytes"] for r in rows)
+
+
+def test_cli_table_says_fits_or_not():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-bert", "--seq", "64", "--policy", "none,sqrtn",
+                                 "--method", "analytic", "--gpu-memory", "2MiB"])
+    assert result.exit_code == 0, result.output
+    assert "analytic" in result.stdout and "sqrtn" in result.stdout and "max_memory_allocated" in result.stdout
+    assert result.stdout.count(" no ") == 2  # tiny-bert's bf16 model state alone is 2.4 MiB
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "nope"], "unknown model"),
+    (["--model", "gpt2", "--seq", "4096"], "learned positions"),
+    (["--model", "tiny-llama", "--method", "magic"], "unknown estimate method"),
+    (["--model", "tiny-llama", "--policy", "sac", "--method", "analytic"], "analytic model does not know"),
+    (["--model", "tiny-llama", "--format", "xml"], "unknown --format"),
+    (["--model", "tiny-llama", "--gpu-memory", "lots"], "cannot read 'lots'"),
+    (["--model", "tiny-llama", "--device", "tpu"], "unknown device"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = runner.invoke(app, ["estimate", *args])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("gcbench: error:") and message in line

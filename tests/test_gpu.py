@@ -1,0 +1,47 @@
+"""CUDA checks (skipped without a GPU): allocator numbers, the policy ordering, gradients, the memory cap."""
+
+import pytest
+import torch
+
+from gcbench.spec import RunSpec
+from gcbench.worker import run
+from tests.test_policies import gradients
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_run(**fields):
+    defaults = dict(model="tiny-llama", seq_len=256, batch_size=2, device="cuda", warmup_steps=2, measure_steps=5)
+    return run(RunSpec(**(defaults | fields)))
+
+
+def test_cuda_record_has_consistent_allocator_numbers():
+    r = cuda_run()
+    assert r["status"] == "ok" and r["precision"] == "bf16"
+    state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+    assert r["peak_allocated_bytes"] >= r["fwd_bwd_peak_bytes"] > r["static_bytes"] >= state
+    assert r["activation_peak_bytes"] == r["fwd_bwd_peak_bytes"] - r["static_bytes"]
+    assert r["peak_reserved_bytes"] >= r["peak_allocated_bytes"]
+    assert len(r["step_ms"]) == 5 and len(r["wall_ms"]) == 5
+    assert all(w >= s * 0.9 for w, s in zip(r["wall_ms"], r["step_ms"]))  # events inside the synchronized wall time
+    assert r["env"]["gpu_name"] == torch.cuda.get_device_name() and "peak_tracked_bytes" not in r
+
+
+def test_cuda_peak_order_none_every_k_full():
+    peaks = {p: cuda_run(model="gpt2", layers=4, seq_len=1024, batch_size=4, policy=p)["peak_allocated_bytes"]
+             for p in ("none", "every-k:k=2", "full")}
+    assert peaks["none"] > peaks["every-k:k=2"] > peaks["full"]
+
+
+@pytest.mark.parametrize("policy", ["full", "every-k:k=2", "segments:k=2", "sqrtn"])
+def test_cuda_gradients_equal_none(policy):
+    _, ref = gradients("tiny-gpt2", "none", device="cuda")
+    _, got = gradients("tiny-gpt2", policy, device="cuda")
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
+
+
+def test_cuda_memory_cap_turns_into_an_oom_record_and_is_lifted_afterwards():
+    r = cuda_run(model="gpt2", seq_len=1024, batch_size=8, memory_cap_bytes=int(1.5 * 2**30))
+    assert r["status"] == "oom"
+    assert cuda_run()["status"] == "ok"  # the per-process fraction does not stick

@@ -1,0 +1,301 @@
+"""`gcbench report` and `gcbench compare`: the DataFrame, the tables, every figure, the report files, compare's
+thresholds, and bad input. Fixtures are records written by the tool itself (a few tiny CPU runs, one OOM)."""
+
+import copy
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+import gcbench
+from gcbench.cli import app
+from gcbench.compare import compare_results, parse_thresholds
+from gcbench.errors import GcbenchError
+from gcbench.report import pareto_front, results_frame
+from gcbench.results import append_record
+from tests.conftest import tiny_spec
+
+runner = CliRunner()
+FIGURES = ["1-peak-vs-seq", "2-time-vs-peak", "3-relative-cost", "4-memory-breakdown", "5-throughput-vs-batch"]
+H100 = {"gpu_name": "NVIDIA H100 80GB HBM3", "gpu_memory_bytes": 80 * 2**30, "cuda": "12.8", "driver": "570.1"}
+
+
+@pytest.fixture(scope="module")
+def records():
+    """4 measured configs (none/full x seq 32/64) and one OOM (a 5 MiB cap), as `gcbench run` records them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a busy 2-core machine, 2 spinning threads make these tiny runs 20x slower
+    try:
+        ok = [gcbench.run(tiny_spec(policy=p, seq_len=s, batch_size=1)) for s in (32, 64) for p in ("none", "full")]
+        oom = gcbench.run(tiny_spec(policy="none", seq_len=32, batch_size=2, memory_cap_bytes=5 * 2**20))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(r["status"] == "ok" for r in ok) and oom["status"] == "oom"
+    return ok + [oom]
+
+
+def write(path, records):
+    for r in records:
+        append_record(path, r)
+    return path
+
+
+def without_predictions(records):
+    """Records as they were before predictions (issue 6): the report must do without them."""
+    return [{k: v for k, v in r.items() if k not in ("predicted_peak_bytes", "prediction_method")} for r in records]
+
+
+@pytest.fixture
+def results(tmp_path, records):
+    return write(tmp_path / "runs.jsonl", without_predictions(records))
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Tables as a wide terminal shows them: no cell folded across lines."""
+    from rich.console import Console
+
+    from gcbench import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=250))
+
+
+def on_gpu(record, peak_scale=10.0):
+    """A copy of a CPU record that claims it ran on an H100 (for the mixed-devices test only)."""
+    r = copy.deepcopy(record)
+    r["device"] = "cuda"
+    r["env"] |= H100
+    if r["status"] == "ok":
+        r["peak_allocated_bytes"] = int(r.pop("peak_tracked_bytes") * peak_scale)
+    return r
+
+
+def test_dataframe_from_records_written_by_the_tool(results, records):
+    df = gcbench.load(results)
+    assert len(df) == 5 and set(df["source"]) == {str(results)}
+    assert list(df["policy_label"]) == ["none", "full", "none", "full", "none"]
+    frame = results_frame(df)
+    ok = frame[frame["status"] == "ok"]
+    assert (ok["peak_bytes"] == ok["peak_tracked_bytes"]).all()  # CPU: the tracked live-tensor peak
+    assert set(frame["peak_label"]) == {"tracked live-tensor peak (CPU)"}
+    assert frame["device_label"].nunique() == 1 and frame["device_label"].iloc[0].startswith("CPU")
+    none64 = ok[(ok["seq_len"] == 64) & (ok["policy"] == "none")].iloc[0]
+    full64 = ok[(ok["seq_len"] == 64) & (ok["policy"] == "full")].iloc[0]
+    assert none64["peak_x_none"] == 1.0
+    assert full64["peak_x_none"] == pytest.approx(full64["peak_tracked_bytes"] / none64["peak_tracked_bytes"])
+    assert full64["peak_x_none"] < 1  # checkpointing every block saves memory even on the tiny model
+    assert full64["state_bytes"] == records[3]["param_bytes"] + records[3]["grad_bytes"] + records[3]["optimizer_bytes"]
+
+
+def test_repeated_config_keeps_the_latest_record_never_an_average(tmp_path, records):
+    again = copy.deepcopy(records[0])
+    again["step_ms_median"] = records[0]["step_ms_median"] * 3
+    frame = results_frame(gcbench.load(write(tmp_path / "r.jsonl", [records[0], again])))
+    assert len(frame) == 1 and frame["step_ms_median"].iloc[0] == again["step_ms_median"]
+    assert frame.attrs["superseded"] == 1
+
+
+def test_report_writes_both_files_and_every_figure_as_valid_images(tmp_path, results):
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", str(results), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for name in FIGURES:
+        with Image.open(out / "figures" / f"{name}.png") as im:
+            im.verify()
+            assert im.format == "PNG" and im.size[0] > 400 and im.size[1] > 300
+        assert ET.parse(out / "figures" / f"{name}.svg").getroot().tag.endswith("svg")
+    assert not (out / "figures" / "6-predicted-vs-measured.png").exists()  # records carry no prediction
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for name in FIGURES:
+        assert f"figures/{name}.png" in md
+    assert html.count("data:image/png;base64,") == len(FIGURES) and 'src="figures/' not in html  # self-contained
+    for text in ("Environment", "Grid", "Largest config that fit", "tracked live-tensor peak (CPU)", "CPU run",
+                 "OOM", "seq 64 x batch 1"):
+        assert text in md
+    assert "prediction error" not in md
+
+
+def test_figures_open_in_matplotlib(tmp_path, results):
+    import matplotlib.image as mpimg
+
+    runner.invoke(app, ["report", str(results), "--out", str(tmp_path)])
+    for name in FIGURES:
+        pixels = mpimg.imread(tmp_path / "figures" / f"{name}.png")
+        assert pixels.ndim == 3 and pixels.std() > 0  # an image with something drawn on it
+
+
+def test_report_to_terminal_only(tmp_path, results):
+    result = runner.invoke(app, ["report", str(tmp_path)])  # a directory holding runs.jsonl
+    assert result.exit_code == 0, result.output
+    assert "tiny-llama" in result.stdout and "x none" in result.stdout and "OOM" in result.stdout
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_predictions_add_a_column_and_a_figure(tmp_path, records):
+    predicted = without_predictions(records)
+    for r in predicted:
+        if r["status"] == "ok":
+            r["predicted_peak_bytes"], r["prediction_method"] = int(r["peak_tracked_bytes"] * 1.1), "analytic"
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", str(write(tmp_path / "r.jsonl", predicted)), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    assert "prediction error" in md and "+10.0%" in md
+    with Image.open(out / "figures" / "6-predicted-vs-measured.png") as im:
+        im.verify()
+
+
+def test_report_from_a_file_with_only_ooms(tmp_path, records):
+    oom_only = write(tmp_path / "oom.jsonl", [records[-1]])
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", str(oom_only), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    assert "OOM" in md and "nothing fit" in md and "not drawn" in md
+    with Image.open(out / "figures" / "1-peak-vs-seq.png") as im:  # the OOM is marked where it would be
+        im.verify()
+    assert not (out / "figures" / "2-time-vs-peak.png").exists()
+
+
+def test_group_without_none_baseline_shows_absolute_numbers(tmp_path, records):
+    only_full = [r for r in records if r["policy"] == "full"]
+    result = runner.invoke(app, ["report", str(write(tmp_path / "r.jsonl", only_full)), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "n/a" in md and "ratio is unavailable" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 64 | 1 | full"))
+    assert f"{records[3]['peak_tracked_bytes'] / 2**20:,.2f}" in row  # the absolute peak, in MiB
+
+
+def test_mixed_devices_are_kept_apart(tmp_path, records):
+    gpu = [on_gpu(r) for r in records]
+    frame = results_frame(gcbench.load(write(tmp_path / "mixed.jsonl", records + gpu)))
+    assert len(frame) == 10 and frame["device_label"].nunique() == 2
+    for device, dev in frame.groupby("device_label"):
+        ok = dev[(dev["status"] == "ok") & (dev["seq_len"] == 64)].set_index("policy")
+        # each device's ratio uses its own `none`: CPU and GPU peaks differ 10x, the ratios must not
+        expected = ok.loc["full", "peak_bytes"] / ok.loc["none", "peak_bytes"]
+        assert ok.loc["full", "peak_x_none"] == pytest.approx(expected)
+    gpu_rows = frame[frame["device_label"] == H100["gpu_name"]]
+    assert set(gpu_rows["peak_label"]) == {"torch.cuda.max_memory_allocated (CUDA)"}
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", str(tmp_path / "mixed.jsonl"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    assert md.count("\n## ") == 2 and "## NVIDIA H100 80GB HBM3" in md
+    assert (out / "figures" / "1-peak-vs-seq-nvidia-h100-80gb-hbm3.png").exists()
+    assert len(list((out / "figures").glob("1-peak-vs-seq-cpu-*.png"))) == 1
+
+
+def test_pareto_front_on_hand_made_points():
+    points = [(1, 10), (2, 5), (3, 7), (4, 1), (2, 5), (5, 0.5), (0.5, 20), (4, 3)]
+    # (3, 7) is beaten by (2, 5); (4, 3) by (4, 1); the second (2, 5) is a duplicate of the first
+    assert pareto_front(points) == [6, 0, 1, 3, 5]
+    assert pareto_front([(1, 3), (1, 2)]) == [1]
+    assert pareto_front([(3, 1), (1, 3), (2, 2)]) == [1, 2, 0]
+    assert pareto_front([]) == []
+
+
+def scaled(records, step=1.0, peak=1.0):
+    out = copy.deepcopy(records)
+    for r in out:
+        if r["status"] == "ok":
+            r["step_ms_median"] *= step
+            r["tokens_per_s"] /= step
+            r["peak_tracked_bytes"] = int(r["peak_tracked_bytes"] * peak)
+            r["step_ms_iqr"] = 0.0  # no noise: the threshold alone decides
+    return out
+
+
+@pytest.fixture
+def old_new(tmp_path, records):
+    old = write(tmp_path / "old.jsonl", scaled(records))
+    new = write(tmp_path / "new.jsonl", scaled(records, step=1.2, peak=1.02))
+    return old, new
+
+
+def test_compare_passes_within_thresholds(old_new):
+    result = runner.invoke(app, ["compare", *map(str, old_new), "--fail", "peak:5%,time:25%"])
+    assert result.exit_code == 0, result.output
+    assert "+20.0%" in result.stdout and "+2.0%" in result.stdout and "no regression" in result.stdout
+
+
+def test_compare_fails_past_a_threshold(old_new):
+    result = runner.invoke(app, ["compare", *map(str, old_new), "--fail", "peak:5%,time:10%"])
+    assert result.exit_code == 1
+    assert "4 regression(s)" in result.stdout and "step time +20.0% (tolerated 10%)" in result.stdout
+    assert "peak memory" not in result.stdout.split("regression(s)")[1]  # +2% peak is within 5%
+    assert runner.invoke(app, ["compare", *map(str, old_new), "--fail", "peak:1%"]).exit_code == 1
+    assert runner.invoke(app, ["compare", *map(str, old_new)]).exit_code == 0  # no --fail: report only
+
+
+def test_compare_exit_code_reaches_the_shell(old_new):
+    """Through the console entry point (what CI runs), a regression is exit 1, not a printed warning."""
+    cmd = [sys.executable, "-c", "from gcbench.cli import main; main()", "compare", *map(str, old_new)]
+    proc = subprocess.run([*cmd, "--fail", "time:10%"], capture_output=True, text=True)
+    assert proc.returncode == 1 and "4 regression(s)" in proc.stdout
+
+
+def test_compare_lists_specs_in_one_file_only_and_flags_a_new_oom(tmp_path, records):
+    old = scaled(records[:4])
+    new = scaled(records[1:4] + [records[4]])
+    new[0]["status"], new[0]["error"] = "oom", "out of memory"  # full, seq 32: ran before, not now
+    c = compare_results(results_frame(gcbench.load(write(tmp_path / "o.jsonl", old))),
+                        results_frame(gcbench.load(write(tmp_path / "n.jsonl", new))), parse_thresholds("time:50%"))
+    assert len(c.matched) == 3
+    assert len(c.only_old) == 1 and "seq 32 · batch 1 · none" in c.only_old[0]
+    assert len(c.only_new) == 1 and "seq 32 · batch 2 · none" in c.only_new[0]
+    assert c.failed and len(c.regressions) == 1 and "full · CPU" in c.regressions[0]
+    assert "ran before, now OOM" in c.regressions[0]
+
+
+def test_thresholds_parse_and_refuse_nonsense():
+    assert parse_thresholds("peak:5%,time:10%") == {"peak": 0.05, "time": 0.10}
+    assert parse_thresholds("tokens:2.5") == {"tokens": 0.025}
+    for bad in ("peak", "speed:5%", "peak:5%;time:1%", "peak:-1%"):
+        with pytest.raises(GcbenchError, match="key:percent"):
+            parse_thresholds(bad)
+
+
+def bad_inputs(tmp_path, records):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "future.jsonl").write_text(json.dumps({**records[0], "schema_version": 99}) + "\n")
+    (tmp_path / "nothing").mkdir()
+    return [
+        (["report", str(tmp_path / "empty.jsonl")], "no records"),
+        (["report", str(tmp_path / "future.jsonl")], "schema_version 99"),
+        (["report", str(tmp_path / "nothing")], "holds no *.jsonl results"),
+        (["report", str(tmp_path / "missing.jsonl")], "no such results file"),
+        (["compare", str(tmp_path / "empty.jsonl"), str(tmp_path / "future.jsonl")], "no records"),
+        (["compare", str(tmp_path / "nothing"), str(tmp_path / "nothing")], "holds no"),
+    ]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, records):
+    for args, message in bad_inputs(tmp_path, records):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, args
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert runner.invoke(app, ["report"]).exit_code == 2  # no files at all: a usage error
+
+
+def test_compare_bad_threshold_and_nothing_in_common(tmp_path, records):
+    a = write(tmp_path / "a.jsonl", records[:2])
+    b = write(tmp_path / "b.jsonl", records[2:4])
+    bad = runner.invoke(app, ["compare", str(a), str(a), "--fail", "peak=5"])
+    assert bad.exit_code == 2 and "key:percent" in bad.stderr
+    apart = runner.invoke(app, ["compare", str(a), str(b)])
+    assert apart.exit_code == 2 and "no config in common" in apart.stderr
+
+
+def test_an_out_that_is_a_file_leaves_it_untouched(tmp_path, results):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("keep")
+    result = runner.invoke(app, ["report", str(results), "--out", str(blocker)])
+    assert result.exit_code == 2 and "is a file" in result.stderr
+    assert blocker.read_text() == "keep" and not list(tmp_path.glob(".gcbench-report-*"))

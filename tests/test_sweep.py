@@ -1,0 +1,306 @@
+"""`gcbench sweep`: grid expansion, isolation, OOM/timeout/error as results, resume after a kill, bad input.
+
+Tiny presets, seq 32, one warm-up and one timed step: each config is a fraction of a second of compute.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import gcbench
+from gcbench.cli import app
+from gcbench.results import SCHEMA_VERSION, read_records
+from gcbench.spec import RunSpec
+from gcbench.sweep import OomFrontier, SweepSpec, spec_key
+from gcbench.worker import run
+
+runner = CliRunner()
+FAST = dict(device="cpu", warmup=1, steps=1)
+FAST_ARGS = ["--device", "cpu", "--warmup", "1", "--steps", "1"]
+# Exact live-tensor bytes of tiny-llama at seq 32 (fp32, adamw), measured: batch 1 'none' peaks at 4.89 MiB,
+# batch 2 at 5.94 MiB, batch 4 at 8.05 MiB; 'full' stays under 5 MiB up to batch 4. A 5.5 MiB cap sits between.
+CAP = "5.5MiB"
+
+
+def statuses(records):
+    return [(r["seq_len"], r["batch_size"], r["policy"], r["status"]) for r in records]
+
+
+def test_toml_and_cli_grids_expand_identically(tmp_path):
+    toml = tmp_path / "grid.toml"
+    toml.write_text('model = ["tiny-llama", "tiny-gpt2"]\nseq = [64, 32]\nbatch = 2\n'
+                    'policy = ["none", "every-k:k=2", "segments"]\ndevice = "cpu"\nmemory_cap = "1GiB"\n')
+    from_toml = SweepSpec.load(toml).expand()
+    from_cli = SweepSpec.load(None, {"model": "tiny-llama,tiny-gpt2", "seq": "32,64", "batch": "2",
+                                     "policy": "none,every-k:k=2,segments:k=2", "device": "cpu",
+                                     "memory-cap": "1GiB"}).expand()
+    assert from_toml == from_cli
+    assert len(from_toml) == 2 * 2 * 1 * 3
+    # seq ascending (smallest first, so an OOM can skip the larger ones), policies innermost
+    assert [(s.model, s.seq_len, str(s.policy)) for s in from_toml[:4]] == [
+        ("tiny-llama", 32, "none"), ("tiny-llama", 32, "every-k:k=2"), ("tiny-llama", 32, "segments:k=2"),
+        ("tiny-llama", 64, "none")]
+    assert {s.memory_cap_bytes for s in from_toml} == {2**30}
+    # a multi-option policy in a comma list stays one policy
+    from gcbench.sweep import _policies
+    assert _policies("none,every-k:k=3,full") == ("none", "every-k:k=3", "full")
+
+
+def test_smoke_toml_is_the_16_config_tiny_cpu_grid():
+    grid = SweepSpec.load(Path(__file__).parent.parent / "sweeps" / "smoke.toml")
+    specs = grid.expand()
+    assert len(specs) == 16 and {s.model for s in specs} == {"tiny-llama"} and {s.device for s in specs} == {"cpu"}
+
+
+def test_runspec_json_round_trip():
+    """What resume and the child rely on, for every registered policy (with its default options)."""
+    from gcbench.policies import POLICIES
+
+    for policy in ("every-k:k=3", "segments:k=2", *POLICIES):
+        spec = RunSpec("tiny-gpt2", 32, 2, policy, layers=3, device="cpu", memory_cap_bytes=10**9, seed=7)
+        stored = json.loads(json.dumps({**spec.as_record(), "status": "ok", "step_ms": [1.0]}))
+        assert RunSpec.from_record(stored) == spec
+        assert spec_key(stored) == spec_key(spec.as_record())
+
+
+def test_dry_run_prints_the_grid_and_writes_nothing(tmp_path):
+    out = tmp_path / "sub" / "r.jsonl"
+    result = runner.invoke(app, ["sweep", "--model", "tiny-llama", "--seq", "32,64", "--batch", "1,2", "--policy",
+                                 "none,full", *FAST_ARGS, "--out", str(out), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "8 configs (8 to run, 0 already in" in result.stdout
+    assert result.stdout.count("tiny-llama") == 8
+    assert not out.parent.exists()
+
+
+def _bad(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUT = [
+    (lambda t: ["--config", _bad(t, "a.toml", "model = [tiny-llama\n")], "malformed TOML"),
+    (lambda t: ["--config", _bad(t, "b.toml", 'model = "tiny-llama"\nseq = 32\nbatch = 1\nsteps = 1\nwarmpu = 2\n')],
+     "unknown option 'warmpu'"),
+    (lambda t: ["--config", _bad(t, "c.toml", 'model = "tiny-llama"\nseq = []\nbatch = 1\n')], "grid would be empty"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "", "--batch", "1"], "grid would be empty"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1,2,1"], "duplicate value 1"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1", "--policy", "every-k,every-k:k=2"],
+     "duplicate value every-k:k=2"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "32,x", "--batch", "1"], "--seq: 'x' is not"),
+    (lambda t: ["--model", "tiny-llama", "--batch", "1"], "no --seq given"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1", "--layers", "8"],
+     "--layers 8 is out of range: the model has 4 blocks (config: tiny-llama, seq 32, batch 1, none)"),
+    (lambda t: ["--model", "tiny-llama,nope", "--seq", "32", "--batch", "1"], "unknown model 'nope'"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1", "--isolation", "thread"],
+     "unknown isolation"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1", "--timeout", "0"], "positive number"),
+]
+
+
+@pytest.mark.parametrize("make_args,message", BAD_INPUT)
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, make_args, message):
+    out = tmp_path / "out" / "r.jsonl"
+    result = runner.invoke(app, ["sweep", *make_args(tmp_path), *FAST_ARGS, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not out.parent.exists()
+
+
+def test_unwritable_output_and_other_schema_are_refused(tmp_path):
+    grid = ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", *FAST_ARGS]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = runner.invoke(app, [*grid, "--out", str(blocker / "r.jsonl")])
+    assert result.exit_code == 2 and "cannot write results" in result.stderr
+    other = tmp_path / "old.jsonl"
+    content = json.dumps({"schema_version": SCHEMA_VERSION + 1, "model": "x"}) + "\n"
+    other.write_text(content)
+    result = runner.invoke(app, [*grid, "--out", str(other)])
+    assert result.exit_code == 2 and "schema_version" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert other.read_text() == content
+
+
+def test_oom_is_a_result_and_larger_batches_are_skipped(tmp_path):
+    """Process isolation: the child's OOM comes back as a record, and the larger batch is skipped."""
+    out = tmp_path / "r.jsonl"
+    records = gcbench.sweep(model="tiny-llama", seq=32, batch=[1, 2, 4], policy="none", memory_cap=CAP, out=out,
+                            progress=False, **FAST)
+    assert statuses(records) == [(32, 1, "none", "ok"), (32, 2, "none", "oom"), (32, 4, "none", "skipped")]
+    assert records == read_records(out)
+    oom, skipped = records[1], records[2]
+    assert "memory cap" in oom["error"] and oom["env"]["torch"]
+    assert "seq 32 batch 2" in skipped["error"] and "--no-skip" in skipped["error"]
+    assert skipped["config_wall_ms"] is None and skipped["env"] is not None
+    assert {r["sweep_id"] for r in records} == {records[0]["sweep_id"]}
+    assert all(r["isolation"] == "process" and "pytorch_cuda_alloc_conf" in r["env"] for r in records)
+
+    # --no-skip runs what was skipped (in-process here: the status is the same); the rest is resumed.
+    again = gcbench.sweep(model="tiny-llama", seq=32, batch=[1, 2, 4], policy="none", memory_cap=CAP, out=out,
+                          isolation="none", skip_after_oom=False, progress=False, **FAST)
+    assert [r["status"] for r in again] == ["ok", "oom", "oom"]
+    assert len(read_records(out)) == 4
+
+
+def test_memory_cap_bites_in_warm_up():
+    """From the second warm-up step on (optimizer state exists), a too-small cap stops the run in warm-up."""
+    phases = []
+    record = run(RunSpec("tiny-llama", 32, 4, device="cpu", warmup_steps=2, measure_steps=1,
+                         memory_cap_bytes=int(5.5 * 2**20)), progress=phases.append)
+    assert record["status"] == "oom" and phases[-1] == "warm-up 2/2"
+
+
+def test_skip_rule_covers_larger_seq_and_batch_only():
+    frontier = OomFrontier()
+    frontier.add({**RunSpec("tiny-llama", 64, 2, device="cpu").as_record(), "status": "oom"})
+    skipped = lambda seq, batch, **kw: frontier.skip_reason(RunSpec("tiny-llama", seq, batch, device="cpu", **kw))
+    assert skipped(64, 4) and skipped(128, 2) and skipped(128, 8)
+    assert not skipped(32, 8) and not skipped(128, 1)  # not larger in both: may fit
+    assert not skipped(64, 4, policy="full") and not skipped(64, 4, layers=2)  # other options: may fit
+
+
+def test_timeout_kills_the_child(tmp_path):
+    import multiprocessing
+
+    out = tmp_path / "r.jsonl"
+    t0 = time.monotonic()
+    [record] = gcbench.sweep(model="tiny-llama", seq=32, batch=1, policy="none", device="cpu", warmup=0,
+                             steps=100_000, timeout=1, out=out, progress=False)
+    assert record["status"] == "timeout" and "no result within 1 s" in record["error"]
+    assert time.monotonic() - t0 < 60
+    assert multiprocessing.active_children() == []
+
+
+def test_error_in_a_child_is_recorded_and_the_sweep_goes_on(tmp_path):
+    # Valid to the parent (RunSpec validation), fails in the child when the model is built.
+    config = tmp_path / "bad-act.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 128,
+                                  "hidden_act": "no-such-activation"}))
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["sweep", "--model", f"{config},tiny-llama", "--seq", "32", "--batch", "1",
+                                 "--policy", "none", *FAST_ARGS, "--out", str(out)])
+    assert result.exit_code == 1, result.output  # an error (unlike an OOM) makes the command fail
+    bad, good = read_records(out)
+    assert bad["status"] == "error" and "exited with code 1" in bad["error"] and "no-such-activation" in bad["error"]
+    assert "KeyError" in bad["stderr_tail"] and "File " in bad["stderr_tail"]  # the traceback's last lines
+    assert good["status"] == "ok" and good["step_ms_median"] > 0
+    assert "error" in result.stderr and "ok" in result.stderr  # one line per finished config
+    assert "1 error, " in result.stdout or "1 error" in result.stdout
+
+
+def test_truncated_last_line_is_warned_about_and_ignored(tmp_path):
+    out = tmp_path / "r.jsonl"
+    opts = dict(model="tiny-llama", seq=32, batch=1, out=out, isolation="none", progress=False, **FAST)
+    gcbench.sweep(policy="none", **opts)
+    with open(out, "a") as f:
+        f.write('{"schema_version": 1, "model": "tiny-ll')  # a writer killed mid-line
+    with pytest.warns(UserWarning, match="truncated last line"):
+        records = gcbench.sweep(policy=["none", "full"], **opts)
+    assert [r["policy"] for r in records] == ["none", "full"]
+    assert [r["policy"] for r in read_records(out)] == ["none", "full"]  # the file loads cleanly again
+    assert out.read_text().count("\n") == 2
+
+
+def test_rerun_runs_everything_again(tmp_path):
+    out = tmp_path / "r.jsonl"
+    opts = dict(model="tiny-llama", seq=32, batch=1, policy="none", out=out, isolation="none", progress=False,
+                **FAST)
+    first = gcbench.sweep(**opts)
+    assert gcbench.sweep(**opts) == first  # resumed: nothing ran
+    again = gcbench.sweep(rerun=True, **opts)
+    assert again[0]["sweep_id"] != first[0]["sweep_id"] and len(read_records(out)) == 2
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _wait_gone(pids: set[int], seconds: float = 20) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)}
+        time.sleep(0.1)
+    return pids
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def _start_sweep(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "from gcbench.cli import main; main()", "sweep", "--model",
+                             "tiny-llama", "--seq", "32", "--batch", "1,2,4", "--policy", "none", *FAST_ARGS,
+                             "--out", str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_records(out: Path, n: int, proc: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if out.exists() and out.read_text().count("\n") >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no {n} record(s) within {seconds} s")
+
+
+@pytest.mark.slow  # a fresh interpreter and fork server: two imports of torch + transformers
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to find the child processes")
+def test_resume_after_kill_runs_every_config_exactly_once(tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = _start_sweep(out)
+    _wait_for_records(out, 1, proc)
+    family = _descendants(proc.pid)  # the fork server and the running child
+    proc.kill()  # kill -9: no chance to clean up
+    proc.communicate()
+    assert _wait_gone(family) == set(), "children outlived a killed sweep"
+    before = read_records(out)
+    assert 1 <= len(before) < 3
+
+    records = gcbench.sweep(model="tiny-llama", seq=32, batch=[1, 2, 4], policy="none", out=out, progress=False,
+                            **FAST)
+    stored = read_records(out)
+    assert len(stored) == 3 and len({spec_key(r) for r in stored}) == 3  # every config exactly once
+    assert stored[: len(before)] == before and records == stored
+    assert all(r["status"] == "ok" for r in stored)
+
+
+@pytest.mark.slow  # a fresh interpreter and fork server: two imports of torch + transformers
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to find the child processes")
+def test_sigterm_stops_the_child_and_exits_cleanly(tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = _start_sweep(out)
+    _wait_for_records(out, 1, proc)
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert _wait_gone(family) == set()
+    assert all(r["status"] == "ok" for r in read_records(out))  # only whole records, no partial or error line
