@@ -1,7 +1,7 @@
 """Harness overhead: gcbench's measured step vs a bare hand-written training loop (not a test).
 
-Both run on the same model, optimizer, batch, policy and device, interleaved in one process (A, B, A, B, ...)
-so that drift (thermal, background load) hits both alike. Each side is timed from the outside the same way
+Both run on the same model, optimizer, batch, policy and device, interleaved in one process (A B, B A, A B, ...)
+so that drift (thermal, background load) and the position in a pair hit both alike. Each side is timed from the outside the same way
 (perf_counter, with a synchronize on CUDA). Prints the ratio of medians; the target is <= 1.01.
 
     python benchmarks/overhead.py --model gpt2 --seq 256 --batch 1 --policy full --rounds 30
@@ -68,9 +68,10 @@ def main() -> None:
     for _ in range(3):  # warm-up: optimizer state, allocator, kernels
         bare_step()
     harness, bare = [], []
-    for _ in range(args.rounds):
-        harness.append(timed(gcbench_step))
-        bare.append(timed(bare_step))
+    for i in range(args.rounds):
+        # ABBA order: whichever side runs second in a pair (warmer caches, or a freshly freed allocator) swaps.
+        for fn, out in ((gcbench_step, harness), (bare_step, bare))[:: 1 if i % 2 == 0 else -1]:
+            out.append(timed(fn))
     h, b = Stats.of(harness), Stats.of(bare)
     where = torch.cuda.get_device_name(spec.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"{spec.model} seq {spec.seq_len} batch {spec.batch_size} {spec.policy} {spec.precision} on {where}")

@@ -146,7 +146,7 @@ def report(
         for note in notes:
             typer.echo(f"gcbench: warning: {note}", err=True)
         frame = results_frame(df)
-        for item in terminal_tables(frame):
+        for item in terminal_tables(frame, console.width):
             console.print(item)
         if out is not None:
             written = write_report(frame, out)

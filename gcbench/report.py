@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -58,11 +59,17 @@ def run_table(record: dict[str, Any]) -> Table:
         table.add_row("status", f"[bold red]{record['status']}[/]", record.get("error") or "")
         return table
     if cuda:
-        table.add_row("peak memory", fmt_bytes(record["peak_allocated_bytes"]), "torch.cuda.max_memory_allocated, whole step")
+        table.add_row("peak memory", fmt_bytes(record["peak_allocated_bytes"]),
+                      "torch.cuda.max_memory_allocated, whole step")
         table.add_row("peak reserved", fmt_bytes(record["peak_reserved_bytes"]), "allocator cache incl. fragmentation")
     else:
         table.add_row("peak memory (tracked)", fmt_bytes(record["peak_tracked_bytes"]),
                       "peak of live tensor bytes on CPU (not an allocator)")
+    measured = record["peak_allocated_bytes"] if cuda else record["peak_tracked_bytes"]
+    if record.get("predicted_peak_bytes"):
+        error = record["predicted_peak_bytes"] / measured - 1
+        table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
+                      f"{record.get('prediction_method')} before the run, {error:+.1%} vs measured")
     table.add_row("activation peak", fmt_bytes(record["activation_peak_bytes"]), "fwd+bwd peak above model state")
     table.add_row("saved activations", fmt_bytes(record["saved_activation_bytes"]), "kept for backward after forward")
     if record.get("offloaded_bytes") is not None:
@@ -265,14 +272,15 @@ class Grid:
     caption: str = ""
     numeric: set[int] = field(default_factory=set)  # right-aligned columns
     section_ends: set[int] = field(default_factory=set)  # rows after which a group ends (a rule in the terminal)
+    optional: list[int] = field(default_factory=list)  # columns a narrow terminal leaves out, least useful first
 
 
 def results_grid(part: pd.DataFrame) -> Grid:
     """The results table of one device and setup: a row per (seq, batch, policy), `x none` within each seq x batch."""
     scale, unit = byte_unit(part["peak_bytes"].max())
     predicted = part["predicted_peak_bytes"].notna().any()
-    headers = ["seq", "batch", "policy", "status", f"peak {unit}", "peak x none", f"activations {unit}",
-               "step ms (median)", "IQR ms", "time x none", "tokens/s", "recompute FLOPs"]
+    headers = ["seq", "batch", "policy", "status", f"peak {unit}", "peak x none", f"act. {unit}",
+               "step ms", "IQR ms", "time x none", "tokens/s", "recompute FLOPs"]
     if predicted:
         headers += [f"predicted peak {unit}", "prediction error"]
     size = lambda v: f"{v / scale:,.2f}" if _given(v) else "-"  # noqa: E731
@@ -299,7 +307,8 @@ def results_grid(part: pd.DataFrame) -> Grid:
         nxt = records[i + 1] if i + 1 < len(records) else None
         if nxt is None or (nxt["seq_len"], nxt["batch_size"]) != (r["seq_len"], r["batch_size"]):
             ends.add(i)
-    caption = (f"peak = {part['peak_label'].iloc[0]}; activations = fwd+bwd peak above model state; "
+    caption = (f"peak = {part['peak_label'].iloc[0]}; act. = activations, the fwd+bwd peak above model state; "
+               f"step ms = median step time; "
                f"x none = ratio to the `none` policy at the same seq and batch; IQR = spread of the measured step "
                f"times (a time ratio within it is noise); FLOPs include recompute.")
     if ((part["status"] == "ok") & ~part["has_baseline"]).any():
@@ -307,8 +316,10 @@ def results_grid(part: pd.DataFrame) -> Grid:
                     "(absolute numbers shown).")
     if predicted:
         caption += " prediction error = predicted / measured peak - 1."
+    optional = [headers.index(h) for h in ("IQR ms", f"predicted peak {unit}", "tokens/s", "prediction error",
+                                           "recompute FLOPs") if h in headers]
     return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,
-                numeric=set(range(4, len(headers))) | {0, 1}, section_ends=ends)
+                numeric=set(range(4, len(headers))) | {0, 1}, section_ends=ends, optional=optional)
 
 
 def largest_fit_grid(dev: pd.DataFrame) -> Grid:
@@ -366,27 +377,49 @@ def grid_grid(dev: pd.DataFrame) -> Grid:
     return Grid(["", "value"], rows)
 
 
-def rich_table(grid: Grid) -> Table:
+def rich_table(grid: Grid, width: int | None = None) -> Table:
+    """The grid as a rich Table. Given a terminal `width`, the grid's optional columns are left out (least useful
+    first) until the table fits without breaking numbers apart; report.md and report.html keep every column."""
+    hidden: list[int] = []
+    while True:
+        table = _rich_table(grid, hidden)
+        if width is None or len(hidden) == len(grid.optional):
+            return table
+        # The natural (unwrapped) width: measured on an unbounded console, since a bounded one clamps to its width.
+        if Console(width=100_000).measure(table).maximum <= width:
+            return table
+        hidden.append(grid.optional[len(hidden)])
+
+
+def _rich_table(grid: Grid, hidden: list[int]) -> Table:
+    shown = [i for i in range(len(grid.headers)) if i not in hidden]
     table = Table(title=grid.title or None, caption=grid.caption or None, header_style="bold",
                   caption_justify="left")
-    for i, h in enumerate(grid.headers):
-        table.add_column(h, justify="right" if i in grid.numeric else "left", overflow="fold")
+    for i in shown:
+        numeric = i in grid.numeric
+        # Numbers never wrap; their headers break after the first word instead ("peak\nx none").
+        header = grid.headers[i].replace(" ", "\n", 1) if numeric else grid.headers[i]
+        # Short labels (policies, statuses) stay on one line; long ones (setups, notes) may wrap.
+        widest = max((len(row[i]) for row in grid.rows), default=0)
+        table.add_column(header, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold",
+                         min_width=None if numeric or widest > 16 else max(widest, len(header)))
     for i, row in enumerate(grid.rows):
-        cells = [Text(c, style="bold red") if c in FAILED.values() else Text(c) for c in row]
+        cells = [Text(row[j], style="bold red") if row[j] in FAILED.values() else Text(row[j]) for j in shown]
         table.add_row(*cells, end_section=i in grid.section_ends and i != len(grid.rows) - 1)
     return table
 
 
-def terminal_tables(frame: pd.DataFrame) -> list[Table | str]:
-    """What `gcbench report` prints: per device a heading line, a results table per setup, the largest fits."""
+def terminal_tables(frame: pd.DataFrame, width: int | None = None) -> list[Table | str]:
+    """What `gcbench report` prints: per device a heading line, a results table per setup, the largest fits.
+    `width`: the terminal's, so that narrow terminals get the essential columns only."""
     out: list[Table | str] = []
     for dev_label, dev in frame.groupby("device_label", sort=False):
         out.append(f"[bold]{dev_label}[/] — {len(dev)} configs; peak memory = {dev['peak_label'].iloc[0]}")
         for _, part in dev.groupby("setup", sort=False):
-            out.append(rich_table(results_grid(part)))
+            out.append(rich_table(results_grid(part), width))
         fits = largest_fit_grid(dev)
         fits.title = "largest config that fit, per policy"
-        out.append(rich_table(fits))
+        out.append(rich_table(fits, width))
     if frame.attrs.get("superseded"):
         out.append(f"[dim]{frame.attrs['superseded']} repeated record(s) of the same config superseded by a later "
                    f"one (latest kept, never averaged)[/]")

@@ -35,6 +35,7 @@ import pandas as pd
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+from rich import box
 from rich.table import Table
 
 from gcbench.errors import GcbenchError
@@ -689,14 +690,21 @@ def summary_table(records: list[dict[str, Any]]) -> Table:
     frame = summary_frame(records)
     counts = Counter(frame["status"]) if len(frame) else Counter()
     title = f"{len(frame)} configs: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
-    table = Table(title=title, caption="peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak; "
-                                       "act. peak: fwd+bwd peak above model state")
+    models = sorted(set(frame["model"])) if len(frame) else []
+    if len(models) == 1:  # one model: name it once in the title, keep the table within 80 columns
+        title = f"{models[0]} · {title}"
+    # A light box (no vertical rules) so that the config and its numbers fit an 80-column terminal.
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  caption="peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak; "
+                          "act. peak: fwd+bwd peak above model state")
     notes = bool(len(frame)) and (frame["status"] != "ok").any()  # the column only when something did not run
     columns = ["model", "seq", "batch", "policy", "status", "step ms", "peak", "act. peak", "tokens/s"]
+    if len(models) == 1:
+        columns.remove("model")
     rows = []
     for row in frame.itertuples(index=False):
         ok = row.status == "ok"
-        rows.append([row.model, str(row.seq_len), str(row.batch_size), row.policy, row.status,
+        rows.append([*([] if len(models) == 1 else [row.model]), str(row.seq_len), str(row.batch_size), row.policy, row.status,
                      f"{row.step_ms_median:.1f}" if ok else "-", fmt_bytes(row.peak_bytes) if ok else "-",
                      fmt_bytes(row.activation_peak_bytes) if ok else "-", f"{row.tokens_per_s:,.0f}" if ok else "-",
                      *([str(row.note)[:100] if row.note and not ok else ""] if notes else [])])
@@ -706,8 +714,9 @@ def summary_table(records: list[dict[str, Any]]) -> Table:
                          min_width=max(len(r[i]) for r in rows) if rows else None)
     if notes:
         table.add_column("note", ratio=1)
+    status = columns.index("status")
     for cells in rows:
-        cells[4] = f"[{_STATUS_STYLE[cells[4]]}]{cells[4]}[/]"
+        cells[status] = f"[{_STATUS_STYLE[cells[status]]}]{cells[status]}[/]"
         if notes:
             cells[-1] = _escape(cells[-1])
         table.add_row(*cells)

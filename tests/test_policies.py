@@ -24,6 +24,16 @@ def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str =
     return loss.detach(), [p.grad for p in params]
 
 
+def assert_gradients_equal_none(model_name: str, policy: str, device: str = "cpu") -> None:
+    """The policy's loss and every parameter's gradient equal those of `none` (same seeds, dropout on)."""
+    loss_ref, ref = gradients(model_name, "none", device=device)
+    loss, got = gradients(model_name, policy, device=device)
+    torch.testing.assert_close(loss, loss_ref)
+    assert len(got) == len(ref) and all(g is not None for g in got)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
+
+
 @pytest.mark.parametrize("model_name", TINY)
 def test_dropout_is_active_so_rng_replay_is_tested(model_name):
     loss_a, _ = gradients(model_name, "none", dropout_seed=1)
@@ -34,12 +44,7 @@ def test_dropout_is_active_so_rng_replay_is_tested(model_name):
 @pytest.mark.parametrize("policy", [p for p in CLASSIC if p != "none"])
 @pytest.mark.parametrize("model_name", TINY)
 def test_gradients_equal_none(model_name, policy):
-    loss_ref, ref = gradients(model_name, "none")
-    loss, got = gradients(model_name, policy)
-    torch.testing.assert_close(loss, loss_ref)
-    assert len(got) == len(ref) and all(g is not None for g in got)
-    for g, r in zip(got, ref):
-        torch.testing.assert_close(g, r)
+    assert_gradients_equal_none(model_name, policy)
 
 
 def test_policy_wraps_the_blocks_it_should_and_undo_restores_them():

@@ -21,7 +21,7 @@ from gcbench.policies import (SAC_ATTENTION, SAC_MATMULS, AttentionCore, Offload
 from gcbench.spec import RunSpec
 from gcbench.worker import make_batch, run
 from tests.conftest import TINY, tiny_spec
-from tests.test_policies import gradients
+from tests.test_policies import assert_gradients_equal_none
 
 BEYOND = ("sac", "sac:mm=alternate", "attn", "offload", "offload:what=all", "offload:what=inputs,k=2")
 SEQ, BATCH = 256, 2  # as conftest's classic_records, whose none / full / every-k:k=2 runs are the references
@@ -43,12 +43,7 @@ def field(records, model_name, name):
 @pytest.mark.parametrize("policy", BEYOND)
 @pytest.mark.parametrize("model_name", TINY)
 def test_gradients_equal_none_with_dropout_on(model_name, policy):
-    loss_ref, ref = gradients(model_name, "none")
-    loss, got = gradients(model_name, policy)
-    torch.testing.assert_close(loss, loss_ref)
-    assert len(got) == len(ref) and all(g is not None for g in got)
-    for g, r in zip(got, ref):
-        torch.testing.assert_close(g, r)
+    assert_gradients_equal_none(model_name, policy)
 
 
 @pytest.mark.gpu
@@ -56,11 +51,7 @@ def test_gradients_equal_none_with_dropout_on(model_name, policy):
 @pytest.mark.parametrize("model_name", TINY)
 def test_gradients_equal_none_on_cuda(model_name, policy):
     """CUDA's fused attention kernels draw dropout from the RNG themselves: sac must recompute, not cache, them."""
-    loss_ref, ref = gradients(model_name, "none", device="cuda")
-    loss, got = gradients(model_name, policy, device="cuda")
-    torch.testing.assert_close(loss, loss_ref)
-    for g, r in zip(got, ref):
-        torch.testing.assert_close(g, r)
+    assert_gradients_equal_none(model_name, policy, device="cuda")
 
 
 @pytest.mark.parametrize("model_name", TINY)

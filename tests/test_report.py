@@ -299,3 +299,19 @@ def test_an_out_that_is_a_file_leaves_it_untouched(tmp_path, results):
     result = runner.invoke(app, ["report", str(results), "--out", str(blocker)])
     assert result.exit_code == 2 and "is a file" in result.stderr
     assert blocker.read_text() == "keep" and not list(tmp_path.glob(".gcbench-report-*"))
+
+
+def test_narrow_terminal_keeps_the_essential_columns_whole(tmp_path, records, monkeypatch):
+    """At 80 columns optional columns go (IQR first) while policy names and numbers stay unbroken."""
+    from rich.console import Console
+
+    from gcbench import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=80))
+    result = runner.invoke(app, ["report", str(write(tmp_path / "r.jsonl", records))])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert "IQR" not in "".join(lines[:12])  # dropped from the table header (the caption may still explain it)
+    for needed in ("seq", "batch", "policy", "status", "none", "full", "OOM", "1.00x"):
+        assert needed in result.stdout
