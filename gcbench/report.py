@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gcbench.errors import GcbenchError
+from gcbench.results import policy_label
 
 
 
@@ -91,9 +92,6 @@ def run_table(record: dict[str, Any]) -> Table:
     return table
 
 
-def policy_label(record: dict[str, Any]) -> str:
-    opts = record.get("policy_options") or {}
-    return record["policy"] + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
 
 
 def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) -> Table:

@@ -20,6 +20,12 @@ SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "error", "skipped")
 
 
+def policy_label(record: dict[str, Any]) -> str:
+    """A record's policy as written on the command line: "every-k:k=2", "sqrtn"."""
+    opts = record.get("policy_options") or {}
+    return record["policy"] + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+
+
 def ensure_writable(path: Path) -> None:
     """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind."""
     existed = path.exists()
@@ -116,8 +122,6 @@ def load(*paths: str | Path) -> pd.DataFrame:
     """Every record of the given files/directories as one DataFrame, a row per config; `env` is flattened
     to `env.*` columns, `source` names the file and `policy_label` is the policy with its options ("every-k:k=2";
     flattening would otherwise scatter the options over NaN-padded `policy_options.*` columns)."""
-    from gcbench.report import policy_label
-
     rows = []
     for path in result_files(paths or ("results",)):
         for record in read_records(path):

@@ -40,9 +40,9 @@ from rich.table import Table
 
 from gcbench.errors import GcbenchError
 from gcbench.policies import parse_policy
-from gcbench.report import fmt_bytes, policy_label
+from gcbench.report import fmt_bytes
 from gcbench.results import (SCHEMA_VERSION, STATUSES, append_record, drop_truncated_last_line, ensure_writable,
-                             read_records)
+                             policy_label, read_records)
 from gcbench.spec import RunSpec, parse_bytes
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
