@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gcbench.errors import GcbenchError
-from gcbench.measure import LiveTensorTracker
+from gcbench.measure import LiveTensorTracker, round_up, storage_bytes
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import Policy
 from gcbench.spec import RunSpec
@@ -146,7 +146,7 @@ def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
                 step.forward_backward()
                 fwd_bwd_peak = tracker.peak
                 step.optimizer_step()
-            parts = [distinct_bytes(tensors, tracker.granularity_bytes)
+            parts = [storage_bytes(tensors, tracker.granularity_bytes)
                      for tensors in (step.params(), step.grads(), step.optimizer_state())]
     except GcbenchError:
         raise
@@ -190,14 +190,6 @@ def materialise_as_fakes(model: nn.Module, fake) -> None:
                     slots[name] = fake_of(t)
 
 
-def distinct_bytes(tensors: Iterable[torch.Tensor], granularity_bytes: int = 1) -> int:
-    """Bytes of the distinct storages behind `tensors`, each rounded up to `granularity_bytes`.
-
-    Keyed by storage object, not data pointer: fake tensors all point at address 0."""
-    storages = {id(s): s for s in (t.untyped_storage() for t in tensors)}
-    return sum(-(-s.nbytes() // granularity_bytes) * granularity_bytes for s in storages.values() if s.nbytes())
-
-
 @contextlib.contextmanager
 def _unpacked_batch() -> Iterator[None]:
     """Tell transformers' mask code that the batch holds one sequence per row, as the real run finds out.
@@ -237,7 +229,7 @@ def flash_backward_workspace_bytes(query: torch.Tensor, key: torch.Tensor) -> in
     """Scratch of FlashAttention-2's backward (flash_api.cpp, mha_bwd): softmax_d and the fp32 dq accumulator,
     plus dk/dv at full head count when K/V have fewer heads (GQA). query/key: (batch, heads, seq, head_dim)."""
     b, h, s, d = query.shape
-    s_rounded, d_rounded = -(-s // 128) * 128, -(-d // (32 if d <= 128 else 64)) * (32 if d <= 128 else 64)
+    s_rounded, d_rounded = round_up(s, 128), round_up(d, 32 if d <= 128 else 64)
     block = lambda n: -(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES  # noqa: E731
     total = block(b * h * s_rounded * 4) + block(b * s_rounded * h * d_rounded * 4)
     if key.shape[1] != h:
@@ -619,13 +611,13 @@ def analytic(spec: RunSpec, target: str = "cuda") -> Estimate:
 
     granularity = CUDA_BLOCK_BYTES if cuda else 1
     params = list(meta.parameters()) + list(meta.buffers())
-    param_bytes = sum(_rounded(p.numel() * p.element_size(), granularity) for p in params)
-    grad_bytes = sum(_rounded(p.numel() * p.element_size(), granularity) for p in meta.parameters())
+    param_bytes = sum(round_up(p.numel() * p.element_size(), granularity) for p in params)
+    grad_bytes = sum(round_up(p.numel() * p.element_size(), granularity) for p in meta.parameters())
     states = OPTIMIZER_STATES[spec.optimizer]
     # AdamW/SGD keep a 0-dim fp32 `step` per parameter on the host: tracked on CPU, not in CUDA memory
     step_tensors = 0 if cuda or spec.optimizer != "adamw" else len(params) * 4
     optimizer_bytes = states * grad_bytes + step_tensors
-    static = param_bytes + grad_bytes + optimizer_bytes + _rounded(8 * sh.tokens, granularity)
+    static = param_bytes + grad_bytes + optimizer_bytes + round_up(8 * sh.tokens, granularity)
 
     activations, phase = _activation_peak(spec.policy, len(blocks), block, head, embedding_saved(sh, dev),
                                           sh.amp, _optimizer_extra(spec.optimizer, cuda, meta))
@@ -634,10 +626,6 @@ def analytic(spec: RunSpec, target: str = "cuda") -> Estimate:
         grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=static + activations - param_bytes
         - grad_bytes - optimizer_bytes, peak_phase=phase, attention_kernel=dev.kernel,
         seconds=time.perf_counter() - start)
-
-
-def _rounded(nbytes: int, granularity: int) -> int:
-    return -(-nbytes // granularity) * granularity
 
 
 def _optimizer_extra(optimizer: str, cuda: bool, meta: nn.Module) -> int:

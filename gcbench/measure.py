@@ -54,13 +54,16 @@ class Stats:
         return self.q3 - self.q1
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+def round_up(nbytes: int, granularity_bytes: int) -> int:
+    """`nbytes` rounded up to a multiple of `granularity_bytes` (512 models the CUDA caching allocator's blocks)."""
+    return -(-nbytes // granularity_bytes) * granularity_bytes
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], granularity_bytes: int = 1) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once), each rounded up to
+    `granularity_bytes`. Keyed by storage object, not data pointer: fake tensors all point at address 0."""
+    storages = {id(s): s for s in (t.untyped_storage() for t in tensors)}
+    return sum(round_up(s.nbytes(), granularity_bytes) for s in storages.values())
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -93,7 +96,7 @@ class LiveTensorTracker(TorchDispatchMode):
         key, nbytes = id(storage), storage.nbytes()
         if nbytes == 0 or key in self._live:
             return
-        nbytes = -(-nbytes // self.granularity_bytes) * self.granularity_bytes
+        nbytes = round_up(nbytes, self.granularity_bytes)
         self._live[key] = nbytes
         self.current += nbytes
         # Storages keep their Python object while the storage lives, so this fires when the memory is freed.

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gcbench.errors import GcbenchError
-from gcbench.results import policy_label
+from gcbench.results import peak_bytes, policy_label
 
 
 
@@ -66,7 +66,7 @@ def run_table(record: dict[str, Any]) -> Table:
     else:
         table.add_row("peak memory (tracked)", fmt_bytes(record["peak_tracked_bytes"]),
                       "peak of live tensor bytes on CPU (not an allocator)")
-    measured = record["peak_allocated_bytes"] if cuda else record["peak_tracked_bytes"]
+    measured = peak_bytes(record)
     if record.get("predicted_peak_bytes"):
         error = record["predicted_peak_bytes"] / measured - 1
         table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),

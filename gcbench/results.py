@@ -26,6 +26,11 @@ def policy_label(record: dict[str, Any]) -> str:
     return record["policy"] + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
 
 
+def peak_bytes(record: dict[str, Any]) -> int | None:
+    """A record's measured peak: the CUDA allocator's, or on CPU the live-tensor tracker's (never mixed up)."""
+    return record.get("peak_allocated_bytes", record.get("peak_tracked_bytes"))
+
+
 def ensure_writable(path: Path) -> None:
     """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind."""
     existed = path.exists()

@@ -42,7 +42,7 @@ from gcbench.errors import GcbenchError
 from gcbench.policies import parse_policy
 from gcbench.report import fmt_bytes
 from gcbench.results import (SCHEMA_VERSION, STATUSES, append_record, drop_truncated_last_line, ensure_writable,
-                             policy_label, read_records)
+                             peak_bytes, policy_label, read_records)
 from gcbench.spec import RunSpec, parse_bytes
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
@@ -640,7 +640,7 @@ def _finished_line(record: dict[str, Any]) -> str:
     status = record["status"]
     line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {config_label(record)}"
     if status == "ok":
-        line += f"  {record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(_peak_bytes(record))}"
+        line += f"  {record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(peak_bytes(record))}"
     elif record.get("error"):
         line += f"  [dim]{_escape(str(record['error'])[:120])}[/]"
     return line
@@ -650,11 +650,6 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(text)
-
-
-def _peak_bytes(record: Mapping[str, Any]) -> int | None:
-    # CUDA records report the allocator's peak; CPU records the live-tensor tracker's (never mixed up).
-    return record.get("peak_allocated_bytes", record.get("peak_tracked_bytes"))
 
 
 # --------------------------------------------------------------------------------------------------- tables
@@ -679,7 +674,7 @@ def summary_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     """One row per config: the columns a sweep summary shows (raw units)."""
     return pd.DataFrame([{
         "model": r["model"], "seq_len": r["seq_len"], "batch_size": r["batch_size"], "policy": policy_label(r),
-        "status": r["status"], "step_ms_median": r.get("step_ms_median"), "peak_bytes": _peak_bytes(r),
+        "status": r["status"], "step_ms_median": r.get("step_ms_median"), "peak_bytes": peak_bytes(r),
         "activation_peak_bytes": r.get("activation_peak_bytes"), "tokens_per_s": r.get("tokens_per_s"),
         "note": r.get("error"),
     } for r in records])
