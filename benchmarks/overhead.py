@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from gcbench.measure import Stats
+from gcbench.measure import Stats, instrument_for
 from gcbench.models import build_model, find_blocks
 from gcbench.spec import RunSpec
-from gcbench.worker import TrainingStep, _time_cpu, _time_cuda, make_batch, make_optimizer
+from gcbench.worker import TrainingStep, make_batch, make_optimizer
 
 
 def main() -> None:
@@ -34,6 +34,12 @@ def main() -> None:
 
     spec = RunSpec(model=args.model, seq_len=args.seq, batch_size=args.batch, policy=args.policy,
                    layers=args.layers, device=args.device, measure_steps=1)
+    instrument = instrument_for(spec.device)
+    with instrument.session():
+        measure(spec, instrument, args.rounds)
+
+
+def measure(spec: RunSpec, instrument, rounds: int) -> None:
     config, family = spec.model_config()
     torch.manual_seed(spec.seed)
     model = build_model(config, family, spec.device, spec.param_dtype)
@@ -41,15 +47,15 @@ def main() -> None:
     optimizer = make_optimizer(spec.optimizer, model)
     batch = make_batch(spec, config, spec.device)
     step = TrainingStep(model, optimizer, batch, spec)
-    cuda = spec.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cuda = instrument.kind == "cuda"
+    sync = (lambda: torch.cuda.synchronize(spec.device)) if cuda else (lambda: None)
     if spec.autocast_dtype:
         autocast = lambda: torch.autocast(torch.device(spec.device).type, dtype=spec.autocast_dtype)  # noqa: E731
     else:
         autocast = contextlib.nullcontext
 
     def gcbench_step() -> None:
-        (_time_cuda if cuda else _time_cpu)(step, spec, lambda _: None)
+        instrument.time_steps(step, 1, lambda _: None)
 
     def bare_step() -> None:
         optimizer.zero_grad(set_to_none=False)
@@ -68,16 +74,16 @@ def main() -> None:
     for _ in range(3):  # warm-up: optimizer state, allocator, kernels
         bare_step()
     harness, bare = [], []
-    for i in range(args.rounds):
+    for i in range(rounds):
         # ABBA order: whichever side runs second in a pair (warmer caches, or a freshly freed allocator) swaps.
         for fn, out in ((gcbench_step, harness), (bare_step, bare))[:: 1 if i % 2 == 0 else -1]:
             out.append(timed(fn))
     h, b = Stats.of(harness), Stats.of(bare)
-    where = torch.cuda.get_device_name(spec.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    where = instrument.describe()["gpu_name"] if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"{spec.model} seq {spec.seq_len} batch {spec.batch_size} {spec.policy} {spec.precision} on {where}")
     print(f"gcbench measured step: median {h.median:.2f} ms (IQR {h.iqr:.2f})")
     print(f"bare training loop:    median {b.median:.2f} ms (IQR {b.iqr:.2f})")
-    print(f"ratio gcbench / bare:  {h.median / b.median:.4f}  ({args.rounds} interleaved rounds)")
+    print(f"ratio gcbench / bare:  {h.median / b.median:.4f}  ({rounds} interleaved rounds)")
 
 
 if __name__ == "__main__":

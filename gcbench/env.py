@@ -33,7 +33,8 @@ def git_sha() -> str | None:
 
 
 def capture_env(device: str) -> dict:
-    """Versions, device, and the numeric settings that change results (TF32, matmul precision)."""
+    """Versions, device, and the numeric settings that change results (TF32, matmul precision). `device`: a
+    resolved device ("cpu", "cuda:N")."""
     env = {
         "gcbench": gcbench.__version__,
         "git_sha": git_sha(),
@@ -54,22 +55,9 @@ def capture_env(device: str) -> dict:
         "driver": None,
     }
     if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(device)
-        env["gpu_name"] = props.name
-        env["gpu_memory_bytes"] = props.total_memory
+        from gcbench.measure import CudaInstrument
+
+        env.update(CudaInstrument(device).describe())
         env["driver"] = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
         env["driver"] = env["driver"].splitlines()[0] if env["driver"] else None
     return env
-
-
-def available_memory_bytes(device: str) -> int:
-    """Memory a run may use now: free CUDA memory, or the host's MemAvailable for CPU."""
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

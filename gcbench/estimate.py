@@ -102,17 +102,24 @@ def estimate_grid(models: Iterable[str], seq_lens: Iterable[int], batch_sizes: I
     return [(spec, estimate(spec, method, target)) for spec in specs for method in methods]
 
 
-def predict_for_run(spec: RunSpec) -> tuple[int | None, str | None]:
-    """(predicted peak bytes, method) for a run the worker is about to measure; (None, None) when neither method
-    can predict it. The simulation is exact on CPU and cheap (about a second for tiny models, seconds for 7B), so
-    it goes first; the analytic model is the fallback for a policy the simulation cannot run."""
+def predict_for_run(spec: RunSpec) -> dict[str, Any]:
+    """The predictions a run's record carries, made before anything is allocated (an OOM record has them too):
+    `predicted_peak_bytes` by the best method that can predict this policy (`prediction_method`; the simulation,
+    exact on CPU, first; None when neither can), and each method's own prediction
+    (`predicted_peak_bytes_simulate`, `predicted_peak_bytes_analytic`; None where it cannot), so that a GPU
+    sweep shows both methods' errors. The analytic model is instant; the simulation takes about a second for tiny
+    models and seconds for 7B ones."""
     target = "cuda" if spec.device.startswith("cuda") else "cpu"
+    out: dict[str, Any] = {"predicted_peak_bytes": None, "prediction_method": None}
     for method in METHODS[::-1]:
         try:
-            return estimate(spec, method, target).peak_bytes, method
+            peak = estimate(spec, method, target).peak_bytes
         except GcbenchError:
-            continue
-    return None, None
+            peak = None
+        out[f"predicted_peak_bytes_{method}"] = peak
+        if out["predicted_peak_bytes"] is None and peak is not None:
+            out["predicted_peak_bytes"], out["prediction_method"] = peak, method
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -410,10 +410,11 @@ class OffloadedBlock(nn.Module):
         # By storage identity (kept while the storage lives), not data pointer: fake tensors all point at 0.
         self._param_storages = {id(p.untyped_storage()) for p in block.parameters()}
         # Pinned host memory makes the device-to-host copy a DMA; it only exists next to a CUDA device.
-        self._pin_memory = any(p.is_cuda for p in block.parameters())
+        # Set by Offload.prepare from the run's device.
+        self.pin_memory = False
 
     def forward(self, hidden_states, *args, **kwargs):
-        offload = HostOffload(self._pin_memory, self._param_storages)
+        offload = HostOffload(self.pin_memory, self._param_storages)
         with offload:
             if self.checkpointed:  # the checkpoint saves its inputs under our hooks, its internals under its own
                 out = checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
@@ -443,9 +444,12 @@ class Offload(Policy):
         return OffloadedBlock(group[0], checkpointed=self.what == "inputs")
 
     def prepare(self, step: TrainingStep) -> dict[str, Any]:
-        """One untimed forward+backward to read how many bytes a step puts in host memory."""
-        step.forward_backward()
+        """Pin host memory on a CUDA run; one untimed forward+backward to read how many bytes a step puts in host
+        memory."""
         blocks = [m for m in step.model.modules() if isinstance(m, OffloadedBlock)]
+        for block in blocks:
+            block.pin_memory = step.device.type == "cuda"
+        step.forward_backward()
         return {"offloaded_bytes": sum(b.offloaded_bytes for b in blocks)}
 
 
@@ -510,6 +514,6 @@ class CompileBudget(Policy):
             "flops": None,
             "recompute_flops_ratio": None,
         }
-        if not any(p.is_cuda for p in step.model.parameters()):
+        if step.device.type != "cuda":
             fields |= {"peak_tracked_bytes": None, "fwd_bwd_peak_bytes": None, "activation_peak_bytes": None}
         return fields

@@ -134,7 +134,8 @@ GROUP_KEYS = ["device_label", "setup", "seq_len", "batch_size"]
 # Columns the report reads. A file of OOMs only has none of the measurements, so they are added empty.
 EXPECTED = ["peak_allocated_bytes", "peak_tracked_bytes", "activation_peak_bytes", "fwd_bwd_peak_bytes",
             "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr", "tokens_per_s",
-            "recompute_flops_ratio", "predicted_peak_bytes", "layers", "attn", "memory_cap_bytes", "seed", "error",
+            "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
+            "predicted_peak_bytes_analytic", "layers", "attn", "memory_cap_bytes", "seed", "error",
             "env.gpu_name", "env.gpu_memory_bytes", "env.cpu", "env.cpu_count", "env.torch_threads", "env.gcbench"]
 ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
     ("gcbench", "env.gcbench"), ("git commit", "env.git_sha"), ("python", "env.python"), ("torch", "env.torch"),
@@ -343,6 +344,32 @@ def largest_fit_grid(dev: pd.DataFrame) -> Grid:
                 caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5})
 
 
+PREDICTION_METHODS = ("simulate", "analytic")
+
+
+def prediction_grid(part: pd.DataFrame) -> Grid | None:
+    """For one device and setup: per measured config, each prediction method's error against the measured peak,
+    then the median and worst absolute error per method; None when no record carries per-method predictions."""
+    columns = [f"predicted_peak_bytes_{m}" for m in PREDICTION_METHODS]
+    ok = part[(part["status"] == "ok") & part["peak_bytes"].notna() & part[columns].notna().any(axis=1)]
+    if ok.empty:
+        return None
+    scale, unit = byte_unit(ok["peak_bytes"].max())
+    errors = {m: ok[f"predicted_peak_bytes_{m}"] / ok["peak_bytes"] - 1 for m in PREDICTION_METHODS}
+    pct = lambda v: f"{v:+.1%}" if _given(v) else "-"  # noqa: E731
+    rows = [[str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], f"{r['peak_bytes'] / scale:,.2f}",
+             *(pct(errors[m][i]) for m in PREDICTION_METHODS)] for i, r in ok.iterrows()]
+    for label, stat in (("median |error|", "median"), ("worst |error|", "max")):
+        rows.append(["", "", label, "", *(f"{getattr(errors[m].abs(), stat)():.1%}" if errors[m].notna().any()
+                                          else "-" for m in PREDICTION_METHODS)])
+    return Grid(["seq", "batch", "policy", f"measured {unit}", *(f"{m} error" for m in PREDICTION_METHODS)], rows,
+                title=f"prediction error · {part['setup'].iloc[0]}",
+                caption=f"error = predicted / measured peak - 1, measured = {part['peak_label'].iloc[0]}; median and "
+                        "worst over the configs each method predicts; - = the method cannot predict this policy "
+                        "(analytic knows the block-grouping ones).",
+                numeric={0, 1, 3, 4, 5}, section_ends={len(rows) - 3})
+
+
 def environment_grid(dev: pd.DataFrame) -> Grid:
     """The machine and software of one device's records; differing values are all listed, never hidden."""
     rows = []
@@ -418,6 +445,10 @@ def terminal_tables(frame: pd.DataFrame, width: int | None = None) -> list[Table
         fits = largest_fit_grid(dev)
         fits.title = "largest config that fit, per policy"
         out.append(rich_table(fits, width))
+        for _, part in dev.groupby("setup", sort=False):
+            predictions = prediction_grid(part)
+            if predictions is not None:
+                out.append(rich_table(predictions, width))
     if frame.attrs.get("superseded"):
         out.append(f"[dim]{frame.attrs['superseded']} repeated record(s) of the same config superseded by a later "
                    f"one (latest kept, never averaged)[/]")
@@ -478,7 +509,11 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
                    Heading("Results", 3)]
         for _, part in dev.groupby("setup", sort=False):
             blocks.append(results_grid(part))
-        blocks += [Heading("Largest config that fit, per policy", 3), largest_fit_grid(dev), Heading("Figures", 3)]
+        blocks += [Heading("Largest config that fit, per policy", 3), largest_fit_grid(dev)]
+        predictions = [g for _, part in dev.groupby("setup", sort=False) if (g := prediction_grid(part))]
+        if predictions:
+            blocks += [Heading("Prediction error per method", 3), *predictions]
+        blocks.append(Heading("Figures", 3))
         for fig in figures.get(dev_label, []):
             if fig.png is None:
                 blocks.append(Para(f"*{fig.title}*: not drawn — {fig.caption}"))

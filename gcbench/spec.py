@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gcbench.errors import GcbenchError
+from gcbench.measure import instrument_class
 from gcbench.models import load_config, prepare_config
 from gcbench.policies import Policy, parse_policy
 
@@ -39,18 +40,20 @@ def parse_bytes(text: str) -> int:
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when CUDA is available, else 'cpu'; refuse CUDA on a machine without it."""
+    """The device every torch call of a run gets: "cpu" or an explicit "cuda:N" (torch refuses "cuda" without an
+    index in set_device and set_per_process_memory_fraction). "auto" is cuda:0 when CUDA is available, else the CPU;
+    "cuda" is cuda:0, the first visible device (CUDA_VISIBLE_DEVICES picks which that is)."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return device
-    if re.fullmatch(r"cuda(:\d+)?", device):
+    if m := re.fullmatch(r"cuda(?::(\d+))?", device):
         if not torch.cuda.is_available():
             raise GcbenchError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
-        index = int(device.partition(":")[2] or 0)
+        index = int(m.group(1) or 0)
         if index >= torch.cuda.device_count():
             raise GcbenchError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
-        return device
+        return f"cuda:{index}"
     raise GcbenchError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N)")
 
 
@@ -75,12 +78,14 @@ class RunSpec:
     layers: int | None = None  # keep only the first N blocks (activation memory is linear in N); None = all
     precision: str = ""  # fp32 | bf16 | amp-bf16; "" = bf16 on CUDA, fp32 on CPU
     optimizer: str = "adamw"  # adamw (2 states/param) | sgd (momentum: 1 state/param) | none (no step)
-    device: str = "auto"  # auto | cpu | cuda[:N]
+    device: str = "auto"  # auto | cpu | cuda[:N]; resolved when made: "cpu" or an explicit "cuda:N"
     attn: str | None = None  # attention implementation; None = sdpa
-    warmup_steps: int = 3  # untimed; >= 2 so optimizer state exists before measuring
+    warmup_steps: int = 3  # untimed, >= 1: step 1 creates gradients and optimizer state (and picks kernels)
     measure_steps: int = 10  # timed; the median is reported
     seed: int = 0
-    memory_cap_bytes: int | None = None  # CPU: tracker raises OOM past it; CUDA: per-process memory fraction
+    # CPU: live tensor bytes (the tracker raises OOM past it); CUDA: the caching allocator's reserved bytes (a
+    # per-process memory fraction). Records say which in `memory_cap_kind`.
+    memory_cap_bytes: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalisation
@@ -90,8 +95,11 @@ class RunSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise GcbenchError(f"--{name.split('_')[0]} must be a positive integer, got {value}")
-        if self.warmup_steps < 0 or self.measure_steps < 1:
-            raise GcbenchError("--warmup must be >= 0 and --steps >= 1")
+        if self.warmup_steps < 1:
+            raise GcbenchError(f"--warmup must be at least 1, got {self.warmup_steps}: the first step creates "
+                               "gradients and optimizer state, so it cannot be a measured one")
+        if self.measure_steps < 1:
+            raise GcbenchError(f"--steps must be at least 1, got {self.measure_steps}")
         set_("device", resolve_device(self.device))
         if not self.precision:
             set_("precision", "bf16" if self.device.startswith("cuda") else "fp32")
@@ -126,6 +134,8 @@ class RunSpec:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["policy"] = self.policy.name
         out["policy_options"] = self.policy.options()
+        # What --memory-cap limits on this device: live tensor bytes (CPU) or reserved bytes (CUDA); None: no cap.
+        out["memory_cap_kind"] = instrument_class(self.device).memory_cap_kind if self.memory_cap_bytes else None
         return out
 
     @classmethod

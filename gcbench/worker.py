@@ -1,6 +1,7 @@
 """Measure one RunSpec in this process and return its Record (a flat dict, one JSON line in the results file).
 
-The fixed sequence (DESIGN.md, "Measurement protocol"):
+The fixed sequence (DESIGN.md, "Measurement protocol"); what differs between devices is the instrument's
+(measure.CpuInstrument, measure.CudaInstrument):
   build on the device -> wrap blocks with the policy -> warm-up steps (optimizer state exists after step 1)
   -> timed steps (CUDA: synchronize, reset peaks, baseline, events around the step; CPU: perf_counter)
   -> CPU only: one untimed step under the live-tensor tracker
@@ -13,23 +14,20 @@ so everything above the step's starting baseline is activations and temporaries.
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from gcbench.env import available_memory_bytes, capture_env
+from gcbench.env import capture_env
 from gcbench.errors import GcbenchError
-from gcbench.measure import LiveTensorTracker, SavedActivations, Stats, counting_flops, peak_flops, storage_bytes
+from gcbench.measure import (CpuInstrument, CudaInstrument, Progress, SavedActivations, counting_flops, instrument_for,
+                             storage_bytes)
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.results import SCHEMA_VERSION
 from gcbench.spec import RunSpec
 
-Progress = Callable[[str], None]  # called once per step with a short description of what runs next
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter
 GiB = 2**30
 
@@ -39,8 +37,8 @@ class TrainingStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: dict, spec: RunSpec):
         self.model, self.optimizer, self.batch = model, optimizer, batch
-        dtype = spec.autocast_dtype
-        device_type = torch.device(spec.device).type
+        self.device = torch.device(spec.device)
+        dtype, device_type = spec.autocast_dtype, self.device.type
         self._autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype else contextlib.nullcontext
 
     def forward(self) -> torch.Tensor:
@@ -99,11 +97,11 @@ def model_state_bytes(spec: RunSpec, n_params: int) -> int:
     return n_params * per_param * (2 + OPTIMIZER_STATES[spec.optimizer])
 
 
-def check_fits(spec: RunSpec, meta_model: nn.Module) -> None:
-    """Refuse at once (GcbenchError) when model state alone cannot fit; suggest a --layers that would."""
+def check_fits(spec: RunSpec, meta_model: nn.Module, available: int) -> None:
+    """Refuse at once (GcbenchError) when model state alone cannot fit in `available` bytes (or the memory cap);
+    suggest a --layers that would."""
     n_params = count_params(meta_model)
     need = model_state_bytes(spec, n_params)
-    available = available_memory_bytes(spec.device)
     if spec.memory_cap_bytes is not None:
         available = min(available, spec.memory_cap_bytes)
     if need <= 0.9 * available:
@@ -124,26 +122,22 @@ def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
 
     record: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **spec.as_record(), "status": "ok", "error": None}
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
-    # (CUDA) or peak_tracked_bytes (CPU) should read; None when no method can predict this policy.
-    record["predicted_peak_bytes"], record["prediction_method"] = predict_for_run(spec)
+    # (CUDA) or peak_tracked_bytes (CPU) should read.
+    record.update(predict_for_run(spec))
+    instrument = instrument_for(spec.device, spec.memory_cap_bytes)
     try:
-        record.update(_measure(spec, progress or (lambda _: None)))
+        with instrument.session():
+            record.update(_measure(spec, instrument, progress or (lambda _: None)))
     except torch.OutOfMemoryError as e:
         record.update(status="oom", error=str(e).strip().splitlines()[0][:500])
-    finally:
-        gc.collect()
-        if spec.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-            if spec.memory_cap_bytes is not None:  # the cap is process-wide: lift it for the next in-process run
-                torch.cuda.set_per_process_memory_fraction(1.0, spec.device)
     record["env"] = capture_env(spec.device)
     return record
 
 
-def _measure(spec: RunSpec, progress: Progress) -> dict[str, Any]:
+def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress: Progress) -> dict[str, Any]:
     config, family = spec.model_config()
     meta = build_meta_model(config, family)
-    check_fits(spec, meta)
+    check_fits(spec, meta, instrument.available_bytes())
     out: dict[str, Any] = {
         "family": family,
         "n_layers": config.num_hidden_layers,
@@ -151,12 +145,6 @@ def _measure(spec: RunSpec, progress: Progress) -> dict[str, Any]:
         "attn_implementation": config._attn_implementation or "sdpa",
     }
     del meta
-    cuda = spec.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(spec.device)
-        if spec.memory_cap_bytes is not None:
-            total = torch.cuda.get_device_properties(spec.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.memory_cap_bytes / total), spec.device)
 
     progress("building model")
     torch.manual_seed(spec.seed)
@@ -164,22 +152,13 @@ def _measure(spec: RunSpec, progress: Progress) -> dict[str, Any]:
     undo_policy = spec.policy.apply(find_blocks(model))
     step = TrainingStep(model, make_optimizer(spec.optimizer, model), make_batch(spec, config, spec.device), spec)
     policy_fields = spec.policy.prepare(step)  # compiling, host-offload bytes: see Policy.prepare
-
-    # A CPU memory cap must bite from the first step, as a GPU's memory would.
-    capped = LiveTensorTracker(spec.memory_cap_bytes) if spec.memory_cap_bytes and not cuda else None
-    if capped is not None:
-        capped.track(step.static_tensors() + list(step.batch.values()))
-    with capped or contextlib.nullcontext():
-        for i in range(spec.warmup_steps):
-            progress(f"warm-up {i + 1}/{spec.warmup_steps}")
-            step()
+    instrument.warm_up(step, spec.warmup_steps, progress)
 
     out["param_bytes"] = storage_bytes(step.params())
     out["grad_bytes"] = storage_bytes(step.grads())
     out["optimizer_bytes"] = storage_bytes(step.optimizer_state())
-    out.update(_time_cuda(step, spec, progress) if cuda else _time_cpu(step, spec, progress))
-    if not cuda:
-        out.update(_track_cpu(step, spec, progress))
+    out.update(instrument.time_steps(step, spec.measure_steps, progress))
+    out.update(instrument.peak_fields(step, progress))
 
     progress("counting saved bytes and FLOPs")
     saved = SavedActivations(exclude=step.params())
@@ -199,73 +178,7 @@ def _measure(spec: RunSpec, progress: Progress) -> dict[str, Any]:
     out["model_flops"] = model_flops.get_total_flops()
     out["recompute_flops_ratio"] = out["flops"] / out["model_flops"] - 1 if out["model_flops"] else None
     out["tokens_per_s"] = spec.batch_size * spec.seq_len / median_s
-    peak = peak_flops(torch.cuda.get_device_name(spec.device)) if cuda and spec.precision != "fp32" else None
+    peak = instrument.peak_flops() if spec.precision != "fp32" else None
     out["mfu"] = out["model_flops"] / median_s / peak if peak else None
     out.update(policy_fields)
     return out
-
-
-def _time_cuda(step: TrainingStep, spec: RunSpec, progress: Progress) -> dict[str, Any]:
-    step_ms, wall_ms, peaks, fwd_bwd_peaks, baselines = [], [], [], [], []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(spec.measure_steps):
-        progress(f"measuring {i + 1}/{spec.measure_steps}")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baselines.append(torch.cuda.memory_allocated())
-        t0 = time.perf_counter()
-        start.record()
-        step.forward_backward()
-        # Allocator statistics live on the host: reading them here does not synchronize with the GPU.
-        fwd_bwd_peaks.append(torch.cuda.max_memory_allocated())
-        step.optimizer_step()
-        end.record()
-        torch.cuda.synchronize()
-        wall_ms.append((time.perf_counter() - t0) * 1e3)
-        step_ms.append(start.elapsed_time(end))
-        peaks.append(torch.cuda.max_memory_allocated())
-    stats = torch.cuda.memory_stats()
-    baseline = max(baselines)
-    return {
-        **_time_fields(step_ms),
-        "wall_ms": wall_ms,
-        "peak_allocated_bytes": max(peaks),
-        "fwd_bwd_peak_bytes": max(fwd_bwd_peaks),
-        "static_bytes": baseline,
-        "activation_peak_bytes": max(fwd_bwd_peaks) - baseline,
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-        "num_alloc_retries": stats.get("num_alloc_retries", 0),
-    }
-
-
-def _time_cpu(step: TrainingStep, spec: RunSpec, progress: Progress) -> dict[str, Any]:
-    step_ms = []
-    for i in range(spec.measure_steps):
-        progress(f"measuring {i + 1}/{spec.measure_steps}")
-        t0 = time.perf_counter()
-        step()
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-    return _time_fields(step_ms)
-
-
-def _time_fields(step_ms: list[float]) -> dict[str, Any]:
-    stats = Stats.of(step_ms)
-    return {"step_ms": step_ms, "step_ms_median": stats.median, "step_ms_iqr": stats.iqr}
-
-
-def _track_cpu(step: TrainingStep, spec: RunSpec, progress: Progress) -> dict[str, Any]:
-    """One untimed step under the live-tensor tracker: peak of live tensor bytes, whole step and fwd+bwd."""
-    progress("tracking live tensors")
-    tracker = LiveTensorTracker(spec.memory_cap_bytes)
-    tracker.track(step.static_tensors() + list(step.batch.values()))
-    baseline = tracker.current
-    with tracker:
-        step.forward_backward()
-        fwd_bwd_peak = tracker.peak
-        step.optimizer_step()
-    return {
-        "peak_tracked_bytes": tracker.peak,
-        "fwd_bwd_peak_bytes": fwd_bwd_peak,
-        "static_bytes": baseline,
-        "activation_peak_bytes": fwd_bwd_peak - baseline,
-    }

@@ -27,3 +27,16 @@ def tiny_spec(model="tiny-llama", policy="none", **overrides) -> RunSpec:
 def classic_records():
     """One CPU record per (tiny family, classic policy): measured once, asserted on by many tests."""
     return {(m, p): run(tiny_spec(m, p, seq_len=256)) for m in TINY for p in CLASSIC}
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """One fake CUDA GPU for this test (tests/fake_cuda.py): torch.cuda answers, tensors stay on the CPU."""
+    from tests.fake_cuda import FakeGpu, fresh_library_caches
+
+    gpu = FakeGpu()
+    fresh_library_caches()
+    uninstall = gpu.install(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False))
+    yield gpu
+    uninstall()
+    fresh_library_caches()

@@ -47,7 +47,8 @@ def write(path, records):
 
 def without_predictions(records):
     """Records as they were before predictions (issue 6): the report must do without them."""
-    return [{k: v for k, v in r.items() if k not in ("predicted_peak_bytes", "prediction_method")} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(("predicted_peak_bytes", "prediction_method"))}
+            for r in records]
 
 
 @pytest.fixture
@@ -148,6 +149,31 @@ def test_predictions_add_a_column_and_a_figure(tmp_path, records):
     assert "prediction error" in md and "+10.0%" in md
     with Image.open(out / "figures" / "6-predicted-vs-measured.png") as im:
         im.verify()
+
+
+def test_prediction_error_per_method(tmp_path, records):
+    predicted = without_predictions(records)
+    for r in predicted:
+        if r["status"] == "ok":
+            r["predicted_peak_bytes_simulate"] = round(r["peak_tracked_bytes"] * 1.02)
+            r["predicted_peak_bytes_analytic"] = round(r["peak_tracked_bytes"] * 0.9) if r["policy"] == "none" else None
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", str(write(tmp_path / "r.jsonl", predicted)), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "prediction error · tiny-llama" in result.stdout
+    md = (out / "report.md").read_text()
+    section = md[md.index("### Prediction error per method"):md.index("### Figures")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 4 + 2  # 4 measured configs, then the median and the worst
+    assert all("+2.0%" in row for row in rows[:4])
+    assert [row.count("-10.0%") for row in rows[:4]] == [1, 0, 1, 0]  # analytic predicts `none` only here
+    assert rows[-2].endswith("| 2.0% | 10.0% |") and rows[-1].endswith("| 2.0% | 10.0% |")
+
+
+def test_report_without_per_method_predictions_has_no_such_table(tmp_path, results):
+    out = tmp_path / "report"
+    assert runner.invoke(app, ["report", str(results), "--out", str(out)]).exit_code == 0
+    assert "Prediction error per method" not in (out / "report.md").read_text()
 
 
 def test_report_from_a_file_with_only_ooms(tmp_path, records):

@@ -173,7 +173,7 @@ def test_timeout_kills_the_child(tmp_path):
 
     out = tmp_path / "r.jsonl"
     t0 = time.monotonic()
-    [record] = gcbench.sweep(model="tiny-llama", seq=32, batch=1, policy="none", device="cpu", warmup=0,
+    [record] = gcbench.sweep(model="tiny-llama", seq=32, batch=1, policy="none", device="cpu", warmup=1,
                              steps=100_000, timeout=1, out=out, progress=False)
     assert record["status"] == "timeout" and "no result within 1 s" in record["error"]
     assert time.monotonic() - t0 < 60

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Validate gcbench on a CUDA GPU in one command: the GPU tests, the canonical measurements, the harness overhead,
+# then a report with each config's prediction error (simulate and analytic against max_memory_allocated).
+#
+#   bash benchmarks/gpu/validate.sh             # on a machine with a CUDA GPU
+#   bash benchmarks/gpu/validate.sh --dry-run   # print the plan and what is already done (any machine)
+#   bash benchmarks/gpu/validate.sh --smoke     # the same steps on tiny models in a minute (no GPU tests), into
+#                                               # results/gpu-smoke/: checks the script itself
+#
+# Records go to results/gpu/<gpu-name>/, the report to docs/gpu-report/. Resumable: run it again and it goes on
+# where it stopped (sweeps skip the configs already in their file; finished steps are not run again). It needs
+# nothing outside the repository: the checkout runs as `python3 -m gcbench` with the repository on PYTHONPATH,
+# using the torch, transformers, typer, rich, pandas and matplotlib already installed. PYTHON picks the interpreter.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+
+dry_run=0 smoke=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry_run=1 ;;
+    --smoke) smoke=1 ;;
+    *) echo "validate.sh: unknown argument '$arg' (usage: bash benchmarks/gpu/validate.sh [--dry-run] [--smoke])" >&2
+       exit 2 ;;
+  esac
+done
+
+gpu=$("$python" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' \
+  2>/dev/null || true)
+if [ -z "$gpu" ] && [ "$dry_run" = 0 ]; then
+  echo "validate.sh: no CUDA GPU here (bash benchmarks/gpu/validate.sh --dry-run prints the plan)" >&2
+  exit 2
+fi
+if [ -z "$gpu" ]; then
+  gpu="<GPU name>"
+  slug="<gpu-name>"
+else
+  slug=$(printf '%s' "$gpu" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+fi
+failed=()
+if [ "$smoke" = 0 ]; then
+  dir="results/gpu/$slug" report=docs/gpu-report
+  large=llama-7b small=gpt2 layers=8 seq=512 long_seqs=2048,4096 long_batches=1,4 small_seq=1024 small_batch=8
+  line_seqs=512,1024,2048,4096,8192 line_batches=1,2,4,8 line_cap=() rounds=30
+else  # the same plan on tiny models; a memory cap puts the OOM line within reach
+  dir="results/gpu-smoke/$slug" report="results/gpu-smoke/$slug/report"
+  large=tiny-llama small=tiny-gpt2 layers=4 seq=64 long_seqs=64 long_batches=1,2 small_seq=64 small_batch=2
+  line_seqs=64,128 line_batches=1,4 line_cap=(--memory-cap 16MiB) rounds=2
+fi
+
+# configs <comma list>...: the size of their cartesian product
+configs() {
+  local n=1 list
+  for list in "$@"; do n=$((n * $(tr ',' '\n' <<<"$list" | wc -l))); done
+  echo "$n"
+}
+
+# done_note <file>: what a step has already left behind
+done_note() {
+  if [ -f "$1" ]; then echo "$(grep -c . "$1") record(s) already in $1"; else echo "nothing yet in $1"; fi
+}
+
+# sweep <name> <seq list> <batch list> <policy list> <extra gcbench sweep options>...
+sweep() {
+  local name=$1 seq=$2 batch=$3 policy=$4
+  shift 4
+  local out="$dir/$name.jsonl" n
+  n=$(configs "$seq" "$batch" "$policy")
+  echo "== $name: $n configs ($(done_note "$out"))"
+  echo "   gcbench sweep --seq $seq --batch $batch --policy $policy $* --out $out"
+  [ "$dry_run" = 1 ] && return 0
+  "$python" -m gcbench sweep --seq "$seq" --batch "$batch" --policy "$policy" "$@" --out "$out" \
+    || failed+=("$name (gcbench sweep exited $?)")
+}
+
+# once <name> <output file> <command>...: run the command unless an earlier call finished it (exit 0 recorded)
+once() {
+  local name=$1 out=$2
+  shift 2
+  if [ -f "$out" ] && tail -n 1 "$out" | grep -qx "exit 0"; then
+    echo "== $name: done earlier ($out)"
+    return 0
+  fi
+  echo "== $name: $*  > $out"
+  [ "$dry_run" = 1 ] && return 0
+  local status=0
+  "$@" >"$out.part" 2>&1 || status=$?
+  echo "exit $status" >>"$out.part"
+  mv "$out.part" "$out"
+  tail -n 15 "$out"
+  [ "$status" = 0 ] || failed+=("$name (exit $status, see $out)")
+}
+
+echo "gcbench GPU validation on $gpu: records in $dir/, report in $report/"
+[ "$dry_run" = 1 ] || mkdir -p "$dir"
+
+if [ "$smoke" = 0 ]; then
+  once "GPU tests" "$dir/pytest-gpu.txt" "$python" -m pytest -q -m gpu -p no:cacheprovider
+fi
+
+# The command users start from: a whole 7B model, one short sequence, the classic policies.
+sweep "$large-canonical" "$seq" 1 none,full,every-k:k=2,segments:k=4,sqrtn --model "$large"
+# Per-layer behaviour at long sequences: 8 of llama-7b's 32 blocks, every policy beyond the classic ones too.
+sweep "$large-${layers}layers" "$long_seqs" "$long_batches" none,full,every-k:k=2,segments:k=4,sqrtn,sac,attn,offload \
+  --model "$large" --layers "$layers" --steps 5
+sweep "$small" "$small_seq" "$small_batch" none,full,every-k:k=2,segments:k=4,sqrtn --model "$small"
+# Where the whole 7B model stops fitting: OOMs are results, and larger configs after one are skipped.
+sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 "${line_cap[@]}"
+
+once "harness overhead" "$dir/overhead.txt" "$python" benchmarks/overhead.py --model "$small" --seq "$small_seq" \
+  --batch "$small_batch" --policy full --rounds "$rounds"
+
+echo "== report: gcbench report $dir --out $report"
+if [ "$dry_run" = 0 ]; then
+  "$python" -m gcbench report "$dir" --out "$report" || failed+=("report (exit $?)")
+fi
+
+if [ "$dry_run" = 1 ]; then
+  echo "dry run: nothing was run"
+elif [ "${#failed[@]}" -gt 0 ]; then
+  printf 'validate.sh: not everything passed:\n' >&2
+  printf '  %s\n' "${failed[@]}" >&2
+  exit 1
+else
+  echo "validate.sh: done; commit $dir/ and $report/"
+fi

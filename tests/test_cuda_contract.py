@@ -1,0 +1,299 @@
+"""The CUDA branch, driven without a GPU: torch.cuda reports one fake H100 (tests/fake_cuda.py) while torch's own
+argument checks stay real. What is checked is the protocol (the order of calls, an explicit device in every call,
+the memory cap set and lifted, no first error replaced by a later one) and the CUDA record's fields; the numbers
+themselves come from a model of the caching allocator, not from a GPU."""
+
+import json
+import shutil
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.errors import GcbenchError
+from gcbench.measure import CudaInstrument
+from gcbench.results import read_records
+from gcbench.spec import RunSpec, resolve_device
+from gcbench.worker import run
+from tests.fake_cuda import DEVICE_ARG_POSITION, REPO_ROOT, is_explicit_device, read_log, subprocess_env
+
+MiB = 2**20
+FAKE_GPU = "NVIDIA H100 80GB HBM3"
+# One measured step, as DESIGN.md orders it: synchronize, reset peaks, baseline, event, forward+backward, the
+# fwd+bwd peak, optimizer step, event, synchronize, read.
+STEP = ["synchronize", "reset_peak_memory_stats", "memory_allocated", "Event.record", "max_memory_allocated",
+        "Event.record", "synchronize", "Event.elapsed_time", "max_memory_allocated", "max_memory_reserved"]
+PROTOCOL = set(STEP) | {"memory_stats"}
+CUDA_FIELDS = {"peak_allocated_bytes": int, "fwd_bwd_peak_bytes": int, "static_bytes": int,
+               "activation_peak_bytes": int, "peak_reserved_bytes": int, "num_alloc_retries": int,
+               "step_ms_median": float, "step_ms_iqr": float, "tokens_per_s": float, "mfu": float}
+
+
+def cuda_spec(**fields) -> RunSpec:
+    defaults = dict(model="tiny-llama", seq_len=64, batch_size=2, device="cuda", warmup_steps=1, measure_steps=3)
+    return RunSpec(**(defaults | fields))
+
+
+def assert_every_device_explicit(calls) -> None:
+    implicit = [(c.name, c.args, c.kwargs) for c in calls if not _explicit(c)]
+    assert implicit == [], f"torch.cuda calls without an explicit device: {implicit}"
+
+
+def _explicit(call) -> bool:
+    if call.name == "Event.record":  # events record on the current device's stream: it must be the run's device
+        return call.args == (0,)
+    if call.name in DEVICE_ARG_POSITION:
+        return is_explicit_device(call.device)
+    return True  # no device to name (is_available, device_count, empty_cache of the current device)
+
+
+def assert_cuda_record(record: dict) -> None:
+    assert record["status"] == "ok", record.get("error")
+    assert record["device"] == "cuda:0" and record["precision"] == "bf16"
+    for name, kind in CUDA_FIELDS.items():
+        assert isinstance(record[name], kind), (name, record[name])
+    assert all(isinstance(x, float) for x in record["step_ms"] + record["wall_ms"])
+    assert len(record["step_ms"]) == len(record["wall_ms"]) == record["measure_steps"]
+    assert record["env"]["gpu_name"] == FAKE_GPU and record["env"]["gpu_memory_bytes"] == 80 * 2**30
+    assert "peak_tracked_bytes" not in record  # a CUDA run never reports the CPU tracker's number
+    state = record["param_bytes"] + record["grad_bytes"] + record["optimizer_bytes"]
+    assert record["peak_allocated_bytes"] >= record["fwd_bwd_peak_bytes"] > record["static_bytes"] >= state
+    assert record["activation_peak_bytes"] == record["fwd_bwd_peak_bytes"] - record["static_bytes"]
+    assert record["peak_reserved_bytes"] >= record["peak_allocated_bytes"]
+
+
+# --------------------------------------------------------------------------------------------------- device
+
+
+def test_auto_and_cuda_resolve_to_an_explicit_device(fake_cuda):
+    assert resolve_device("auto") == resolve_device("cuda") == resolve_device("cuda:0") == "cuda:0"
+    assert RunSpec(model="tiny-llama", seq_len=8, batch_size=1).device == "cuda:0"
+    with pytest.raises(GcbenchError, match="only 1 CUDA device"):
+        resolve_device("cuda:1")
+
+
+def test_torch_still_refuses_a_device_without_index(fake_cuda):
+    # The fake keeps torch's own checks: this is the error the CUDA branch used to stop at.
+    with pytest.raises(ValueError, match="specified index"):
+        torch.cuda.set_device("cuda")
+
+
+def test_cuda_instrument_refuses_an_implicit_device():
+    with pytest.raises(ValueError, match="explicit device"):
+        CudaInstrument("cuda")
+
+
+# --------------------------------------------------------------------------------------------------- gcbench run
+
+
+def test_cuda_run_follows_the_protocol_with_an_explicit_device_in_every_call(fake_cuda):
+    record = run(cuda_spec())
+    assert_cuda_record(record)
+    calls = fake_cuda.gcbench_calls()
+    assert_every_device_explicit(calls)
+    names = [c.name for c in calls]
+    assert names.index("set_device") < names.index("mem_get_info") < names.index("synchronize")
+    protocol = [n for n in names if n in PROTOCOL]
+    assert protocol == ["synchronize", "memory_stats"] + STEP * 3 + ["memory_stats"]
+    # Step times are the events' (the fake clock ticks per op: every step runs the same ops), not the wall clock.
+    assert len(set(record["step_ms"])) == 1 and record["step_ms"][0] > 0
+    assert record["memory_cap_kind"] is None and fake_cuda.fraction == 1.0
+
+
+def test_cuda_offload_pins_host_memory(fake_cuda):
+    record = run(cuda_spec(policy="offload"))
+    assert record["status"] == "ok" and record["offloaded_bytes"] > 0
+    assert any(c.name == "pin_memory" for c in fake_cuda.calls)
+
+
+def test_cpu_offload_does_not_pin(fake_cuda):
+    assert run(cuda_spec(policy="offload", device="cpu", precision="fp32"))["status"] == "ok"
+    assert not any(c.name == "pin_memory" for c in fake_cuda.calls)
+    assert fake_cuda.gcbench_calls() == []  # a CPU run on a machine with a GPU leaves CUDA alone
+
+
+def test_memory_cap_caps_reserved_bytes_then_is_lifted(fake_cuda):
+    record = run(cuda_spec(seq_len=64, batch_size=16, memory_cap_bytes=16 * MiB))
+    assert record["status"] == "oom" and "CUDA out of memory" in record["error"]
+    assert record["memory_cap_kind"] == "reserved"
+    fractions = [c for c in fake_cuda.gcbench_calls() if c.name == "set_per_process_memory_fraction"]
+    assert [c.args[0] for c in fractions] == [16 * MiB / (80 * 2**30), 1.0]
+    assert all(is_explicit_device(c.device) for c in fractions)
+    assert fake_cuda.fraction == 1.0
+    assert run(cuda_spec(seq_len=64, batch_size=16))["status"] == "ok"  # the cap does not stick
+
+
+def test_a_failing_cleanup_does_not_replace_the_first_error(fake_cuda, monkeypatch):
+    from gcbench.worker import TrainingStep
+
+    def broken_step(self):
+        raise RuntimeError("the first error")
+
+    def broken_lift(fraction, device):
+        if fraction == 1.0:
+            raise RuntimeError("lifting the cap failed")
+        fake_cuda.set_fraction(fraction, device)
+
+    monkeypatch.setattr(TrainingStep, "forward_backward", broken_step)
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", broken_lift, raising=False)
+    with pytest.raises(RuntimeError, match="the first error") as raised:
+        run(cuda_spec(memory_cap_bytes=64 * MiB))
+    assert any("lifting the cap failed" in note for note in raised.value.__notes__)
+
+
+# --------------------------------------------------------------------------------------------------- the readings
+
+
+class ScriptedStep:
+    """A step whose forward+backward holds a temporary of the next size in `sizes` (bytes); its optimizer step
+    hands cached memory back, so that reserved memory differs from step to step."""
+
+    def __init__(self, sizes):
+        self.sizes, self.batch = iter(sizes), {}
+
+    def __call__(self):
+        self.forward_backward()
+        self.optimizer_step()
+
+    def forward_backward(self):
+        temporary = torch.empty(next(self.sizes), dtype=torch.uint8, device="cuda:0")
+        del temporary
+
+    def optimizer_step(self):
+        torch.cuda.empty_cache()
+
+    def static_tensors(self):
+        return []
+
+
+def test_peak_reserved_is_the_maximum_over_the_measured_steps(fake_cuda):
+    instrument = CudaInstrument("cuda:0")
+    with instrument.session():
+        out = instrument.time_steps(ScriptedStep([8 * MiB, 64 * MiB, 8 * MiB]), 3, lambda _: None)
+    assert out["peak_reserved_bytes"] == 64 * MiB  # not the last step's 8 MiB
+    assert out["peak_allocated_bytes"] == out["fwd_bwd_peak_bytes"] == 64 * MiB
+
+
+def test_alloc_retries_count_the_measured_steps_only(fake_cuda):
+    fake_cuda.num_alloc_retries = 5  # left by earlier configs in this process
+    fake_cuda.retry_above_bytes = 16 * MiB  # every step below crosses it once
+    instrument = CudaInstrument("cuda:0")
+    step = ScriptedStep([32 * MiB] * 5)
+    with instrument.session():
+        instrument.warm_up(step, 2, lambda _: None)
+        out = instrument.time_steps(step, 3, lambda _: None)
+    assert fake_cuda.num_alloc_retries == 5 + 2 + 3
+    assert out["num_alloc_retries"] == 3
+
+
+def test_warmup_of_zero_is_refused():
+    with pytest.raises(GcbenchError, match="--warmup must be at least 1"):
+        RunSpec(model="tiny-llama", seq_len=8, batch_size=1, device="cpu", warmup_steps=0)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny-llama", "--device", "cpu", "--warmup", "0"])
+    assert result.exit_code == 2
+    assert "--warmup must be at least 1" in result.stderr and "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------------------------------- estimate
+
+
+def test_estimate_for_a_cuda_target_is_the_same_with_a_gpu_present(fake_cuda, monkeypatch):
+    args = ["estimate", "--model", "tiny-llama", "--seq", "64,128", "--policy", "none,sqrtn", "--format", "json"]
+    with_gpu = CliRunner().invoke(app, args)
+    assert with_gpu.exit_code == 0, with_gpu.output
+    assert fake_cuda.gcbench_calls() == [] and fake_cuda.allocated == 0  # a prediction touches no GPU
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 0, raising=False)
+    without_gpu = CliRunner().invoke(app, args)
+    rows = lambda out: [{k: v for k, v in json.loads(line).items() if k != "seconds"}  # noqa: E731
+                        for line in out.splitlines()]
+    assert rows(with_gpu.stdout) == rows(without_gpu.stdout) and len(rows(with_gpu.stdout)) == 8
+
+
+# --------------------------------------------------------------------------------------------------- processes
+
+
+def gcbench(args, log) -> subprocess.CompletedProcess:
+    return subprocess.run(["gcbench", *args], env=subprocess_env(log), capture_output=True, text=True, timeout=300)
+
+
+def test_gcbench_run_command_on_cuda(tmp_path):
+    log, out = tmp_path / "calls.jsonl", tmp_path / "r.jsonl"
+    result = gcbench(["run", "--model", "tiny-llama", "--seq", "32", "--batch", "2", "--warmup", "1", "--steps",
+                      "2", "--out", str(out)], log)  # --device auto: the GPU
+    assert result.returncode == 0, result.stderr
+    assert FAKE_GPU in result.stdout and "max_memory_allocated" in result.stdout
+    [record] = read_records(out)
+    assert_cuda_record(record)
+    calls = [c for c in read_log(log) if c.caller.startswith("gcbench")]
+    assert_every_device_explicit(calls)
+    assert [c.name for c in calls].count("reset_peak_memory_stats") == 2
+
+
+@pytest.mark.slow
+def test_sweep_measures_cuda_configs_in_child_processes(tmp_path):
+    """Each config in its own child forked from the fork server; the cap applies in each child; an OOM is a
+    record; the fork server itself never initialises CUDA (the fake enforces the fork rule)."""
+    log, out = tmp_path / "calls.jsonl", tmp_path / "sweep.jsonl"
+    result = gcbench(["sweep", "--model", "tiny-llama", "--seq", "64", "--batch", "1,16", "--policy",
+                      "none,offload", "--warmup", "1", "--steps", "2", "--memory-cap", "16MiB", "--no-skip",
+                      "--out", str(out)], log)
+    assert result.returncode == 0, result.stderr
+    records = read_records(out)
+    assert [(r["batch_size"], r["policy"], r["status"]) for r in records] == [
+        (1, "none", "ok"), (1, "offload", "ok"), (16, "none", "oom"), (16, "offload", "oom")]
+    for r in records:
+        assert r["device"] == "cuda:0" and r["memory_cap_kind"] == "reserved"
+        assert r["env"]["gpu_name"] == FAKE_GPU
+    for r in records[:2]:
+        assert_cuda_record(r)
+    calls = read_log(log)
+    assert_every_device_explicit([c for c in calls if c.caller.startswith("gcbench")])
+    measuring = Counter(c.pid for c in calls if c.name == "set_device")
+    assert len(measuring) == 4 and set(measuring.values()) == {1}  # one child per config, each sets its device
+    parent = {c.pid for c in calls if c.caller == "gcbench.spec"} - set(measuring)
+    assert len(parent) == 1 and not parent & set(measuring)
+    assert any(c.name == "pin_memory" and c.pid in measuring for c in calls)
+    lifts = [c for c in calls if c.name == "set_per_process_memory_fraction" and c.args[0] == 1.0]
+    assert {c.pid for c in lifts} == set(measuring)  # lifted in every child, after an OOM too
+
+
+@pytest.mark.slow
+def test_gpu_validation_script_runs_every_step_and_resumes(tmp_path):
+    """benchmarks/gpu/validate.sh --smoke on the fake GPU: every sweep, the overhead benchmark and the report with
+    both methods' prediction errors; called again, it measures nothing twice."""
+    for part in ("gcbench", "benchmarks"):
+        shutil.copytree(REPO_ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    log = tmp_path / "calls.jsonl"
+    validate = ["bash", str(tmp_path / "benchmarks/gpu/validate.sh"), "--smoke"]
+    first = subprocess.run(validate, env=subprocess_env(log), capture_output=True, text=True, timeout=1200)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    results = tmp_path / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
+    counts = {f.name: Counter(r["status"] for r in read_records(f)) for f in results.glob("*.jsonl")}
+    assert counts == {"tiny-llama-canonical.jsonl": {"ok": 5}, "tiny-llama-4layers.jsonl": {"ok": 16},
+                      "tiny-gpt2.jsonl": {"ok": 5}, "tiny-llama-oom-line.jsonl": {"ok": 6, "oom": 2}}
+    assert "prediction error · tiny-gpt2" in first.stdout and "analytic" in first.stdout
+    assert "Prediction error per method" in (results / "report/report.md").read_text()
+    assert "ratio gcbench / bare" in (results / "overhead.txt").read_text()
+    measured = sum(c.name == "set_device" for c in read_log(log))
+
+    second = subprocess.run(validate, env=subprocess_env(log), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "harness overhead: done earlier" in second.stdout
+    assert {f.name: len(read_records(f)) for f in results.glob("*.jsonl")} == {
+        name: sum(c.values()) for name, c in counts.items()}
+    assert sum(c.name == "set_device" for c in read_log(log)) == measured  # no config measured again
+
+
+def test_gpu_validation_plan_prints_without_a_gpu():
+    result = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh"), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for step in ("GPU tests", "llama-7b-canonical: 5 configs", "llama-7b-8layers: 32 configs", "gpt2: 5 configs",
+                 "llama-7b-oom-line: 40 configs", "harness overhead", "report", "dry run: nothing was run"):
+        assert step in result.stdout
+    refused = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh")], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr
