@@ -11,6 +11,7 @@ import gc
 import os
 import statistics
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -357,7 +358,13 @@ class CudaInstrument:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.memory_cap_bytes / total), self.device)
         with cleanup_after(self._end_session):
-            yield
+            try:
+                yield
+            except torch.OutOfMemoryError as e:
+                # The failed step's tensors live on in the traceback's frames: drop them, so that the memory they
+                # hold goes back to the device when the session ends rather than when the error is forgotten.
+                traceback.clear_frames(e.__traceback__)
+                raise
 
     def _end_session(self) -> None:
         self._release()
@@ -366,7 +373,7 @@ class CudaInstrument:
 
     def _release(self) -> None:
         gc.collect()
-        torch.cuda.empty_cache()  # of the current device, which session() set
+        torch.cuda.empty_cache()  # the caching allocator's unused blocks, of every device
 
     def available_bytes(self) -> int:
         """Free memory on the device now (cudaMemGetInfo)."""

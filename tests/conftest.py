@@ -30,11 +30,12 @@ def classic_records():
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
-    """One fake CUDA GPU for this test (tests/fake_cuda.py): torch.cuda answers, tensors stay on the CPU."""
+def fake_cuda(monkeypatch, request):
+    """A fake CUDA GPU for this test (tests/fake_cuda.py): torch.cuda answers, tensors stay on the CPU. Indirect
+    parametrization passes FakeGpu fields (`{"devices": 2}`)."""
     from tests.fake_cuda import FakeGpu, fresh_library_caches
 
-    gpu = FakeGpu()
+    gpu = FakeGpu(**getattr(request, "param", {}))
     fresh_library_caches()
     uninstall = gpu.install(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False))
     yield gpu

@@ -129,10 +129,15 @@ def subprocess_env(log_path: Path) -> dict[str, str]:
 
 @dataclass
 class FakeGpu:
-    """One fake CUDA device (index 0) and its caching allocator."""
+    """Fake CUDA devices (`devices` of them, all alike) and the caching allocator of the one in use.
+
+    Tensors do not know which device they are on (they are all CPU tensors), so the allocator counts every
+    allocation on the current device (the one `set_device` chose); the statistics of any other device read zero,
+    so that code reading the wrong device's numbers is caught."""
 
     name: str = "NVIDIA H100 80GB HBM3"
     total_memory: int = 80 * 2**30
+    devices: int = 1
     op_ms: float = 0.01  # fake-clock milliseconds per dispatched op
     retry_above_bytes: int | None = None  # count an allocation retry whenever allocated bytes cross this line
     log_path: Path | None = None
@@ -140,7 +145,7 @@ class FakeGpu:
     def __post_init__(self) -> None:
         self.calls: list[Call] = []
         self.current_device = 0
-        self.fraction = 1.0
+        self.fractions: dict[int, float] = {}  # per device, set by set_per_process_memory_fraction
         self.allocated = self.peak_allocated = 0
         self.reserved = self.peak_reserved = 0
         self.num_alloc_retries = self.num_ooms = 0
@@ -187,6 +192,11 @@ class FakeGpu:
 
     # ------------------------------------------------------------------------------------------------ the allocator
 
+    @property
+    def fraction(self) -> float:
+        """The memory fraction of the device in use."""
+        return self.fractions.get(self.current_device, 1.0)
+
     def _limit(self) -> int:
         return int(self.fraction * self.total_memory)
 
@@ -225,6 +235,9 @@ class FakeGpu:
         self._host.add(key)
         weakref.finalize(storage, self._host.discard, key)
 
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return id(tensor.untyped_storage()) in self._host
+
     def _retry(self) -> None:
         self.num_alloc_retries += 1
         self.reserved = _round_up(self.allocated, SEGMENT_BYTES)
@@ -232,24 +245,26 @@ class FakeGpu:
 
     def memory_stats(self, device: int) -> dict[str, Any]:
         self._check_index(device)
-        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak_allocated}},
-                "reserved_bytes": {"all": {"current": self.reserved, "peak": self.peak_reserved}},
-                "num_alloc_retries": self.num_alloc_retries, "num_ooms": self.num_ooms}
+        used = device == self.current_device
+        return {"allocated_bytes": {"all": {"current": self.allocated * used, "peak": self.peak_allocated * used}},
+                "reserved_bytes": {"all": {"current": self.reserved * used, "peak": self.peak_reserved * used}},
+                "num_alloc_retries": self.num_alloc_retries * used, "num_ooms": self.num_ooms * used}
 
     def reset_peak(self, device: int) -> None:
         self._check_index(device)
-        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+        if device == self.current_device:
+            self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
     def empty_cache(self) -> None:
         self.reserved = _round_up(self.allocated, SEGMENT_BYTES)
 
     def set_fraction(self, fraction: float, device: int) -> None:
         self._check_index(device)
-        self.fraction = fraction
+        self.fractions[device] = fraction
 
     def _check_index(self, device: int) -> None:
-        if device != 0:  # what the C++ side raises for a device that does not exist
-            raise RuntimeError(f"Invalid device argument {device}: did you call init? (fake GPU has device 0 only)")
+        if not 0 <= device < self.devices:  # what the C++ side raises for a device that does not exist
+            raise RuntimeError(f"Invalid device argument {device}: did you call init? ({self.devices} fake GPUs)")
 
     # ------------------------------------------------------------------------------------------------ install
 
@@ -273,12 +288,12 @@ class FakeGpu:
         setattr_(cuda, "_cached_device_count", None)
         setattr_(cuda, "_queued_calls", [])
         setattr_(cuda, "_is_in_bad_fork", self._in_bad_fork)
-        setattr_(cuda, "_device_count_nvml", lambda: 1)  # NVML answers without initialising CUDA
+        setattr_(cuda, "_device_count_nvml", lambda: self.devices)  # NVML answers without initialising CUDA
         setattr_(cuda, "_exchange_device", self._exchange_device)
         setattr_(cuda, "_maybe_exchange_device", self._exchange_device)
         setattr_(cuda, "_cudart", SimpleNamespace(cudaMemGetInfo=self._mem_get_info))
         setattr_(cuda, "_get_device_properties", self._properties)
-        setattr_(cuda, "default_generators", (torch.Generator(),))
+        setattr_(cuda, "default_generators", tuple(torch.Generator() for _ in range(self.devices)))
         setattr_(cuda, "Event", self._event_class())
         for name in LOGGED:
             setattr_(cuda, name, self._logged(name, getattr(cuda, name)))
@@ -298,7 +313,7 @@ class FakeGpu:
 
     def _device_count(self) -> int:
         self._poison_fork()
-        return 1
+        return self.devices
 
     def _init(self) -> None:
         self._poison_fork()
@@ -311,6 +326,7 @@ class FakeGpu:
         return self.poisoned_in is not None and self.poisoned_in != os.getpid()
 
     def _set_device(self, index: int) -> None:
+        torch.cuda._lazy_init()  # the real binding initialises CUDA first
         self._check_index(index)
         self.current_device = index
 
@@ -322,7 +338,7 @@ class FakeGpu:
 
     def _mem_get_info(self, device: int) -> tuple[int, int]:
         self._check_index(device)
-        return self.total_memory - self.reserved, self.total_memory
+        return self.total_memory - self.reserved * (device == self.current_device), self.total_memory
 
     def _properties(self, device: int) -> SimpleNamespace:
         self._check_index(device)
@@ -373,8 +389,10 @@ def _host_device(value: Any) -> Any:
 
 
 class _CudaTensorsOnHost(TorchFunctionMode):
-    """Tensors asked for on CUDA are made on the CPU; a copy to the host is a real copy (the "device" tensor and
-    the host one are different memory); pinned host memory is plain host memory, logged."""
+    """Tensors asked for on CUDA are made on the CPU. Host copies are real copies, told apart by how they are made,
+    since every tensor reports the CPU: `.cpu()` and pinned memory make host memory (pinned memory is logged);
+    `.to(device)` of such a host tensor brings it back to the device (a new device allocation); `.to(device)` of
+    any other tensor stays where it is, as `x.to(x.device)` does on a GPU."""
 
     def __init__(self, gpu: FakeGpu):
         super().__init__()
@@ -387,12 +405,14 @@ class _CudaTensorsOnHost(TorchFunctionMode):
         if func is torch.Tensor.pin_memory:
             self.gpu.log("pin_memory", (tuple(args[0].shape),))
             return self._on_host(args[0].clone())
-        pinned = bool(kwargs.pop("pin_memory", False))
-        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _asks_for_cpu(args[1:], kwargs)):
+        if func is torch.Tensor.cpu:
             return self._on_host(args[0].clone())
+        pinned = bool(kwargs.pop("pin_memory", False))
         if "device" in kwargs:
             kwargs["device"] = _host_device(kwargs["device"])
         if func is torch.Tensor.to:
+            if self.gpu.is_host(args[0]) and _names_a_device(args[1:], kwargs):
+                return args[0].clone()  # host to device: a new device allocation (counted by the allocator)
             args = (args[0], *(_host_device(a) for a in args[1:]))
         out = func(*args, **kwargs)
         if pinned:
@@ -405,9 +425,8 @@ class _CudaTensorsOnHost(TorchFunctionMode):
         return tensor
 
 
-def _asks_for_cpu(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu"
-               for a in (*args, kwargs.get("device")) if a is not None and not isinstance(a, torch.dtype))
+def _names_a_device(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, (str, torch.device)) for a in (*args, kwargs.get("device")))
 
 
 class _Allocator(TorchDispatchMode):

@@ -4,6 +4,7 @@ the memory cap set and lifted, no first error replaced by a later one) and the C
 themselves come from a model of the caching allocator, not from a GPU."""
 
 import json
+import os
 import shutil
 import subprocess
 from collections import Counter
@@ -37,17 +38,22 @@ def cuda_spec(**fields) -> RunSpec:
     return RunSpec(**(defaults | fields))
 
 
-def assert_every_device_explicit(calls) -> None:
-    implicit = [(c.name, c.args, c.kwargs) for c in calls if not _explicit(c)]
-    assert implicit == [], f"torch.cuda calls without an explicit device: {implicit}"
+def assert_every_device_explicit(calls, index: int = 0) -> None:
+    """Every call names device `index` explicitly; events record while it is the current device."""
+    implicit = [(c.name, c.args, c.kwargs) for c in calls if not _names(c, index)]
+    assert implicit == [], f"torch.cuda calls without an explicit cuda:{index}: {implicit}"
 
 
-def _explicit(call) -> bool:
+def _names(call, index: int) -> bool:
     if call.name == "Event.record":  # events record on the current device's stream: it must be the run's device
-        return call.args == (0,)
+        return call.args == (index,)
     if call.name in DEVICE_ARG_POSITION:
-        return is_explicit_device(call.device)
-    return True  # no device to name (is_available, device_count, empty_cache of the current device)
+        return is_explicit_device(call.device) and torch.device("cuda", index) == _as_device(call.device)
+    return True  # no device to name (is_available, device_count, empty_cache)
+
+
+def _as_device(device) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
 def assert_cuda_record(record: dict) -> None:
@@ -101,6 +107,15 @@ def test_cuda_run_follows_the_protocol_with_an_explicit_device_in_every_call(fak
     # Step times are the events' (the fake clock ticks per op: every step runs the same ops), not the wall clock.
     assert len(set(record["step_ms"])) == 1 and record["step_ms"][0] > 0
     assert record["memory_cap_kind"] is None and fake_cuda.fraction == 1.0
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 2}], indirect=True)
+def test_a_run_on_the_second_gpu_names_it_in_every_call(fake_cuda):
+    record = run(cuda_spec(device="cuda:1"))
+    assert record["status"] == "ok" and record["device"] == "cuda:1"
+    assert_every_device_explicit(fake_cuda.gcbench_calls(), index=1)
+    # The fake's statistics of a device not in use read zero: these come from cuda:1.
+    assert record["peak_allocated_bytes"] > record["static_bytes"] > 0
 
 
 def test_cuda_offload_pins_host_memory(fake_cuda):
@@ -294,6 +309,6 @@ def test_gpu_validation_plan_prints_without_a_gpu():
     for step in ("GPU tests", "llama-7b-canonical: 5 configs", "llama-7b-8layers: 32 configs", "gpt2: 5 configs",
                  "llama-7b-oom-line: 40 configs", "harness overhead", "report", "dry run: nothing was run"):
         assert step in result.stdout
-    refused = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh")], capture_output=True,
-                             text=True, timeout=120)
+    refused = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh")], capture_output=True, text=True,
+                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)  # on a GPU machine too
     assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr

@@ -16,6 +16,9 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
+# Ctrl-C or SIGTERM (a `timeout`): the running sweep keeps its records and exits; then stop here too, rather than
+# go on to the next step. Bash runs the trap once the command in the foreground has ended.
+trap 'echo "validate.sh: interrupted; run it again to resume" >&2; exit 130' INT TERM
 
 dry_run=0 smoke=0
 for arg in "$@"; do
@@ -50,6 +53,14 @@ else  # the same plan on tiny models; a memory cap puts the OOM line within reac
   line_seqs=64,128 line_batches=1,4 line_cap=(--memory-cap 16MiB) rounds=2
 fi
 
+# stop_if_interrupted <exit status>: a step stopped by a signal (>= 128, e.g. 130 after Ctrl-C) stops the validation
+stop_if_interrupted() {
+  if [ "$1" -ge 128 ]; then
+    echo "validate.sh: interrupted (exit $1); run it again to resume" >&2
+    exit "$1"
+  fi
+}
+
 # configs <comma list>...: the size of their cartesian product
 configs() {
   local n=1 list
@@ -71,8 +82,10 @@ sweep() {
   echo "== $name: $n configs ($(done_note "$out"))"
   echo "   gcbench sweep --seq $seq --batch $batch --policy $policy $* --out $out"
   [ "$dry_run" = 1 ] && return 0
-  "$python" -m gcbench sweep --seq "$seq" --batch "$batch" --policy "$policy" "$@" --out "$out" \
-    || failed+=("$name (gcbench sweep exited $?)")
+  local status=0
+  "$python" -m gcbench sweep --seq "$seq" --batch "$batch" --policy "$policy" "$@" --out "$out" || status=$?
+  stop_if_interrupted "$status"
+  [ "$status" = 0 ] || failed+=("$name (gcbench sweep exited $status)")
 }
 
 # once <name> <output file> <command>...: run the command unless an earlier call finished it (exit 0 recorded)
@@ -87,6 +100,7 @@ once() {
   [ "$dry_run" = 1 ] && return 0
   local status=0
   "$@" >"$out.part" 2>&1 || status=$?
+  stop_if_interrupted "$status"
   echo "exit $status" >>"$out.part"
   mv "$out.part" "$out"
   tail -n 15 "$out"
@@ -107,10 +121,20 @@ sweep "$large-${layers}layers" "$long_seqs" "$long_batches" none,full,every-k:k=
   --model "$large" --layers "$layers" --steps 5
 sweep "$small" "$small_seq" "$small_batch" none,full,every-k:k=2,segments:k=4,sqrtn --model "$small"
 # Where the whole 7B model stops fitting: OOMs are results, and larger configs after one are skipped.
-sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 "${line_cap[@]}"
+sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 \
+  ${line_cap[@]+"${line_cap[@]}"}
 
 once "harness overhead" "$dir/overhead.txt" "$python" benchmarks/overhead.py --model "$small" --seq "$small_seq" \
   --batch "$small_batch" --policy full --rounds "$rounds"
+
+# A resumed sweep does not run its `error` configs again: count them in every call, not only the first.
+if [ "$dry_run" = 0 ]; then
+  for f in "$dir"/*.jsonl; do
+    [ -f "$f" ] || continue
+    n=$(grep -c '"status": "error"' "$f" || true)
+    [ "$n" = 0 ] || failed+=("$f: $n config(s) with status error (see their \"error\" field)")
+  done
+fi
 
 echo "== report: gcbench report $dir --out $report"
 if [ "$dry_run" = 0 ]; then
