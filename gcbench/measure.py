@@ -239,6 +239,13 @@ def step_time_fields(step_ms: list[float]) -> dict[str, Any]:
     return {"step_ms": step_ms, "step_ms_median": stats.median, "step_ms_iqr": stats.iqr}
 
 
+def warm_up(step: Step, n: int, progress: Progress) -> None:
+    """`n` untimed steps."""
+    for i in range(n):
+        progress(f"warm-up {i + 1}/{n}")
+        step()
+
+
 def instrument_class(device: str) -> type[CpuInstrument] | type[CudaInstrument]:
     return CudaInstrument if str(device).startswith("cuda") else CpuInstrument
 
@@ -300,9 +307,7 @@ class CpuInstrument:
         if capped is not None:
             capped.track(step.static_tensors() + list(step.batch.values()))
         with capped or nullcontext():
-            for i in range(n):
-                progress(f"warm-up {i + 1}/{n}")
-                step()
+            warm_up(step, n, progress)
 
     def time_steps(self, step: Step, n: int, progress: Progress) -> dict[str, Any]:
         step_ms = []
@@ -387,9 +392,7 @@ class CudaInstrument:
         return peak_flops(torch.cuda.get_device_name(self.device))
 
     def warm_up(self, step: Step, n: int, progress: Progress) -> None:
-        for i in range(n):
-            progress(f"warm-up {i + 1}/{n}")
-            step()
+        warm_up(step, n, progress)
 
     def time_steps(self, step: Step, n: int, progress: Progress) -> dict[str, Any]:
         """Per step: synchronize, reset peaks, baseline, event, forward+backward, read the fwd+bwd peak, optimizer

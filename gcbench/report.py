@@ -356,7 +356,7 @@ def prediction_grid(part: pd.DataFrame) -> Grid | None:
         return None
     scale, unit = byte_unit(ok["peak_bytes"].max())
     errors = {m: ok[f"predicted_peak_bytes_{m}"] / ok["peak_bytes"] - 1 for m in PREDICTION_METHODS}
-    pct = lambda v: f"{v:+.1%}" if _given(v) else "-"  # noqa: E731
+    pct = lambda v: f"{round(v, 3) or 0.0:+.1%}" if _given(v) else "-"  # noqa: E731 - never "-0.0%"
     rows = [[str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], f"{r['peak_bytes'] / scale:,.2f}",
              *(pct(errors[m][i]) for m in PREDICTION_METHODS)] for i, r in ok.iterrows()]
     for label, stat in (("median |error|", "median"), ("worst |error|", "max")):
