@@ -61,11 +61,11 @@ def run(
     optimizer: Annotated[str, typer.Option(help="adamw | sgd (momentum) | none")] = "adamw",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
     attn: Annotated[str | None, typer.Option(help="attention implementation: eager | sdpa (default sdpa)")] = None,
-    warmup: Annotated[int, typer.Option(help="untimed warm-up steps")] = 3,
+    warmup: Annotated[int, typer.Option(help="untimed warm-up steps, at least 1")] = 3,
     steps: Annotated[int, typer.Option(help="timed steps (median reported)")] = 10,
     seed: Annotated[int, typer.Option(help="seed for weights, batch and dropout")] = 0,
-    memory_cap: Annotated[str | None, typer.Option(help="memory limit, e.g. 2GiB (CPU: tracked bytes; CUDA: "
-                                                        "per-process fraction)")] = None,
+    memory_cap: Annotated[str | None, typer.Option(help="memory limit, e.g. 2GiB (CPU: live tensor bytes; "
+                                                        "CUDA: the allocator's reserved bytes)")] = None,
     out: Annotated[Path, typer.Option(help="JSON Lines file the record is appended to")] = DEFAULT_OUT,
 ) -> None:
     """Measure real training steps of one model under one checkpoint policy."""
@@ -207,11 +207,11 @@ def sweep(
     optimizer: Annotated[str | None, typer.Option(help="adamw (default) | sgd | none")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N]")] = None,
     attn: Annotated[str | None, typer.Option(help="attention implementation: eager | sdpa (default sdpa)")] = None,
-    warmup: Annotated[int | None, typer.Option(help="untimed warm-up steps per config (default 3)")] = None,
+    warmup: Annotated[int | None, typer.Option(help="untimed warm-up steps per config, at least 1 (default 3)")] = None,
     steps: Annotated[int | None, typer.Option(help="timed steps per config (default 10)")] = None,
     seed: Annotated[int | None, typer.Option(help="seed for weights, batch and dropout")] = None,
-    memory_cap: Annotated[str | None, typer.Option(help="memory limit per config, e.g. 2GiB (CPU: tracked bytes; "
-                                                        "CUDA: per-process fraction)")] = None,
+    memory_cap: Annotated[str | None, typer.Option(help="memory limit per config, e.g. 2GiB (CPU: live tensor "
+                                                        "bytes; CUDA: the allocator's reserved bytes)")] = None,
     out: Annotated[Path | None, typer.Option(help="JSON Lines file records are appended to (default "
                                                   "results/sweep.jsonl); configs already in it are not run again")]
     = None,
