@@ -13,9 +13,9 @@ import sys
 
 import pandas as pd
 
-from gcbench.estimate import analytic, simulate
+from gcbench.estimators import analytic, simulate
 from gcbench.spec import RunSpec
-from gcbench.worker import run
+from gcbench.runner import run
 
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
 CLASSIC = ("none", "full", "every-k:k=2", "segments:k=2", "sqrtn")

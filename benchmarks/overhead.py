@@ -15,10 +15,11 @@ import time
 
 import torch
 
-from gcbench.measure import Stats, instrument_for
+from gcbench.instruments import instrument_for
+from gcbench.measure import Stats
 from gcbench.models import build_model, find_blocks
 from gcbench.spec import RunSpec
-from gcbench.worker import TrainingStep, make_batch, make_optimizer
+from gcbench.step import TrainingStep, make_batch, make_optimizer
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 For --rounds configs (tiny-llama, seq 32, batch 1, 1 warm-up + 1 timed step) it times, from the progress
 messages each config sends:
   start   launch -> "building model": child start (fork from the server), spec, env, the memory prediction
-          that worker.run stores in every record, meta model, fit check
+          that runner.run stores in every record, meta model, fit check
   build   "building model" -> first warm-up step: model, policy, optimizer, batch
   exit    record received -> child exited and reaped (process isolation only)
 with process isolation (a fresh child per config, what `gcbench sweep` does) and in-process (`--isolation none`);
@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 
 from gcbench.spec import RunSpec
-from gcbench.sweep import InProcessRunner, ProcessRunner, Sweep, SweepSpec
+from gcbench.sweeps import InProcessRunner, ProcessRunner, Sweep, SweepSpec
 
 PARTS = ("start", "build", "exit", "config")
 
 
 def tiny_spec(i: int) -> RunSpec:
     """A distinct config per round (seq 32, 40, 48, ...), as in a real sweep: no config finds its shapes already
-    seen in the process (the memory prediction that worker.run makes is faster on shapes it has seen)."""
+    seen in the process (the memory prediction that runner.run makes is faster on shapes it has seen)."""
     return RunSpec("tiny-llama", 32 + 8 * i, 1, "none", device="cpu", warmup_steps=1, measure_steps=1)
 
 
@@ -85,7 +85,7 @@ def main() -> None:
               f"of which isolation itself: {(fixed - inline[i]['start'] - inline[i]['build']) * 1e3:.0f} ms")
 
     try:
-        from gcbench.estimate import predict_for_run
+        from gcbench.estimators import predict_for_run
     except ImportError:
         predict_for_run = None
     if predict_for_run is not None:

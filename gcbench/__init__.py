@@ -1,12 +1,52 @@
-"""gcbench: measure what activation checkpointing saves in memory and costs in time."""
+"""gcbench: measure what activation checkpointing saves in memory and costs in time.
 
-__version__ = "0.1.0"
+The library calls the CLI makes, importable without paying for torch until one is used (PEP 562):
 
-from gcbench.errors import GcbenchError  # noqa: E402
-from gcbench.spec import RunSpec  # noqa: E402
-from gcbench.worker import run  # noqa: E402
-from gcbench.results import load  # noqa: E402
-from gcbench.sweep import sweep  # noqa: E402  (the function; `from gcbench.sweep import ...` still reaches the module)
-from gcbench.estimate import estimate  # noqa: E402  (the function, as for sweep)
+    import gcbench
+    record = gcbench.run(gcbench.RunSpec(model="tiny-llama", seq_len=64, batch_size=2, policy="full"))
+    records = gcbench.sweep("sweeps/smoke.toml")
+    df = gcbench.load("results/")
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from gcbench.errors import GcbenchError
+
+try:
+    __version__ = version("gcbench")
+except PackageNotFoundError:  # run from a source tree that was never installed (python -m gcbench)
+    __version__ = "0+unknown"
+
+# public name -> module that defines it; imported at first use
+_LAZY = {
+    "RunSpec": "gcbench.spec",
+    "run": "gcbench.runner",
+    "sweep": "gcbench.sweeps",
+    "estimate": "gcbench.estimators",
+    "load": "gcbench.results.frame",
+}
+
+if TYPE_CHECKING:
+    from gcbench.estimators import estimate
+    from gcbench.results.frame import load
+    from gcbench.runner import run
+    from gcbench.spec import RunSpec
+    from gcbench.sweeps import sweep
 
 __all__ = ["GcbenchError", "RunSpec", "estimate", "load", "run", "sweep", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gcbench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -70,9 +70,9 @@ def run(
 ) -> None:
     """Measure real training steps of one model under one checkpoint policy."""
     from gcbench.report import run_table
-    from gcbench.results import append_record, ensure_writable
+    from gcbench.results.store import append_record, ensure_writable
     from gcbench.spec import RunSpec, parse_bytes
-    from gcbench.worker import run as run_spec
+    from gcbench.runner import run as run_spec
 
     with domain_errors():
         spec = RunSpec(model=model, seq_len=seq, batch_size=batch, policy=policy, layers=layers,
@@ -225,7 +225,7 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and its size; run nothing")] = False,
 ) -> None:
     """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result."""
-    from gcbench.sweep import Sweep, SweepSpec, grid_table, largest_fit_table, summary_table
+    from gcbench.sweeps import Sweep, SweepSpec, grid_table, largest_fit_table, summary_table
 
     options = {"model": model, "seq": seq, "batch": batch, "policy": policy, "layers": layers,
                "precision": precision, "optimizer": optimizer, "device": device, "attn": attn, "warmup": warmup,
@@ -277,10 +277,10 @@ def estimate(
     state and activations per config, by formulas and by a fake-tensor simulation."""
     import json
 
-    from gcbench.estimate import estimate_grid
+    from gcbench.estimators import estimate_grid
     from gcbench.report import estimate_table
     from gcbench.spec import parse_bytes
-    from gcbench.sweep import parse_options
+    from gcbench.sweeps import parse_options
 
     with domain_errors():
         if output_format not in ("table", "json"):

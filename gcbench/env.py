@@ -12,6 +12,7 @@ import torch
 import transformers
 
 import gcbench
+from gcbench.instruments import CudaInstrument
 
 
 def _run(*cmd: str) -> str | None:
@@ -55,9 +56,22 @@ def capture_env(device: str) -> dict:
         "driver": None,
     }
     if device.startswith("cuda"):
-        from gcbench.measure import CudaInstrument
-
         env.update(CudaInstrument(device).describe())
-        env["driver"] = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
-        env["driver"] = env["driver"].splitlines()[0] if env["driver"] else None
+        env["driver"] = driver_version()
     return env
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version through NVML (nvidia-ml-py), which never creates a CUDA context; None where
+    NVML cannot be loaded (no driver)."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        return pynvml.nvmlSystemGetDriverVersion()
+    finally:
+        pynvml.nvmlShutdown()
+

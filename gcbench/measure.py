@@ -1,24 +1,14 @@
-"""Measuring instruments: the CPU and CUDA instruments that time steps and read memory, step statistics, the CPU
-live-tensor tracker, saved-activation bytes, FLOPs, MFU peaks.
-
-Every torch.cuda call of a run is made by `CudaInstrument`, each with the run's explicit device (cuda:N), so that
-CI can drive it with a faked torch.cuda (tests/fake_cuda.py) while torch's own argument checks stay real.
-"""
+"""Device-independent counters: step statistics, storage bytes, the CPU live-tensor tracker, saved-activation
+bytes, FLOPs with recompute, and the devices' peak FLOP/s. The CPU and CUDA instruments (instruments.py) use them."""
 
 from __future__ import annotations
 
-import gc
-import os
 import statistics
-import time
-import traceback
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -26,6 +16,8 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
+
+from gcbench.units import round_up
 
 # FlopCounterMode knows the CUDA SDPA kernels but not the CPU flash kernel that SDPA picks on CPU; without these
 # two formulas attention would count zero FLOPs on CPU. Same formulas as the CUDA flash kernel (causal not halved).
@@ -63,11 +55,6 @@ class Stats:
     @property
     def iqr(self) -> float:
         return self.q3 - self.q1
-
-
-def round_up(nbytes: int, granularity_bytes: int) -> int:
-    """`nbytes` rounded up to a multiple of `granularity_bytes` (512 models the CUDA caching allocator's blocks)."""
-    return -(-nbytes // granularity_bytes) * granularity_bytes
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], granularity_bytes: int = 1) -> int:
@@ -211,227 +198,3 @@ def peak_flops(device_name: str) -> float | None:
         if key in device_name:
             return value
     return None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The instruments: everything that differs between a CPU and a CUDA run
-
-
-Progress = Callable[[str], None]  # called once per step with a short description of what runs next
-
-
-class Step(Protocol):
-    """What an instrument needs of a training step (worker.TrainingStep)."""
-
-    batch: dict[str, torch.Tensor]
-
-    def __call__(self) -> None: ...
-
-    def forward_backward(self) -> None: ...
-
-    def optimizer_step(self) -> None: ...
-
-    def static_tensors(self) -> list[torch.Tensor]: ...
-
-
-def step_time_fields(step_ms: list[float]) -> dict[str, Any]:
-    stats = Stats.of(step_ms)
-    return {"step_ms": step_ms, "step_ms_median": stats.median, "step_ms_iqr": stats.iqr}
-
-
-def warm_up(step: Step, n: int, progress: Progress) -> None:
-    """`n` untimed steps."""
-    for i in range(n):
-        progress(f"warm-up {i + 1}/{n}")
-        step()
-
-
-def instrument_class(device: str) -> type[CpuInstrument] | type[CudaInstrument]:
-    return CudaInstrument if str(device).startswith("cuda") else CpuInstrument
-
-
-def instrument_for(device: str, memory_cap_bytes: int | None = None) -> CpuInstrument | CudaInstrument:
-    """The instrument for a resolved device ("cpu" or "cuda:N")."""
-    return instrument_class(device)(device, memory_cap_bytes)
-
-
-@contextmanager
-def cleanup_after(cleanup: Callable[[], None]) -> Iterator[None]:
-    """Run `cleanup` when the block ends, however it ends. If the block failed, its error is the one raised: a
-    failing cleanup is attached to it as a note instead of replacing it (as a plain `finally` would)."""
-    try:
-        yield
-    except BaseException as first:
-        try:
-            cleanup()
-        except Exception as second:  # noqa: BLE001 - reported with the first error, which is what matters
-            first.add_note(f"then cleaning up failed too: {type(second).__name__}: {second}")
-        raise
-    cleanup()
-
-
-class CpuInstrument:
-    """A CPU run: perf_counter around each whole step; the peak comes from one more step under the live-tensor
-    tracker. `--memory-cap` limits live tensor bytes: the tracker raises a real torch.OutOfMemoryError past it."""
-
-    kind = "cpu"
-    memory_cap_kind = "tracked"  # what --memory-cap limits: live tensor bytes (LiveTensorTracker)
-
-    def __init__(self, device: str = "cpu", memory_cap_bytes: int | None = None):
-        self.memory_cap_bytes = memory_cap_bytes
-
-    @contextmanager
-    def session(self) -> Iterator[None]:
-        with cleanup_after(gc.collect):  # reference cycles of this run, before the next in-process one
-            yield
-
-    def available_bytes(self) -> int:
-        """The host's MemAvailable."""
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-    def describe(self) -> dict[str, Any]:
-        return {"gpu_name": None, "gpu_memory_bytes": None}
-
-    def peak_flops(self) -> float | None:
-        return None
-
-    def warm_up(self, step: Step, n: int, progress: Progress) -> None:
-        # A memory cap must bite from the first step, as a GPU's memory would.
-        capped = LiveTensorTracker(self.memory_cap_bytes) if self.memory_cap_bytes else None
-        if capped is not None:
-            capped.track(step.static_tensors() + list(step.batch.values()))
-        with capped or nullcontext():
-            warm_up(step, n, progress)
-
-    def time_steps(self, step: Step, n: int, progress: Progress) -> dict[str, Any]:
-        step_ms = []
-        for i in range(n):
-            progress(f"measuring {i + 1}/{n}")
-            t0 = time.perf_counter()
-            step()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        return step_time_fields(step_ms)
-
-    def peak_fields(self, step: Step, progress: Progress) -> dict[str, Any]:
-        """One untimed step under the live-tensor tracker: peak of live tensor bytes, whole step and fwd+bwd."""
-        progress("tracking live tensors")
-        tracker = LiveTensorTracker(self.memory_cap_bytes)
-        tracker.track(step.static_tensors() + list(step.batch.values()))
-        baseline = tracker.current
-        with tracker:
-            step.forward_backward()
-            fwd_bwd_peak = tracker.peak
-            step.optimizer_step()
-        return {
-            "peak_tracked_bytes": tracker.peak,
-            "fwd_bwd_peak_bytes": fwd_bwd_peak,
-            "static_bytes": baseline,
-            "activation_peak_bytes": fwd_bwd_peak - baseline,
-        }
-
-
-class CudaInstrument:
-    """A CUDA run on one explicit device: CUDA events and the caching allocator's statistics, in the fixed sequence
-    of DESIGN.md. `--memory-cap` limits the caching allocator's reserved bytes (a per-process memory fraction).
-
-    Every torch.cuda call names the device. Events carry none: they record on the current device's stream, which
-    `session` sets to this device.
-    """
-
-    kind = "cuda"
-    memory_cap_kind = "reserved"  # what --memory-cap limits: the caching allocator's reserved bytes
-
-    def __init__(self, device: str | torch.device, memory_cap_bytes: int | None = None):
-        self.device = torch.device(device)
-        if self.device.type != "cuda" or self.device.index is None:
-            raise ValueError(f"CudaInstrument needs an explicit device such as cuda:0, got {str(device)!r}")
-        self.memory_cap_bytes = memory_cap_bytes
-
-    @contextmanager
-    def session(self) -> Iterator[None]:
-        """This device selected and the memory cap applied for the block; afterwards the cap is lifted (it is
-        process-wide) and freed memory handed back, so that the next in-process run starts clean."""
-        torch.cuda.set_device(self.device)
-        self._release()  # what an earlier run in this process left in the cache
-        if self.memory_cap_bytes is not None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.memory_cap_bytes / total), self.device)
-        with cleanup_after(self._end_session):
-            try:
-                yield
-            except torch.OutOfMemoryError as e:
-                # The failed step's tensors live on in the traceback's frames: drop them, so that the memory they
-                # hold goes back to the device when the session ends rather than when the error is forgotten.
-                traceback.clear_frames(e.__traceback__)
-                raise
-
-    def _end_session(self) -> None:
-        self._release()
-        if self.memory_cap_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-
-    def _release(self) -> None:
-        gc.collect()
-        torch.cuda.empty_cache()  # the caching allocator's unused blocks, of every device
-
-    def available_bytes(self) -> int:
-        """Free memory on the device now (cudaMemGetInfo)."""
-        return torch.cuda.mem_get_info(self.device)[0]
-
-    def describe(self) -> dict[str, Any]:
-        props = torch.cuda.get_device_properties(self.device)
-        return {"gpu_name": props.name, "gpu_memory_bytes": props.total_memory}
-
-    def peak_flops(self) -> float | None:
-        return peak_flops(torch.cuda.get_device_name(self.device))
-
-    def warm_up(self, step: Step, n: int, progress: Progress) -> None:
-        warm_up(step, n, progress)
-
-    def time_steps(self, step: Step, n: int, progress: Progress) -> dict[str, Any]:
-        """Per step: synchronize, reset peaks, baseline, event, forward+backward, read the fwd+bwd peak, optimizer
-        step, event, synchronize, read the step's peaks. Peaks are reset every step, so each is read every step and
-        the maximum reported; allocation retries are counted over the measured steps only."""
-        dev = self.device
-        step_ms, wall_ms, peaks, fwd_bwd_peaks, reserved_peaks, baselines = [], [], [], [], [], []
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(dev)
-        retries_before = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
-        for i in range(n):
-            progress(f"measuring {i + 1}/{n}")
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            baselines.append(torch.cuda.memory_allocated(dev))
-            t0 = time.perf_counter()
-            start.record()
-            step.forward_backward()
-            # Allocator statistics live on the host: reading them here does not synchronize with the GPU.
-            fwd_bwd_peaks.append(torch.cuda.max_memory_allocated(dev))
-            step.optimizer_step()
-            end.record()
-            torch.cuda.synchronize(dev)
-            wall_ms.append((time.perf_counter() - t0) * 1e3)
-            step_ms.append(start.elapsed_time(end))
-            peaks.append(torch.cuda.max_memory_allocated(dev))
-            reserved_peaks.append(torch.cuda.max_memory_reserved(dev))
-        retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - retries_before
-        baseline = max(baselines)
-        return {
-            **step_time_fields(step_ms),
-            "wall_ms": wall_ms,
-            "peak_allocated_bytes": max(peaks),
-            "fwd_bwd_peak_bytes": max(fwd_bwd_peaks),
-            "static_bytes": baseline,
-            "activation_peak_bytes": max(fwd_bwd_peaks) - baseline,
-            "peak_reserved_bytes": max(reserved_peaks),
-            "num_alloc_retries": retries,
-        }
-
-    def peak_fields(self, step: Step, progress: Progress) -> dict[str, Any]:
-        return {}  # the allocator's peaks come with the timed steps

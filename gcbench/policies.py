@@ -34,7 +34,7 @@ from gcbench.errors import GcbenchError
 from gcbench.measure import SavedActivations, note_saved
 
 if TYPE_CHECKING:
-    from gcbench.worker import TrainingStep
+    from gcbench.step import TrainingStep
 
 POLICIES: dict[str, type[Policy]] = {}
 

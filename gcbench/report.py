@@ -22,27 +22,9 @@ from rich.table import Table
 from rich.text import Text
 
 from gcbench.errors import GcbenchError
-from gcbench.results import peak_bytes, policy_label
+from gcbench.results.schema import peak_bytes, policy_label
+from gcbench.units import byte_unit, fmt_bytes, human_count
 
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Binary units (GiB = 2**30), scaled to stay readable for tiny and 7B models alike."""
-    if n is None:
-        return "-"
-    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_count(n: float | None, unit: str = "") -> str:
-    if n is None:
-        return "-"
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {prefix}{unit}"
-    return f"{n:.0f} {unit}".strip()
 
 
 def run_table(record: dict[str, Any]) -> Table:
@@ -160,7 +142,8 @@ def _int(value: Any) -> int:
 def load_results(paths: Iterable[str | Path]) -> tuple[pd.DataFrame, list[str]]:
     """`load()` for a report: (DataFrame, warnings as one-line strings). No records at all is a GcbenchError;
     an empty file beside files with records is only a warning (a sweep may have just started it)."""
-    from gcbench.results import load, result_files
+    from gcbench.results.frame import load
+    from gcbench.results.store import result_files
 
     files = result_files(paths)
     with warnings.catch_warnings(record=True) as caught:
@@ -251,14 +234,6 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[int]:
             front.append(i)
             best_y = pts[i][1]
     return front
-
-
-def byte_unit(max_bytes: float) -> tuple[int, str]:
-    """One binary unit for a whole column (GiB = 2**30), so its values compare at a glance."""
-    for scale, unit in ((2**30, "GiB"), (2**20, "MiB")):
-        if _given(max_bytes) and max_bytes >= scale:
-            return scale, unit
-    return 2**10, "KiB"
 
 
 @dataclass

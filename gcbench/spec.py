@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from gcbench.errors import GcbenchError
-from gcbench.measure import instrument_class
+from gcbench.instruments import instrument_class
 from gcbench.models import load_config, prepare_config
 from gcbench.policies import Policy, parse_policy
+from gcbench.units import parse_bytes  # noqa: F401  (re-exported for callers of spec.parse_bytes)
 
 PRECISIONS = {
     # name: (parameter dtype, autocast dtype or None)
@@ -23,21 +24,6 @@ PRECISIONS = {
 }
 OPTIMIZERS = ("adamw", "sgd", "none")
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '500MB' -> 500000000 (GiB = 2**30, GB = 10**9; a bare number is bytes)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise GcbenchError(f"cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise GcbenchError(f"size {text!r} must be positive")
-    return value
-
 
 def resolve_device(device: str) -> str:
     """The device every torch call of a run gets: "cpu" or an explicit "cuda:N" (torch refuses "cuda" without an

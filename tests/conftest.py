@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gcbench.spec import RunSpec
-from gcbench.worker import run
+from gcbench.runner import run
 
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
 CLASSIC = ("none", "full", "every-k:k=2", "segments:k=2", "sqrtn")

@@ -9,7 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from gcbench.cli import app
-from gcbench.results import SCHEMA_VERSION, read_records
+from gcbench.results.schema import SCHEMA_VERSION
+from gcbench.results.store import read_records
 
 runner = CliRunner()
 TINY_RUN = ["run", "--model", "tiny-llama", "--seq", "32", "--batch", "2", "--device", "cpu", "--warmup", "1",

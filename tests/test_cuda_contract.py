@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
-from gcbench.measure import CudaInstrument
-from gcbench.results import read_records
+from gcbench.instruments import CudaInstrument
+from gcbench.results.store import read_records
 from gcbench.spec import RunSpec, resolve_device
-from gcbench.worker import run
+from gcbench.runner import run
 from tests.fake_cuda import DEVICE_ARG_POSITION, REPO_ROOT, is_explicit_device, read_log, subprocess_env
 
 MiB = 2**20
@@ -142,7 +142,7 @@ def test_memory_cap_caps_reserved_bytes_then_is_lifted(fake_cuda):
 
 
 def test_a_failing_cleanup_does_not_replace_the_first_error(fake_cuda, monkeypatch):
-    from gcbench.worker import TrainingStep
+    from gcbench.step import TrainingStep
 
     def broken_step(self):
         raise RuntimeError("the first error")

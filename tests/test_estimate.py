@@ -8,10 +8,10 @@ from typer.testing import CliRunner
 
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
-from gcbench.estimate import CUDA_BLOCK_BYTES, analytic, estimate, estimate_grid, simulate, understands
+from gcbench.estimators import CUDA_BLOCK_BYTES, analytic, estimate, estimate_grid, simulate, understands
 from gcbench.policies import POLICIES, parse_policy
 from gcbench.spec import RunSpec
-from gcbench.worker import run
+from gcbench.runner import run
 from tests.conftest import CLASSIC, TINY, tiny_spec
 
 runner = CliRunner()

@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 import gcbench
 from gcbench.cli import app
-from gcbench.results import read_records
+from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
-from gcbench.worker import run
+from gcbench.runner import run
 from tests.test_policies import assert_gradients_equal_none
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,8 @@ import torch
 
 from gcbench.errors import GcbenchError
 from gcbench.measure import LiveTensorTracker, SavedActivations, Stats, counting_flops, peak_flops
-from gcbench.results import append_record, load, read_records
+from gcbench.results.frame import load
+from gcbench.results.store import append_record, read_records
 from gcbench.spec import parse_bytes
 
 

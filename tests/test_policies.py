@@ -6,7 +6,7 @@ import torch
 from gcbench.errors import GcbenchError
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import POLICIES, CheckpointedGroup, EveryK, Segments, SqrtN, parse_policy
-from gcbench.worker import make_batch
+from gcbench.step import make_batch
 from tests.conftest import CLASSIC, TINY, tiny_spec
 
 

@@ -19,7 +19,8 @@ from gcbench.models import build_model, find_blocks
 from gcbench.policies import (SAC_ATTENTION, SAC_MATMULS, AttentionCore, OffloadedBlock, SelectiveCheckpointedBlock,
                               attention_modules, sac_policy_fn)
 from gcbench.spec import RunSpec
-from gcbench.worker import make_batch, run
+from gcbench.runner import run
+from gcbench.step import make_batch
 from tests.conftest import TINY, tiny_spec
 from tests.test_policies import assert_gradients_equal_none
 

@@ -17,7 +17,7 @@ from gcbench.cli import app
 from gcbench.compare import compare_results, parse_thresholds
 from gcbench.errors import GcbenchError
 from gcbench.report import pareto_front, results_frame
-from gcbench.results import append_record
+from gcbench.results.store import append_record
 from tests.conftest import tiny_spec
 
 runner = CliRunner()

@@ -15,10 +15,12 @@ from typer.testing import CliRunner
 
 import gcbench
 from gcbench.cli import app
-from gcbench.results import SCHEMA_VERSION, read_records
+from gcbench.results.schema import SCHEMA_VERSION
+from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
-from gcbench.sweep import OomFrontier, SweepSpec, spec_key
-from gcbench.worker import run
+from gcbench.results.schema import config_key as spec_key
+from gcbench.sweeps import OomFrontier, SweepSpec
+from gcbench.runner import run
 
 runner = CliRunner()
 FAST = dict(device="cpu", warmup=1, steps=1)
@@ -48,7 +50,7 @@ def test_toml_and_cli_grids_expand_identically(tmp_path):
         ("tiny-llama", 64, "none")]
     assert {s.memory_cap_bytes for s in from_toml} == {2**30}
     # a multi-option policy in a comma list stays one policy
-    from gcbench.sweep import _policies
+    from gcbench.sweeps import _policies
     assert _policies("none,every-k:k=3,full") == ("none", "every-k:k=3", "full")
 
 

@@ -1,19 +1,17 @@
 """Measure one RunSpec in this process and return its Record (a flat dict, one JSON line in the results file).
 
 The fixed sequence (DESIGN.md, "Measurement protocol"); what differs between devices is the instrument's
-(measure.CpuInstrument, measure.CudaInstrument):
+(instruments.CpuInstrument, instruments.CudaInstrument):
   build on the device -> wrap blocks with the policy -> warm-up steps (optimizer state exists after step 1)
   -> timed steps (CUDA: synchronize, reset peaks, baseline, events around the step; CPU: perf_counter)
   -> CPU only: one untimed step under the live-tensor tracker
   -> one untimed forward+backward counting saved-activation bytes and FLOPs with recompute
   -> one untimed forward+backward without the policy: model FLOPs (the MFU numerator).
-Gradients are zeroed in place (set_to_none=False): they are static memory like parameters and optimizer state,
-so everything above the step's starting baseline is activations and temporaries.
+The step itself (model, optimizer, batch) is step.TrainingStep.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -22,79 +20,15 @@ from torch import nn
 
 from gcbench.env import capture_env
 from gcbench.errors import GcbenchError
-from gcbench.measure import (CpuInstrument, CudaInstrument, Progress, SavedActivations, counting_flops, instrument_for,
-                             storage_bytes)
+from gcbench.estimators import predict_for_run
+from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
+from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
-from gcbench.results import SCHEMA_VERSION
+from gcbench.results.schema import new_record
 from gcbench.spec import RunSpec
+from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes
 
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter
 GiB = 2**30
-
-
-class TrainingStep:
-    """One training step on a fixed random batch, split in the two phases whose memory is reported apart."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: dict, spec: RunSpec):
-        self.model, self.optimizer, self.batch = model, optimizer, batch
-        self.device = torch.device(spec.device)
-        dtype, device_type = spec.autocast_dtype, self.device.type
-        self._autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype else contextlib.nullcontext
-
-    def forward(self) -> torch.Tensor:
-        self.model.zero_grad(set_to_none=False)
-        with self._autocast():
-            return self.model(**self.batch).loss
-
-    def forward_backward(self) -> None:
-        self.forward().backward()
-
-    def optimizer_step(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-
-    def __call__(self) -> None:
-        self.forward_backward()
-        self.optimizer_step()
-
-    def static_tensors(self) -> list[torch.Tensor]:
-        """Parameters, gradients and optimizer state: the step's starting baseline."""
-        return self.params() + self.grads() + self.optimizer_state()
-
-    def params(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters()] + [b for b in self.model.buffers()]
-
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
-
-    def optimizer_state(self) -> list[torch.Tensor]:
-        if self.optimizer is None:
-            return []
-        return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-
-
-def make_optimizer(name: str, model: nn.Module, foreach: bool | None = None) -> torch.optim.Optimizer | None:
-    """`foreach` None = torch's default (the multi-tensor path on CUDA: one parameter-sized temporary in the step);
-    the memory estimator forces it on to simulate a CUDA step with CPU tensors."""
-    params = list(model.parameters())
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-5, foreach=foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=foreach)
-    return None
-
-
-def make_batch(spec: RunSpec, config, device: str) -> dict[str, torch.Tensor]:
-    """Random token ids of the requested shape; labels = inputs (causal LM shifts them, MLM predicts them)."""
-    gen = torch.Generator().manual_seed(spec.seed)
-    ids = torch.randint(0, config.vocab_size, (spec.batch_size, spec.seq_len), generator=gen).to(device)
-    return {"input_ids": ids, "labels": ids}
-
-
-def model_state_bytes(spec: RunSpec, n_params: int) -> int:
-    """Parameters + gradients + optimizer state, in bytes, before anything is allocated."""
-    per_param = torch.tensor([], dtype=spec.param_dtype).element_size()
-    return n_params * per_param * (2 + OPTIMIZER_STATES[spec.optimizer])
 
 
 def check_fits(spec: RunSpec, meta_model: nn.Module, available: int) -> None:
@@ -118,9 +52,7 @@ def check_fits(spec: RunSpec, meta_model: nn.Module, available: int) -> None:
 
 def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
     """Measure `spec` in this process. An out-of-memory is a result (status 'oom'), not an exception."""
-    from gcbench.estimate import predict_for_run  # estimate imports this module
-
-    record: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **spec.as_record(), "status": "ok", "error": None}
+    record = new_record(spec.as_record())
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
     # (CUDA) or peak_tracked_bytes (CPU) should read.
     record.update(predict_for_run(spec))

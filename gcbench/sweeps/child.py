@@ -24,7 +24,7 @@ from gcbench import env
 from gcbench.errors import GcbenchError
 from gcbench.models import MODELS, build_meta_model, load_config
 from gcbench.spec import RunSpec
-from gcbench.worker import run
+from gcbench.runner import run
 
 
 def _warm_up_fork_server() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import secrets
 import signal
@@ -40,9 +39,9 @@ from rich.table import Table
 
 from gcbench.errors import GcbenchError
 from gcbench.policies import parse_policy
-from gcbench.report import fmt_bytes
-from gcbench.results import (SCHEMA_VERSION, STATUSES, append_record, drop_truncated_last_line, ensure_writable,
-                             peak_bytes, policy_label, read_records)
+from gcbench.units import fmt_bytes
+from gcbench.results.schema import STATUSES, config_key, config_label, new_record, peak_bytes, policy_label
+from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
 from gcbench.spec import RunSpec, parse_bytes
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
@@ -264,22 +263,9 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 # --------------------------------------------------------------------------------------------------- records
 
-SPEC_KEYS = tuple(f.name for f in dataclasses.fields(RunSpec)) + ("policy_options",)
-
-
-def spec_key(record: Mapping[str, Any]) -> str:
-    """A config's identity in a results file: its spec fields (as in `RunSpec.as_record()`) as canonical JSON."""
-    return json.dumps({k: record.get(k) for k in SPEC_KEYS}, sort_keys=True, default=str)
-
-
 def failure_record(spec: RunSpec, status: str, error: str, env: dict | None = None, **extra: Any) -> dict[str, Any]:
-    """A record for a config that produced no measurement (skipped, timeout, error); same head as worker.run's."""
-    return {"schema_version": SCHEMA_VERSION, **spec.as_record(), "status": status, "error": error, **extra,
-            "env": env}
-
-
-def config_label(record: Mapping[str, Any]) -> str:
-    return f"{record['model']} seq {record['seq_len']} batch {record['batch_size']} {policy_label(record)}"
+    """A record for a config that produced no measurement (skipped, timeout, error)."""
+    return new_record(spec.as_record(), status, error, **extra, env=env)
 
 
 class OomFrontier:
@@ -291,7 +277,7 @@ class OomFrontier:
 
     @staticmethod
     def _shape_free_key(record: Mapping[str, Any]) -> str:
-        return spec_key({**record, "seq_len": None, "batch_size": None})
+        return config_key(record, ignore=("seq_len", "batch_size"))
 
     def add(self, record: Mapping[str, Any]) -> None:
         if record.get("status") == "oom":
@@ -313,7 +299,7 @@ class ProcessRunner:
     sticky CUDA error or a segfault cannot touch the next config. `timeout_s` is enforced by killing the child."""
 
     def __init__(self, timeout_s: float):
-        from gcbench.child import run_child  # here, not at import: importing it warms up (git sha, model code)
+        from gcbench.sweeps.child import run_child  # here, not at import: importing it warms up (git sha, model code)
 
         self.timeout_s = timeout_s
         self._target = run_child
@@ -383,7 +369,7 @@ class InProcessRunner:
         self.timeout_s = None  # cannot be enforced without a process to kill
 
     def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:
-        from gcbench.worker import run
+        from gcbench.runner import run
 
         try:
             return run(spec, on_phase)
@@ -403,7 +389,7 @@ def _child_context():
     # and a process forked after that cannot use CUDA. NVML answers the same question without touching CUDA.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gcbench.child"])
+    ctx.set_forkserver_preload(["gcbench.sweeps.child"])
     return ctx
 
 
@@ -428,7 +414,7 @@ def _signals_deferred() -> Iterator[None]:
 
 @contextmanager
 def _main_module_hidden() -> Iterator[None]:
-    """Start a child without the caller's __main__. The child runs gcbench.child.run_child and needs nothing from
+    """Start a child without the caller's __main__. The child runs gcbench.sweeps.child.run_child and needs nothing from
     the calling script, but multiprocessing would re-run that script in every child (its unguarded top level
     included: a notebook-style script calling gcbench.sweep() would recurse) and cannot at all for `python -`."""
     main = sys.modules["__main__"]
@@ -500,8 +486,8 @@ class Sweep:
 
     def plan(self) -> list[PlannedConfig]:
         """Each config with its resumable record from the output file (newest wins), or None if it must run."""
-        done = {} if self.rerun else {spec_key(r): r for r in self._existing if self._counts_as_done(r)}
-        return [PlannedConfig(spec, done.get(spec_key(spec.as_record()))) for spec in self.specs]
+        done = {} if self.rerun else {config_key(r): r for r in self._existing if self._counts_as_done(r)}
+        return [PlannedConfig(spec, done.get(config_key(spec.as_record()))) for spec in self.specs]
 
     def _counts_as_done(self, record: dict[str, Any]) -> bool:
         status = record.get("status")

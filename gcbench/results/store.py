@@ -1,7 +1,4 @@
-"""The results store: append-only JSON Lines, one Record per line, loaded into pandas.
-
-Stored values are raw: bytes, milliseconds, FLOPs. Units are converted only for display.
-"""
+"""The results store: append-only JSON Lines, one record per line (the schema is schema.py)."""
 
 from __future__ import annotations
 
@@ -12,24 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from gcbench.errors import GcbenchError
-
-SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "timeout", "error", "skipped")
-
-
-def policy_label(record: dict[str, Any]) -> str:
-    """A record's policy as written on the command line: "every-k:k=2", "sqrtn"."""
-    opts = record.get("policy_options") or {}
-    return record["policy"] + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
-
-
-def peak_bytes(record: dict[str, Any]) -> int | None:
-    """A record's measured peak: the CUDA allocator's, or on CPU the live-tensor tracker's (never mixed up)."""
-    return record.get("peak_allocated_bytes", record.get("peak_tracked_bytes"))
-
+from gcbench.results.schema import SCHEMA_VERSION
 
 def ensure_writable(path: Path) -> None:
     """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind."""
@@ -121,15 +102,3 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
     if not files:
         raise GcbenchError("no results files given")
     return files
-
-
-def load(*paths: str | Path) -> pd.DataFrame:
-    """Every record of the given files/directories as one DataFrame, a row per config; `env` is flattened
-    to `env.*` columns, `source` names the file and `policy_label` is the policy with its options ("every-k:k=2";
-    flattening would otherwise scatter the options over NaN-padded `policy_options.*` columns)."""
-    rows = []
-    for path in result_files(paths or ("results",)):
-        for record in read_records(path):
-            label = policy_label(record) if "policy" in record else None
-            rows.append({**record, "policy_label": label, "source": str(path)})
-    return pd.json_normalize(rows, max_level=1) if rows else pd.DataFrame()

@@ -31,7 +31,7 @@ from gcbench.measure import LiveTensorTracker, round_up, storage_bytes
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import Policy
 from gcbench.spec import RunSpec
-from gcbench.worker import OPTIMIZER_STATES, TrainingStep, make_optimizer
+from gcbench.step import OPTIMIZER_STATES, TrainingStep, make_optimizer
 
 METHODS = ("analytic", "simulate")
 TARGETS = ("cuda", "cpu")  # what is predicted: max_memory_allocated on a CUDA GPU | peak_tracked_bytes on CPU

@@ -1,0 +1,123 @@
+"""The one record schema: what a line of a results file holds, and the one identity of a configuration.
+
+A record is a flat JSON object (a TypedDict: records are built, stored and loaded as plain dicts, and a DataFrame
+row is one, so a class with conversion at every boundary would buy nothing). Stored values are raw: bytes,
+milliseconds, FLOPs; units are converted only for display. Every producer builds its record with `new_record`,
+every consumer keys a configuration with `config_key`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "timeout", "error", "skipped")
+
+
+class SpecFields(TypedDict):
+    """A RunSpec as stored (RunSpec.as_record); tests/test_schema.py checks it names every RunSpec field."""
+
+    model: str
+    seq_len: int
+    batch_size: int
+    policy: str  # the policy's name; its options are in policy_options
+    policy_options: dict[str, Any]
+    layers: int | None
+    precision: str
+    optimizer: str
+    device: str  # resolved: "cpu" or "cuda:N"
+    attn: str | None
+    warmup_steps: int
+    measure_steps: int
+    seed: int
+    memory_cap_bytes: int | None
+    memory_cap_kind: str | None  # derived from device: "tracked" (CPU) | "reserved" (CUDA) | None (no cap)
+
+
+class Record(SpecFields, total=False):
+    """One configuration's result. Measurement fields are present when status is "ok" (some also on "oom")."""
+
+    schema_version: int
+    status: str  # one of STATUSES
+    error: str | None  # why it did not run or finished early (OOM message, timeout, last stderr line)
+    # prediction made before the run (estimators.predict_for_run)
+    predicted_peak_bytes: int | None
+    prediction_method: str | None
+    predicted_peak_bytes_simulate: int | None
+    predicted_peak_bytes_analytic: int | None
+    # the model
+    family: str
+    n_layers: int
+    n_params: int
+    attn_implementation: str
+    # static memory, bytes
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    static_bytes: int  # the step's starting baseline: params + grads + optimizer state (+ buffers)
+    # time, ms
+    step_ms: list[float]  # every measured step, in order
+    step_ms_median: float
+    step_ms_iqr: float
+    wall_ms: float  # CUDA: host wall time of the measured steps, synchronized
+    compile_ms: float  # budget policy: first step minus a compiled step
+    # peaks, bytes
+    peak_allocated_bytes: int  # CUDA: torch.cuda.max_memory_allocated over a whole step
+    peak_tracked_bytes: int | None  # CPU: the live-tensor tracker's peak over a whole step
+    fwd_bwd_peak_bytes: int | None
+    activation_peak_bytes: int | None  # fwd_bwd_peak_bytes - static_bytes
+    peak_reserved_bytes: int  # CUDA: max_memory_reserved
+    num_alloc_retries: int  # CUDA: allocator retries during the measured steps
+    saved_activation_bytes: int  # saved for backward (saved_tensors_hooks), parameters excluded
+    offloaded_bytes: int  # offload policy: bytes one step puts in host memory
+    # compute
+    flops: int | None  # with recompute
+    model_flops: int  # without the policy: the MFU numerator
+    recompute_flops_ratio: float | None  # flops / model_flops - 1
+    tokens_per_s: float
+    mfu: float | None
+    # a sweep's
+    sweep_id: str
+    isolation: str
+    config_wall_ms: float | None  # the whole config as the sweep saw it
+    stderr_tail: str  # last lines of a failed child's output
+    env: dict[str, Any] | None  # versions, device, numeric settings (env.capture_env)
+
+
+# The fields that make two records the same configuration (memory_cap_kind is derived from device).
+IDENTITY_KEYS = tuple(k for k in SpecFields.__annotations__ if k != "memory_cap_kind")
+# Fields that say how long to measure, not what: two runs differing only in these measure the same configuration.
+RUN_LENGTH_KEYS = ("warmup_steps", "measure_steps")
+
+
+def new_record(spec_fields: Mapping[str, Any], status: str = "ok", error: str | None = None,
+               **fields: Any) -> Record:
+    """The head every record starts with (schema version, the spec, status, error), then `fields`."""
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}")
+    return {"schema_version": SCHEMA_VERSION, **spec_fields, "status": status, "error": error,  # type: ignore
+            **fields}
+
+
+def config_key(record: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> str:
+    """A configuration's identity: its spec fields (minus `ignore`) as canonical JSON. A sweep resumes by it, the
+    OOM skip rule ignores seq_len and batch_size, compare ignores the device index and the run length."""
+    return json.dumps({k: record.get(k) for k in IDENTITY_KEYS if k not in ignore}, sort_keys=True, default=str)
+
+
+def policy_label(record: Mapping[str, Any]) -> str:
+    """A record's policy as written on the command line: "every-k:k=2", "sqrtn"."""
+    opts = record.get("policy_options") or {}
+    return record["policy"] + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+
+
+def config_label(record: Mapping[str, Any]) -> str:
+    """A configuration in a few words, for progress lines and errors."""
+    return f"{record['model']} seq {record['seq_len']} batch {record['batch_size']} {policy_label(record)}"
+
+
+def peak_bytes(record: Mapping[str, Any]) -> int | None:
+    """A record's measured peak: the CUDA allocator's, or on CPU the live-tensor tracker's (never mixed up)."""
+    return record.get("peak_allocated_bytes", record.get("peak_tracked_bytes"))

@@ -1,0 +1,60 @@
+"""Sizes and counts for people: parsing what a user types (2GiB) and formatting stored raw values for display.
+
+Binary units are binary (GiB = 2**30) and decimal units decimal (GB = 10**9), never mixed up. No torch, no pandas:
+the CLI, the sweep's progress lines and the report all use these.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from gcbench.errors import GcbenchError
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000 (GiB = 2**30, GB = 10**9; a bare number is bytes)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise GcbenchError(f"cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise GcbenchError(f"size {text!r} must be positive")
+    return value
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Binary units (GiB = 2**30), scaled to stay readable for tiny and 7B models alike."""
+    if n is None:
+        return "-"
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_count(n: float | None, unit: str = "") -> str:
+    """1.5e9 -> '1.50 G' + unit (decimal prefixes: FLOPs, parameters, tokens)."""
+    if n is None:
+        return "-"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".strip()
+
+
+def byte_unit(max_bytes: float | None) -> tuple[int, str]:
+    """One binary unit for a whole column (GiB = 2**30), so its values compare at a glance."""
+    given = max_bytes is not None and not (isinstance(max_bytes, float) and math.isnan(max_bytes))
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB")):
+        if given and max_bytes >= scale:
+            return scale, unit
+    return 2**10, "KiB"
+
+
+def round_up(nbytes: int, granularity_bytes: int) -> int:
+    """`nbytes` rounded up to a multiple of `granularity_bytes` (512 models the CUDA caching allocator's blocks)."""
+    return -(-nbytes // granularity_bytes) * granularity_bytes
