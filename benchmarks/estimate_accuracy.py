@@ -13,7 +13,8 @@ import sys
 
 import pandas as pd
 
-from gcbench.estimators import analytic, simulate
+from gcbench.estimators.analytic import analytic
+from gcbench.estimators.simulate import simulate
 from gcbench.spec import RunSpec
 from gcbench.runner import run
 

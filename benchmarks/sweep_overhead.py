@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from gcbench.spec import RunSpec
-from gcbench.sweeps import InProcessRunner, ProcessRunner, Sweep, SweepSpec
+from gcbench.grid import SweepSpec
+from gcbench.sweeps import Sweep
+from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner
 
 PARTS = ("start", "build", "exit", "config")
 

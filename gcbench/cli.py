@@ -6,11 +6,13 @@ Every domain error (GcbenchError) and every usage error becomes one line on stde
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, get_type_hints
 
 import typer
 from rich.console import Console
@@ -18,6 +20,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from gcbench.errors import GcbenchError
+from gcbench.spec import RunSpec
+from gcbench.spec import spec_options as spec_options_of_runspec
 
 app = typer.Typer(
     help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
@@ -48,37 +52,80 @@ def domain_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+ALL = "all"
+ESTIMATE_AXES = ("model", "seq_len", "batch_size", "policy")
+ESTIMATE_FIELDS = (*ESTIMATE_AXES, "layers", "precision", "optimizer", "attn")
+
+
+def spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
+                 defaults: dict[str, Any] | None = None) -> Callable[[Callable], Callable]:
+    """Give a command one option per RunSpec field (spec.py declares them: flag, help, metavar), before its own.
+
+    The command receives `spec_values`: {flag: value as typed} for the options given or with a default here
+    (`defaults`, by field name; the others keep RunSpec's). `several`: the fields that take comma-separated values
+    here (ALL: every one); `fields`: which RunSpec fields the command has (None: all).
+    """
+    options = {n: o for n, o in spec_options_of_runspec().items() if fields is None or n in fields}
+    defaults = defaults or {}
+    runspec_defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
+
+    def add_options(command: Callable) -> Callable:
+        hints = {k: v for k, v in get_type_hints(command, include_extras=True).items() if k != "spec_values"}
+        # typer reads Annotated[..., typer.Option] from the signature: give it the evaluated hints
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
+               for p in inspect.signature(command).parameters.values() if p.name != "spec_values"]
+        added = []
+        for name, opt in options.items():
+            many = several == ALL or name in several
+            help = opt.help + ("; comma-separated for several" if many and several != ALL else "")
+            if name not in defaults and runspec_defaults.get(name) not in (None, ""):
+                help += f" (default: {runspec_defaults[name]})"  # applied by RunSpec, so that a TOML file can set it
+            metavar = f"<{opt.metavar.lower()}{',...' if many else ''}>"
+            hint = Annotated[str | None, typer.Option(f"--{opt.flag}", help=help, metavar=metavar)]
+            default = str(defaults[name]) if name in defaults else None
+            added.append(inspect.Parameter(f"spec__{name}", inspect.Parameter.KEYWORD_ONLY, default=default,
+                                           annotation=hint))
+            hints[f"spec__{name}"] = hint
+
+        @functools.wraps(command)
+        def with_options(**kwargs: Any) -> Any:
+            given = {options[name].flag: kwargs.pop(f"spec__{name}") for name in options}
+            return command(spec_values={flag: v for flag, v in given.items() if v is not None}, **kwargs)
+
+        with_options.__signature__ = inspect.Signature([*added, *own])  # type: ignore[attr-defined]
+        with_options.__annotations__ = hints
+        return with_options
+
+    return add_options
+
+
+def one_value_each(values: dict[str, tuple], why: str) -> dict[str, Any]:
+    """{field: (value,)} -> {field: value}; GcbenchError naming the option given several values."""
+    from gcbench.spec import spec_options as declared
+
+    for name, given in values.items():
+        if len(given) > 1:
+            raise GcbenchError(f"--{declared()[name].flag} takes one value here, got {len(given)}"
+                               + (f": {why}" if why else ""))
+    return {name: given[0] for name, given in values.items()}
+
+
 @app.command()
+@spec_options(defaults={"model": "gpt2", "seq_len": 512, "batch_size": 1, "policy": "none"})
 def run(
-    model: Annotated[str, typer.Option(help="preset name (see `gcbench models`) or path to a config.json")] = "gpt2",
-    seq: Annotated[int, typer.Option(help="sequence length in tokens")] = 512,
-    batch: Annotated[int, typer.Option(help="samples per step")] = 1,
-    policy: Annotated[str, typer.Option(help="checkpoint policy: name or name:key=value (see `gcbench policies`)")]
-    = "none",
-    layers: Annotated[int | None, typer.Option(help="keep only the first N blocks (default: all)")] = None,
-    precision: Annotated[str | None, typer.Option(help="fp32 | bf16 | amp-bf16 (default: bf16 on CUDA, fp32 on CPU)")]
-    = None,
-    optimizer: Annotated[str, typer.Option(help="adamw | sgd (momentum) | none")] = "adamw",
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
-    attn: Annotated[str | None, typer.Option(help="attention implementation: eager | sdpa (default sdpa)")] = None,
-    warmup: Annotated[int, typer.Option(help="untimed warm-up steps, at least 1")] = 3,
-    steps: Annotated[int, typer.Option(help="timed steps (median reported)")] = 10,
-    seed: Annotated[int, typer.Option(help="seed for weights, batch and dropout")] = 0,
-    memory_cap: Annotated[str | None, typer.Option(help="memory limit, e.g. 2GiB (CPU: live tensor bytes; "
-                                                        "CUDA: the allocator's reserved bytes)")] = None,
-    out: Annotated[Path, typer.Option(help="JSON Lines file the record is appended to")] = DEFAULT_OUT,
+    spec_values: dict[str, Any],
+    out: Annotated[Path, typer.Option(help="JSON Lines file the record is appended to", metavar="<path>")]
+    = DEFAULT_OUT,
 ) -> None:
     """Measure real training steps of one model under one checkpoint policy."""
-    from gcbench.report import run_table
+    from gcbench.grid import parse_options
+    from gcbench.report.tables import run_table
     from gcbench.results.store import append_record, ensure_writable
-    from gcbench.spec import RunSpec, parse_bytes
     from gcbench.runner import run as run_spec
 
     with domain_errors():
-        spec = RunSpec(model=model, seq_len=seq, batch_size=batch, policy=policy, layers=layers,
-                       precision=precision or "", optimizer=optimizer, device=device, attn=attn,
-                       warmup_steps=warmup, measure_steps=steps, seed=seed,
-                       memory_cap_bytes=parse_bytes(memory_cap) if memory_cap else None)
+        values, _ = parse_options(spec_values, fields=tuple(spec_options_of_runspec()))
+        spec = RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`"))
         ensure_writable(out)
         with _step_progress(spec.warmup_steps + spec.measure_steps + 4) as advance:
             record = run_spec(spec, progress=advance)
@@ -139,7 +186,9 @@ def report(
 ) -> None:
     """Tables of many runs grouped by device, model, seq and batch, with `x none` ratios; --out adds figures
     and a report to share."""
-    from gcbench.report import load_results, results_frame, terminal_tables, write_report
+    from gcbench.report.document import write_report
+    from gcbench.report.tables import terminal_tables
+    from gcbench.results.frame import load_results, results_frame
 
     with domain_errors():
         df, notes = load_results(paths)
@@ -164,7 +213,7 @@ def compare(
 ) -> None:
     """Changes in peak memory, step time and tokens/s between two results, matched config by config."""
     from gcbench.compare import compare_results, comparison_tables, parse_thresholds
-    from gcbench.report import load_results, results_frame
+    from gcbench.results.frame import load_results, results_frame
 
     with domain_errors():
         thresholds = parse_thresholds(fail)
@@ -193,25 +242,11 @@ def compare(
 
 
 @app.command()
+@spec_options(several=ALL)
 def sweep(
-    config: Annotated[Path | None, typer.Option(help="TOML file with the grid (keys: the option names below); "
-                                                     "options given here override it")] = None,
-    model: Annotated[str | None, typer.Option(help="models, comma-separated: presets or config.json paths")] = None,
-    seq: Annotated[str | None, typer.Option(help="sequence lengths, e.g. 512,1024,2048")] = None,
-    batch: Annotated[str | None, typer.Option(help="batch sizes, e.g. 1,2,4,8")] = None,
-    policy: Annotated[str | None, typer.Option(help="policies, e.g. none,full,every-k:k=2,sqrtn (the default)")]
-    = None,
-    layers: Annotated[int | None, typer.Option(help="keep only the first N blocks of every model")] = None,
-    precision: Annotated[str | None, typer.Option(help="fp32 | bf16 | amp-bf16 (default: bf16 on CUDA, fp32 on CPU)")]
-    = None,
-    optimizer: Annotated[str | None, typer.Option(help="adamw (default) | sgd | none")] = None,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N]")] = None,
-    attn: Annotated[str | None, typer.Option(help="attention implementation: eager | sdpa (default sdpa)")] = None,
-    warmup: Annotated[int | None, typer.Option(help="untimed warm-up steps per config, at least 1 (default 3)")] = None,
-    steps: Annotated[int | None, typer.Option(help="timed steps per config (default 10)")] = None,
-    seed: Annotated[int | None, typer.Option(help="seed for weights, batch and dropout")] = None,
-    memory_cap: Annotated[str | None, typer.Option(help="memory limit per config, e.g. 2GiB (CPU: live tensor "
-                                                        "bytes; CUDA: the allocator's reserved bytes)")] = None,
+    spec_values: dict[str, Any],
+    config: Annotated[Path | None, typer.Option(help="TOML file with the grid (keys: the option names above and "
+                                                     "below); options given here override it")] = None,
     out: Annotated[Path | None, typer.Option(help="JSON Lines file records are appended to (default "
                                                   "results/sweep.jsonl); configs already in it are not run again")]
     = None,
@@ -224,18 +259,21 @@ def sweep(
     rerun: Annotated[bool, typer.Option("--rerun", help="run every config, even those already in --out")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and its size; run nothing")] = False,
 ) -> None:
-    """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result."""
-    from gcbench.sweeps import Sweep, SweepSpec, grid_table, largest_fit_table, summary_table
+    """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result.
 
-    options = {"model": model, "seq": seq, "batch": batch, "policy": policy, "layers": layers,
-               "precision": precision, "optimizer": optimizer, "device": device, "attn": attn, "warmup": warmup,
-               "steps": steps, "seed": seed, "memory-cap": memory_cap, "out": out, "timeout": timeout,
-               "isolation": isolation}
+    Every option of a config takes several comma-separated values (--seq 512,1024); the grid is every combination.
+    """
+    from gcbench.grid import SweepSpec
+    from gcbench.sweeps import Sweep
+    from gcbench.report.sweep_tables import grid_table, largest_fit_table, summary_table
+
+    options = {**spec_values, "out": out, "timeout": timeout, "isolation": isolation}
     with domain_errors():
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
         job = Sweep(grid, rerun=rerun, skip_after_oom=not no_skip, console=err_console)
         if dry_run:
-            console.print(grid_table(job))
+            plan = [(p.spec.as_record(), p.done["status"] if p.done else None) for p in job.plan()]
+            console.print(grid_table(plan, grid.out, grid.shared_options()))
             return
         try:
             records = job.run()
@@ -254,22 +292,15 @@ def sweep(
 
 
 @app.command()
+@spec_options(several=ESTIMATE_AXES, fields=ESTIMATE_FIELDS, defaults={"seq_len": 2048, "batch_size": 1})
 def estimate(
-    model: Annotated[str, typer.Option(help="models, comma-separated: presets or config.json paths")],
-    seq: Annotated[str, typer.Option(help="sequence lengths, e.g. 512,2048,8192")] = "2048",
-    batch: Annotated[str, typer.Option(help="batch sizes, e.g. 1,4")] = "1",
-    policy: Annotated[str, typer.Option(help="policies, e.g. none,full,every-k:k=2,sqrtn")] = "none",
+    spec_values: dict[str, Any],
     method: Annotated[str, typer.Option(help="analytic (per-block formulas, instant) | simulate (the real step "
                                              "on fake tensors, seconds); comma-separated")] = "analytic,simulate",
     device: Annotated[str, typer.Option(help="what to predict for: cuda (torch.cuda.max_memory_allocated; no GPU "
                                              "needed) | cpu (the live-tensor peak of a CPU run)")] = "cuda",
     gpu_memory: Annotated[str | None, typer.Option(help="memory to fit in, e.g. 80GiB: adds a fits / does not fit "
                                                         "column")] = None,
-    layers: Annotated[int | None, typer.Option(help="keep only the first N blocks (default: all)")] = None,
-    precision: Annotated[str | None, typer.Option(help="fp32 | bf16 | amp-bf16 (default: bf16 for cuda, fp32 for "
-                                                       "cpu)")] = None,
-    optimizer: Annotated[str, typer.Option(help="adamw | sgd (momentum) | none")] = "adamw",
-    attn: Annotated[str | None, typer.Option(help="attention implementation: eager | sdpa (default sdpa)")] = None,
     output_format: Annotated[str, typer.Option("--format", help="table | json (one JSON object per config and "
                                                                 "method, one per line)")] = "table",
 ) -> None:
@@ -278,20 +309,24 @@ def estimate(
     import json
 
     from gcbench.estimators import estimate_grid
-    from gcbench.report import estimate_table
-    from gcbench.spec import parse_bytes
-    from gcbench.sweeps import parse_options
+    from gcbench.grid import parse_options
+    from gcbench.report.tables import estimate_table
+    from gcbench.units import parse_bytes
 
     with domain_errors():
         if output_format not in ("table", "json"):
             raise GcbenchError(f"unknown --format {output_format!r} (table, json)")
         memory = parse_bytes(gpu_memory) if gpu_memory else None
-        grid = parse_options({"model": model, "seq": seq, "batch": batch, "policy": policy})
+        grid, _ = parse_options(spec_values, fields=ESTIMATE_FIELDS)
+        if "model" not in grid:
+            raise GcbenchError("no --model given: which model to estimate (see `gcbench models`)")
+        one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         methods = [m.strip() for m in method.split(",") if m.strip()]
         with err_console.status("estimating"):
-            results = estimate_grid(grid["models"], grid["seq_lens"], grid["batch_sizes"], grid["policies"],
-                                    methods, target=device, precision=precision or "", layers=layers,
-                                    optimizer=optimizer, attn=attn)
+            results = estimate_grid(grid["model"], grid["seq_len"], grid["batch_size"], grid.get("policy", ("none",)),
+                                    methods, target=device, precision=one.get("precision", ""),
+                                    layers=one.get("layers"), optimizer=one.get("optimizer", "adamw"),
+                                    attn=one.get("attn"))
     rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             for spec, e in results]
     if output_format == "json":

@@ -15,7 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gcbench.errors import GcbenchError
-from gcbench.report import FAILED, GROUP_KEYS, byte_unit, policy_rank
+from gcbench.results.frame import FAILED, GROUP_KEYS, policy_rank
+from gcbench.units import byte_unit
 
 # --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
 METRICS = {
@@ -58,7 +59,7 @@ class Comparison:
 
 
 def compare_results(old: pd.DataFrame, new: pd.DataFrame, thresholds: dict[str, float]) -> Comparison:
-    """Match two `report.results_frame`s by spec; a change past its threshold, or a config that ran before and now
+    """Match two `results_frame`s by spec; a change past its threshold, or a config that ran before and now
     does not (ok -> OOM), is a regression. Relative changes only between two successful runs."""
     columns = [*SPEC_KEYS, "status", "step_ms_iqr", *(col for col, _, _ in METRICS.values())]
     merged = old[columns].merge(new[columns], on=SPEC_KEYS, how="outer", suffixes=("_old", "_new"), indicator=True)

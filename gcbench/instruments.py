@@ -73,22 +73,39 @@ def cleanup_after(cleanup: Callable[[], None]) -> Iterator[None]:
     cleanup()
 
 
-class CpuInstrument:
+class Instrument:
+    """What both instruments share: the device and the memory cap, which each enforces its own way."""
+
+    memory_cap_kind: str  # what --memory-cap limits on this device
+
+    def __init__(self, device: str | torch.device, memory_cap_bytes: int | None = None):
+        self.device = torch.device(device)
+        self.memory_cap_bytes = memory_cap_bytes
+
+    def available_bytes(self) -> int:
+        """Bytes a run may use: the device's free memory now, or the memory cap when that is smaller."""
+        free = self.free_bytes()
+        return free if self.memory_cap_bytes is None else min(free, self.memory_cap_bytes)
+
+    def free_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class CpuInstrument(Instrument):
     """A CPU run: perf_counter around each whole step; the peak comes from one more step under the live-tensor
-    tracker. `--memory-cap` limits live tensor bytes: the tracker raises a real torch.OutOfMemoryError past it."""
+    tracker. `--memory-cap` limits live tensor bytes: the tracker raises a real torch.OutOfMemoryError past it.
+    The cap is enforced in the untimed steps (warm-up and the tracked step), which run the same step as the timed
+    ones: timing under the tracker would time the tracker."""
 
     kind = "cpu"
     memory_cap_kind = "tracked"  # what --memory-cap limits: live tensor bytes (LiveTensorTracker)
-
-    def __init__(self, device: str = "cpu", memory_cap_bytes: int | None = None):
-        self.memory_cap_bytes = memory_cap_bytes
 
     @contextmanager
     def session(self) -> Iterator[None]:
         with cleanup_after(gc.collect):  # reference cycles of this run, before the next in-process one
             yield
 
-    def available_bytes(self) -> int:
+    def free_bytes(self) -> int:
         """Host memory available without swapping (psutil; Linux: MemAvailable)."""
         return psutil.virtual_memory().available
 
@@ -98,12 +115,15 @@ class CpuInstrument:
     def peak_flops(self) -> float | None:
         return None
 
+    def _tracker(self, step: Step) -> LiveTensorTracker:
+        """A live-tensor tracker holding the cap, with the step's static tensors and batch already counted."""
+        tracker = LiveTensorTracker(self.memory_cap_bytes)
+        tracker.track(step.static_tensors() + list(step.batch.values()))
+        return tracker
+
     def warm_up(self, step: Step, n: int, progress: Progress) -> None:
         # A memory cap must bite from the first step, as a GPU's memory would.
-        capped = LiveTensorTracker(self.memory_cap_bytes) if self.memory_cap_bytes else None
-        if capped is not None:
-            capped.track(step.static_tensors() + list(step.batch.values()))
-        with capped or nullcontext():
+        with self._tracker(step) if self.memory_cap_bytes else nullcontext():
             warm_up(step, n, progress)
 
     def time_steps(self, step: Step, n: int, progress: Progress) -> dict[str, Any]:
@@ -118,8 +138,7 @@ class CpuInstrument:
     def peak_fields(self, step: Step, progress: Progress) -> dict[str, Any]:
         """One untimed step under the live-tensor tracker: peak of live tensor bytes, whole step and fwd+bwd."""
         progress("tracking live tensors")
-        tracker = LiveTensorTracker(self.memory_cap_bytes)
-        tracker.track(step.static_tensors() + list(step.batch.values()))
+        tracker = self._tracker(step)
         baseline = tracker.current
         with tracker:
             step.forward_backward()
@@ -133,7 +152,7 @@ class CpuInstrument:
         }
 
 
-class CudaInstrument:
+class CudaInstrument(Instrument):
     """A CUDA run on one explicit device: CUDA events and the caching allocator's statistics, in the fixed sequence
     of DESIGN.md. `--memory-cap` limits the caching allocator's reserved bytes (a per-process memory fraction).
 
@@ -145,10 +164,9 @@ class CudaInstrument:
     memory_cap_kind = "reserved"  # what --memory-cap limits: the caching allocator's reserved bytes
 
     def __init__(self, device: str | torch.device, memory_cap_bytes: int | None = None):
-        self.device = torch.device(device)
+        super().__init__(device, memory_cap_bytes)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"CudaInstrument needs an explicit device such as cuda:0, got {str(device)!r}")
-        self.memory_cap_bytes = memory_cap_bytes
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -177,7 +195,7 @@ class CudaInstrument:
         gc.collect()
         torch.cuda.empty_cache()  # the caching allocator's unused blocks, of every device
 
-    def available_bytes(self) -> int:
+    def free_bytes(self) -> int:
         """Free memory on the device now (cudaMemGetInfo)."""
         return torch.cuda.mem_get_info(self.device)[0]
 

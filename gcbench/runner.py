@@ -2,10 +2,13 @@
 
 The fixed sequence (DESIGN.md, "Measurement protocol"); what differs between devices is the instrument's
 (instruments.CpuInstrument, instruments.CudaInstrument):
-  build on the device -> wrap blocks with the policy -> warm-up steps (optimizer state exists after step 1)
+  build on the device -> wrap blocks with the policy -> a compiling policy: its first step timed against the next
+  -> a policy hidden from dispatch modes: one untimed forward+backward counting its saved-activation bytes
+  -> warm-up steps (optimizer state exists after step 1)
   -> timed steps (CUDA: synchronize, reset peaks, baseline, events around the step; CPU: perf_counter)
   -> CPU only: one untimed step under the live-tensor tracker
-  -> one untimed forward+backward counting saved-activation bytes and FLOPs with recompute
+  -> one untimed forward+backward counting saved-activation bytes and FLOPs with recompute (both kept only for a
+     policy not hidden from dispatch modes) and the bytes an offloading policy moved to the host
   -> one untimed forward+backward without the policy: model FLOPs (the MFU numerator).
 The step itself (model, optimizer, batch) is step.TrainingStep.
 """
@@ -13,6 +16,7 @@ The step itself (model, optimizer, batch) is step.TrainingStep.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -27,17 +31,17 @@ from gcbench.models import build_meta_model, build_model, count_params, find_blo
 from gcbench.results.schema import new_record
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes
+from gcbench.units import fmt_bytes
 
-GiB = 2**30
+# What the CPU instrument reads under its live-tensor tracker, a dispatch mode (Policy.hidden_from_dispatch_modes).
+TRACKED_PEAK_FIELDS = ("peak_tracked_bytes", "fwd_bwd_peak_bytes", "activation_peak_bytes")
 
 
 def check_fits(spec: RunSpec, meta_model: nn.Module, available: int) -> None:
-    """Refuse at once (GcbenchError) when model state alone cannot fit in `available` bytes (or the memory cap);
-    suggest a --layers that would."""
+    """Refuse at once (GcbenchError) when model state alone cannot fit in `available` bytes (the instrument's:
+    free memory, or the memory cap when smaller); suggest a --layers that would."""
     n_params = count_params(meta_model)
     need = model_state_bytes(spec, n_params)
-    if spec.memory_cap_bytes is not None:
-        available = min(available, spec.memory_cap_bytes)
     if need <= 0.9 * available:
         return
     blocks = find_blocks(meta_model)
@@ -45,9 +49,11 @@ def check_fits(spec: RunSpec, meta_model: nn.Module, available: int) -> None:
     rest = need - per_block * len(blocks)
     fit_layers = math.floor((0.5 * available - rest) / per_block)
     hint = f"try --layers {fit_layers}" if fit_layers >= 1 else "even one block does not fit; choose a smaller model"
-    raise GcbenchError(
-        f"{spec.model} needs {need / GiB:.1f} GiB for parameters, gradients and {spec.optimizer} state "
-        f"({spec.precision}) but {spec.device} has {available / GiB:.1f} GiB available; {hint}")
+    capped = spec.memory_cap_bytes is not None and available == spec.memory_cap_bytes
+    room = f"--memory-cap allows {fmt_bytes(available)}" if capped else \
+        f"{spec.device} has {fmt_bytes(available)} available"
+    raise GcbenchError(f"{spec.model} needs {fmt_bytes(need)} for parameters, gradients and {spec.optimizer} state "
+                       f"({spec.precision}) but {room}; {hint}")
 
 
 def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
@@ -83,7 +89,12 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     model = build_model(config, family, spec.device, spec.param_dtype)
     undo_policy = spec.policy.apply(find_blocks(model))
     step = TrainingStep(model, make_optimizer(spec.optimizer, model), make_batch(spec, config, spec.device), spec)
-    policy_fields = spec.policy.prepare(step)  # compiling, host-offload bytes: see Policy.prepare
+    spec.policy.prepare(step)
+    compile_ms = _compile_ms(step) if spec.policy.compiles else None
+    hidden = spec.policy.hidden_from_dispatch_modes
+    # Once a dispatch mode has run such a policy's blocks, Dynamo keeps running them eagerly: count what they save
+    # before any instrument uses one (a CPU memory cap puts even the warm-up under the live-tensor tracker).
+    hidden_saved_bytes = _saved_bytes(step) if hidden else None
     instrument.warm_up(step, spec.warmup_steps, progress)
 
     out["param_bytes"] = storage_bytes(step.params())
@@ -91,26 +102,50 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     out["optimizer_bytes"] = storage_bytes(step.optimizer_state())
     out.update(instrument.time_steps(step, spec.measure_steps, progress))
     out.update(instrument.peak_fields(step, progress))
+    if hidden and instrument.kind == "cpu":
+        out.update(dict.fromkeys(TRACKED_PEAK_FIELDS, None))
 
     progress("counting saved bytes and FLOPs")
-    saved = SavedActivations(exclude=step.params())
     with counting_flops() as flops:
-        with saved.recording():
-            loss = step.forward()
-        loss.backward()
-    del loss
+        saved_bytes = _saved_bytes(step)
+    offloaded = spec.policy.offloaded_bytes(step.model)  # what the policy's blocks moved in the forward just run
     undo_policy()
     progress("counting model FLOPs")
     with counting_flops() as model_flops:
         step.forward_backward()
 
     median_s = out["step_ms_median"] / 1e3
-    out["saved_activation_bytes"] = saved.bytes
-    out["flops"] = flops.get_total_flops()
+    out["saved_activation_bytes"] = hidden_saved_bytes if hidden else saved_bytes
+    out["flops"] = None if hidden else flops.get_total_flops()
     out["model_flops"] = model_flops.get_total_flops()
-    out["recompute_flops_ratio"] = out["flops"] / out["model_flops"] - 1 if out["model_flops"] else None
+    known = out["flops"] is not None and out["model_flops"]
+    out["recompute_flops_ratio"] = out["flops"] / out["model_flops"] - 1 if known else None
     out["tokens_per_s"] = spec.batch_size * spec.seq_len / median_s
     peak = instrument.peak_flops() if spec.precision != "fp32" else None
     out["mfu"] = out["model_flops"] / median_s / peak if peak else None
-    out.update(policy_fields)
+    if compile_ms is not None:
+        out["compile_ms"] = compile_ms
+    if offloaded is not None:
+        out["offloaded_bytes"] = offloaded
     return out
+
+
+def _saved_bytes(step: TrainingStep) -> int:
+    """Bytes one untimed forward saves for backward (saved_tensors_hooks; parameters excluded), then its backward."""
+    saved = SavedActivations(exclude=step.params())
+    with saved.recording():
+        loss = step.forward()
+    loss.backward()
+    return saved.bytes
+
+
+def _compile_ms(step: TrainingStep) -> float:
+    """Compile time of a compiling policy: its first forward+backward (compiling forward and backward) minus the next,
+    already compiled one. Run before warm-up, so that no timed step compiles."""
+    t0 = time.perf_counter()
+    step.forward_backward()
+    first_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    step.forward_backward()
+    second_ms = (time.perf_counter() - t0) * 1e3
+    return max(first_ms - second_ms, 0.0)

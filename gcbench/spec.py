@@ -1,79 +1,156 @@
-"""RunSpec: everything that defines one measured configuration, validated when it is made."""
+"""RunSpec: everything that defines one measured configuration, each field declared once, validated when made.
+
+Each field carries its `Option`: the flag and TOML key, the help, the parser of one value. The command line
+(`gcbench run`, `sweep`, `estimate`), sweep TOML files and sweep grids are all derived from these declarations,
+so a new field is declared here, added to the record schema (results/schema.py) and used where it acts.
+Importing this module is cheap (no torch): the CLI reads the declarations to build its options.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gcbench.errors import GcbenchError
-from gcbench.instruments import instrument_class
-from gcbench.models import load_config, prepare_config
-from gcbench.policies import Policy, parse_policy
-from gcbench.units import parse_bytes  # noqa: F401  (re-exported for callers of spec.parse_bytes)
+from gcbench.units import parse_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from gcbench.policies import Policy
 
 PRECISIONS = {
-    # name: (parameter dtype, autocast dtype or None)
-    "fp32": (torch.float32, None),
-    "bf16": (torch.bfloat16, None),  # pure bf16: params, grads and optimizer state in bf16
-    "amp-bf16": (torch.float32, torch.bfloat16),  # fp32 master weights, bf16 matmuls under autocast
+    # name: (parameter dtype, autocast dtype or None), as torch attribute names
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),  # pure bf16: params, grads and optimizer state in bf16
+    "amp-bf16": ("float32", "bfloat16"),  # fp32 master weights, bf16 matmuls under autocast
 }
 OPTIMIZERS = ("adamw", "sgd", "none")
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 
-def resolve_device(device: str) -> str:
-    """The device every torch call of a run gets: "cpu" or an explicit "cuda:N" (torch refuses "cuda" without an
-    index in set_device and set_per_process_memory_fraction). "auto" is cuda:0 when CUDA is available, else the CPU;
-    "cuda" is cuda:0, the first visible device (CUDA_VISIBLE_DEVICES picks which that is)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return device
-    if m := re.fullmatch(r"cuda(?::(\d+))?", device):
-        if not torch.cuda.is_available():
-            raise GcbenchError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
-        index = int(m.group(1) or 0)
-        if index >= torch.cuda.device_count():
-            raise GcbenchError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
-        return f"cuda:{index}"
-    raise GcbenchError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N)")
+
+# --------------------------------------------------------------------------------------------------- one value
+
+def parse_int(value: Any) -> int:
+    """An integer; its range is RunSpec's to check, so that its message names the rule."""
+    # bool is an int in Python; `seq = true` in TOML is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"\s*-?\d+\s*", str(value)):
+        raise GcbenchError(f"{value!r} is not an integer")
+    return int(value)
 
 
-def _check_flash_attention(device: str, precision: str) -> None:
-    """flash_attention_2 runs only on CUDA, in 16-bit, with the flash-attn package: refuse early, not mid-run."""
-    if not device.startswith("cuda"):
-        raise GcbenchError("--attn flash_attention_2 needs a CUDA device (on CPU use --attn eager or sdpa)")
-    if precision == "fp32":
-        raise GcbenchError("--attn flash_attention_2 needs 16-bit activations: use --precision bf16 or amp-bf16")
-    if importlib.util.find_spec("flash_attn") is None:
-        raise GcbenchError("--attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")
+def parse_name(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise GcbenchError(f"expected a name, got {value!r}")
+    return value.strip()
 
+
+def parse_size(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value  # RunSpec refuses a size that is not positive
+    if isinstance(value, str):
+        return parse_bytes(value)
+    raise GcbenchError(f"expected a size such as 2GiB, got {value!r}")
+
+
+def parse_policy_text(value: Any) -> str:
+    """A policy string in canonical form ("every-k" -> "every-k:k=2"), checked against the registry."""
+    from gcbench.policies import parse_policy
+
+    if not isinstance(value, str):
+        raise GcbenchError(f"expected a policy string, got {value!r}")
+    return str(parse_policy(value))
+
+
+def split_items(text: str) -> list[str]:
+    """A comma list as typed: "512,1024" -> ["512", "1024"]."""
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def split_policies(text: str) -> list[str]:
+    # A piece with '=' but no ':' is one more option of the policy before it: "foo:a=1,b=2,none".
+    texts: list[str] = []
+    for piece in split_items(text):
+        if texts and "=" in piece and ":" not in piece:
+            texts[-1] += "," + piece
+        else:
+            texts.append(piece)
+    return texts
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one RunSpec field is given: `--flag VALUE` on the command line, `flag = value` in a sweep file."""
+
+    flag: str  # the option name without dashes; also the TOML key
+    help: str
+    parse: Callable[[Any], Any] = parse_int  # one value as typed or as TOML/Python gives it -> the field's value
+    metavar: str = "INT"
+    axis: bool = False  # a main grid axis: `gcbench estimate` takes several values of it too
+    ascending: bool = False  # a sweep runs its values smallest first, so that an OOM can skip the larger ones
+    split: Callable[[str], list[str]] = split_items  # several values in one string (sweep, estimate)
+
+    def parse_one(self, value: Any) -> Any:
+        try:
+            return self.parse(value)
+        except GcbenchError as e:
+            raise GcbenchError(f"--{self.flag}: {e}") from None
+
+    def parse_many(self, value: Any) -> tuple[Any, ...]:
+        """Values from a comma string, a list, or one scalar; no duplicates (each config would run twice)."""
+        items = self.split(value) if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) \
+            else [value]
+        if not items:
+            raise GcbenchError(f"--{self.flag}: no values: the grid would be empty")
+        values = [self.parse_one(v) for v in items]
+        if len(set(values)) < len(values):
+            dup = next(v for v in values if values.count(v) > 1)
+            raise GcbenchError(f"--{self.flag}: duplicate value {dup} (each config would run twice)")
+        return tuple(sorted(values)) if self.ascending else tuple(values)
+
+
+def option(flag: str, help: str, default: Any = dataclasses.MISSING, **how: Any) -> Any:
+    """A RunSpec field with its Option (read back with `spec_options()`)."""
+    return field(default=default, metadata={"option": Option(flag, help, **how)})
+
+
+# --------------------------------------------------------------------------------------------------- the spec
 
 @dataclass(frozen=True)
 class RunSpec:
     """One configuration to measure. Made only through validation: every field is concrete and legal."""
 
-    model: str  # preset name or path to a Hugging Face config.json
-    seq_len: int  # tokens per sample
-    batch_size: int  # samples per step
-    policy: Policy = field(default_factory=lambda: parse_policy("none"))
-    layers: int | None = None  # keep only the first N blocks (activation memory is linear in N); None = all
-    precision: str = ""  # fp32 | bf16 | amp-bf16; "" = bf16 on CUDA, fp32 on CPU
-    optimizer: str = "adamw"  # adamw (2 states/param) | sgd (momentum: 1 state/param) | none (no step)
-    device: str = "auto"  # auto | cpu | cuda[:N]; resolved when made: "cpu" or an explicit "cuda:N"
-    attn: str | None = None  # attention implementation; None = sdpa
-    warmup_steps: int = 3  # untimed, >= 1: step 1 creates gradients and optimizer state (and picks kernels)
-    measure_steps: int = 10  # timed; the median is reported
-    seed: int = 0
-    # CPU: live tensor bytes (the tracker raises OOM past it); CUDA: the caching allocator's reserved bytes (a
-    # per-process memory fraction). Records say which in `memory_cap_kind`.
-    memory_cap_bytes: int | None = None
+    model: str = option("model", "preset name (see `gcbench models`) or path to a config.json", parse=parse_name,
+                        metavar="NAME", axis=True)
+    seq_len: int = option("seq", "sequence length in tokens", axis=True, ascending=True)
+    batch_size: int = option("batch", "samples per step", axis=True, ascending=True)
+    policy: Policy = option("policy", "checkpoint policy: name or name:key=value (see `gcbench policies`)",
+                            "none", parse=parse_policy_text, metavar="POLICY", axis=True, split=split_policies)
+    layers: int | None = option("layers", "keep only the first N blocks (activation memory is linear in N; "
+                                "default: all)", None)
+    precision: str = option("precision", "fp32 | bf16 | amp-bf16 (default: bf16 on CUDA, fp32 on CPU)", "",
+                            parse=parse_name, metavar="NAME")
+    optimizer: str = option("optimizer", "adamw (2 states/param) | sgd (momentum: 1 state/param) | none (no step)",
+                            "adamw", parse=parse_name, metavar="NAME")
+    device: str = option("device", "auto | cpu | cuda[:N]; auto is cuda:0 when there is a GPU", "auto",
+                         parse=parse_name, metavar="NAME")  # resolved when made: "cpu" or an explicit "cuda:N"
+    attn: str | None = option("attn", "attention implementation: eager | sdpa (default sdpa)", None,
+                              parse=parse_name, metavar="NAME")
+    warmup_steps: int = option("warmup", "untimed warm-up steps, at least 1: step 1 creates gradients and "
+                               "optimizer state", 3)
+    measure_steps: int = option("steps", "timed steps; the median is reported", 10)
+    seed: int = option("seed", "seed for weights, batch and dropout", 0)
+    # Records say which limit applies in `memory_cap_kind`.
+    memory_cap_bytes: int | None = option("memory-cap", "memory limit, e.g. 2GiB (CPU: live tensor bytes; CUDA: "
+                                          "the allocator's reserved bytes)", None, parse=parse_size, metavar="SIZE")
 
     def __post_init__(self) -> None:
+        from gcbench.policies import parse_policy
+
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalisation
         if isinstance(self.policy, str):
             set_("policy", parse_policy(self.policy))
@@ -104,19 +181,28 @@ class RunSpec:
 
     def model_config(self):
         """(config, family) with this run's layers, sequence length and attention applied."""
+        from gcbench.models import load_config, prepare_config
+
         config, family = load_config(self.model)
         return prepare_config(config, family, layers=self.layers, seq_len=self.seq_len, attn=self.attn), family
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return PRECISIONS[self.precision][0]
+        import torch
+
+        return getattr(torch, PRECISIONS[self.precision][0])
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return PRECISIONS[self.precision][1]
+        import torch
+
+        name = PRECISIONS[self.precision][1]
+        return getattr(torch, name) if name else None
 
     def as_record(self) -> dict[str, Any]:
-        """The spec's fields as they appear in a Record (flat, JSON-ready)."""
+        """The spec's fields as they appear in a record (results/schema.py SpecFields: flat, JSON-ready)."""
+        from gcbench.instruments import instrument_class
+
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["policy"] = self.policy.name
         out["policy_options"] = self.policy.options()
@@ -126,8 +212,10 @@ class RunSpec:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> RunSpec:
-        """The spec back from `as_record()` or a stored Record (extra keys ignored), validated again: the JSON
-        round trip a sweep uses to hand a spec to its child process and to match records when resuming."""
+        """The spec back from `as_record()` or a stored record (extra keys ignored), validated again: the JSON
+        round trip a sweep uses to hand a spec to its child process."""
+        from gcbench.policies import parse_policy
+
         values = {f.name: record[f.name] for f in dataclasses.fields(cls) if f.name in record}
         policy = parse_policy(str(record.get("policy", "none")))
         try:
@@ -136,3 +224,38 @@ class RunSpec:
             raise GcbenchError(f"record has options {record.get('policy_options')!r} that policy "
                                f"{policy.name!r} does not take") from None
         return cls(**values)
+
+
+def spec_options() -> dict[str, Option]:
+    """RunSpec field name -> its Option, in declaration order."""
+    return {f.name: f.metadata["option"] for f in dataclasses.fields(RunSpec)}
+
+
+def resolve_device(device: str) -> str:
+    """The device every torch call of a run gets: "cpu" or an explicit "cuda:N" (torch refuses "cuda" without an
+    index in set_device and set_per_process_memory_fraction). "auto" is cuda:0 when CUDA is available, else the CPU;
+    "cuda" is cuda:0, the first visible device (CUDA_VISIBLE_DEVICES picks which that is)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if m := re.fullmatch(r"cuda(?::(\d+))?", device):
+        if not torch.cuda.is_available():
+            raise GcbenchError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+        index = int(m.group(1) or 0)
+        if index >= torch.cuda.device_count():
+            raise GcbenchError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return f"cuda:{index}"
+    raise GcbenchError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N)")
+
+
+def _check_flash_attention(device: str, precision: str) -> None:
+    """flash_attention_2 runs only on CUDA, in 16-bit, with the flash-attn package: refuse early, not mid-run."""
+    if not device.startswith("cuda"):
+        raise GcbenchError("--attn flash_attention_2 needs a CUDA device (on CPU use --attn eager or sdpa)")
+    if precision == "fp32":
+        raise GcbenchError("--attn flash_attention_2 needs 16-bit activations: use --precision bf16 or amp-bf16")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise GcbenchError("--attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")

@@ -1,11 +1,8 @@
 import pytest
 import torch
 
-from gcbench.spec import RunSpec
 from gcbench.runner import run
-
-TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
-CLASSIC = ("none", "full", "every-k:k=2", "segments:k=2", "sqrtn")
+from tests.helpers import CLASSIC, TINY, tiny_spec
 
 
 def pytest_collection_modifyitems(config, items):
@@ -15,12 +12,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def tiny_spec(model="tiny-llama", policy="none", **overrides) -> RunSpec:
-    fields = dict(model=model, seq_len=128, batch_size=2, policy=policy, device="cpu", warmup_steps=1,
-                  measure_steps=1)
-    return RunSpec(**(fields | overrides))
 
 
 @pytest.fixture(scope="session")

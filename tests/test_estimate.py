@@ -8,15 +8,19 @@ from typer.testing import CliRunner
 
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
-from gcbench.estimators import CUDA_BLOCK_BYTES, analytic, estimate, estimate_grid, simulate, understands
-from gcbench.policies import POLICIES, parse_policy
+from gcbench.estimators import estimate, estimate_grid
+from gcbench.estimators.analytic import analytic, understands
+from gcbench.estimators.shape import CUDA_BLOCK_BYTES
+from gcbench.estimators.simulate import simulate
+from gcbench.policies import POLICIES, Full, parse_policy
+from gcbench.results.schema import policy_label
 from gcbench.spec import RunSpec
 from gcbench.runner import run
-from tests.conftest import CLASSIC, TINY, tiny_spec
+from tests.helpers import CLASSIC, TINY, tiny_spec
 
 runner = CliRunner()
-JSON_FIELDS = {"model", "seq_len", "batch_size", "policy", "method", "peak_bytes", "param_bytes", "grad_bytes",
-               "optimizer_bytes", "activation_bytes", "seconds"}
+JSON_FIELDS = {"model", "seq_len", "batch_size", "policy", "policy_options", "method", "peak_bytes", "param_bytes",
+               "grad_bytes", "optimizer_bytes", "activation_bytes", "seconds"}
 
 
 @pytest.mark.parametrize("policy", CLASSIC)
@@ -104,6 +108,11 @@ def test_analytic_refuses_policies_it_does_not_understand_but_simulate_runs_them
     for name in CLASSIC:
         assert understands(parse_policy(name))
 
+    class Tweaked(Full):  # may keep other tensors than Full does: the analytic model must not assume it knows
+        pass
+
+    assert not understands(Tweaked())
+
 
 @pytest.mark.slow  # a real run per policy
 @pytest.mark.parametrize("name", [n for n in ("sac", "attn", "offload") if n in POLICIES])
@@ -146,6 +155,15 @@ def test_cli_json_has_one_object_per_config_and_method():
         (s, p, m) for s in (32, 64) for p in ("none", "full") for m in ("analytic", "simulate")}
     assert all(r["fits"] and r["peak_bytes"] == r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
                + r["activation_bytes"] for r in rows)
+
+
+def test_cli_json_stores_the_policy_as_every_record_does():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "32", "--policy", "every-k:k=2,sqrtn",
+                                 "--method", "analytic", "--device", "cpu", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["policy"], r["policy_options"]) for r in rows] == [("every-k", {"k": 2}), ("sqrtn", {})]
+    assert [policy_label(r) for r in rows] == ["every-k:k=2", "sqrtn"]
 
 
 def test_cli_table_says_fits_or_not():

@@ -11,7 +11,7 @@ from gcbench.cli import app
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
 from gcbench.runner import run
-from tests.test_policies import assert_gradients_equal_none
+from tests.helpers import assert_gradients_equal_none
 
 pytestmark = pytest.mark.gpu
 

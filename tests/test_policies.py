@@ -6,32 +6,7 @@ import torch
 from gcbench.errors import GcbenchError
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import POLICIES, CheckpointedGroup, EveryK, Segments, SqrtN, parse_policy
-from gcbench.step import make_batch
-from tests.conftest import CLASSIC, TINY, tiny_spec
-
-
-def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str = "cpu"):
-    """(loss, gradients in parameter order) of one fp32 forward+backward under `policy`."""
-    spec = tiny_spec(model_name, policy, device=device, precision="fp32")
-    config, family = spec.model_config()
-    torch.manual_seed(0)
-    model = build_model(config, family, device, torch.float32)
-    params = list(model.parameters())
-    spec.policy.apply(find_blocks(model))
-    torch.manual_seed(dropout_seed)
-    loss = model(**make_batch(spec, config, device)).loss
-    loss.backward()
-    return loss.detach(), [p.grad for p in params]
-
-
-def assert_gradients_equal_none(model_name: str, policy: str, device: str = "cpu") -> None:
-    """The policy's loss and every parameter's gradient equal those of `none` (same seeds, dropout on)."""
-    loss_ref, ref = gradients(model_name, "none", device=device)
-    loss, got = gradients(model_name, policy, device=device)
-    torch.testing.assert_close(loss, loss_ref)
-    assert len(got) == len(ref) and all(g is not None for g in got)
-    for g, r in zip(got, ref):
-        torch.testing.assert_close(g, r)
+from tests.helpers import CLASSIC, TINY, assert_gradients_equal_none, gradients, tiny_spec
 
 
 @pytest.mark.parametrize("model_name", TINY)

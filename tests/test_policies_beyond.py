@@ -16,13 +16,13 @@ from typer.testing import CliRunner
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.models import build_model, find_blocks
-from gcbench.policies import (SAC_ATTENTION, SAC_MATMULS, AttentionCore, OffloadedBlock, SelectiveCheckpointedBlock,
-                              attention_modules, sac_policy_fn)
+from gcbench.policies import (SAC_ATTENTION, SAC_MATMULS, AttentionCore, CompileBudget, Full, OffloadedBlock,
+                              SelectiveCheckpointedBlock, attention_modules, sac_policy_fn)
 from gcbench.spec import RunSpec
 from gcbench.runner import run
 from gcbench.step import make_batch
-from tests.conftest import TINY, tiny_spec
-from tests.test_policies import assert_gradients_equal_none
+from tests.helpers import TINY, tiny_spec
+from tests.helpers import assert_gradients_equal_none
 
 BEYOND = ("sac", "sac:mm=alternate", "attn", "offload", "offload:what=all", "offload:what=inputs,k=2")
 SEQ, BATCH = 256, 2  # as conftest's classic_records, whose none / full / every-k:k=2 runs are the references
@@ -93,6 +93,40 @@ def test_offload_moves_the_saved_bytes_to_the_host(records, model_name):
     assert saved["offload:what=all"] == saved["offload"]
     assert offloaded["offload:what=all"] >= saved["none"] - saved["offload:what=all"]
     assert "offloaded_bytes" not in records[model_name, "none"]
+
+
+def test_offload_prepare_sets_up_and_runs_nothing():
+    """The runner measures: prepare only pins host memory on a CUDA run, the bytes are read after the runner's step."""
+    spec = tiny_spec("tiny-gpt2", "offload", seq_len=32)
+    config, family = spec.model_config()
+    model = build_model(config, family, "cpu", torch.float32)
+    spec.policy.apply(find_blocks(model))
+
+    def no_step():
+        raise AssertionError("prepare ran a step")
+
+    cuda_step = SimpleNamespace(model=model, device=torch.device("cuda"), forward=no_step, forward_backward=no_step)
+    assert spec.policy.prepare(cuda_step) is None
+    assert all(b.pin_memory for b in model.modules() if isinstance(b, OffloadedBlock))
+    assert spec.policy.offloaded_bytes(model) == 0  # nothing ran yet
+    model(**make_batch(spec, config, "cpu"))
+    assert spec.policy.offloaded_bytes(model) == 4 * BATCH * 32 * 64 * 4  # the 4 block inputs, fp32
+    assert Full().offloaded_bytes(model) is None
+
+
+def test_runner_reads_the_facts_budget_declares(monkeypatch, classic_records):
+    """budget's facts, without compiling for minutes: `full` declared compiling and hidden from dispatch modes."""
+    assert CompileBudget.compiles and CompileBudget.hidden_from_dispatch_modes
+    monkeypatch.setattr(Full, "compiles", True)
+    monkeypatch.setattr(Full, "hidden_from_dispatch_modes", True)
+    got = run(tiny_spec("tiny-llama", "full", seq_len=SEQ, batch_size=BATCH))
+    ref = classic_records["tiny-llama", "full"]
+    assert got["compile_ms"] >= 0 and "compile_ms" not in ref
+    for name in ("flops", "recompute_flops_ratio", "peak_tracked_bytes", "fwd_bwd_peak_bytes", "activation_peak_bytes"):
+        assert got[name] is None and ref[name] is not None, name
+    # Saved bytes are counted without the FLOP counter, on the blocks as they ran; the rest is measured as ever.
+    for name in ("saved_activation_bytes", "static_bytes", "model_flops"):
+        assert got[name] == ref[name], name
 
 
 @pytest.mark.parametrize("model_name", TINY)

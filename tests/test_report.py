@@ -16,9 +16,10 @@ import gcbench
 from gcbench.cli import app
 from gcbench.compare import compare_results, parse_thresholds
 from gcbench.errors import GcbenchError
-from gcbench.report import pareto_front, results_frame
+from gcbench.report.analysis import pareto_front
+from gcbench.results.frame import results_frame
 from gcbench.results.store import append_record
-from tests.conftest import tiny_spec
+from tests.helpers import tiny_spec
 
 runner = CliRunner()
 FIGURES = ["1-peak-vs-seq", "2-time-vs-peak", "3-relative-cost", "4-memory-breakdown", "5-throughput-vs-batch"]
@@ -341,3 +342,10 @@ def test_narrow_terminal_keeps_the_essential_columns_whole(tmp_path, records, mo
     assert "IQR" not in "".join(lines[:12])  # dropped from the table header (the caption may still explain it)
     for needed in ("seq", "batch", "policy", "status", "none", "full", "OOM", "1.00x"):
         assert needed in result.stdout
+
+
+def test_terminal_tables_come_without_matplotlib():
+    """`gcbench run` and `gcbench sweep` print tables; only a written report draws figures. (Which modules the
+    readers may import at all: tests/test_layout.py.)"""
+    code = "import sys, gcbench.report.tables, gcbench.report.sweep_tables; print('matplotlib' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

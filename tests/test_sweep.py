@@ -19,7 +19,8 @@ from gcbench.results.schema import SCHEMA_VERSION
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
 from gcbench.results.schema import config_key as spec_key
-from gcbench.sweeps import OomFrontier, SweepSpec
+from gcbench.grid import SweepSpec
+from gcbench.sweeps.orchestrate import OomFrontier
 from gcbench.runner import run
 
 runner = CliRunner()
@@ -50,8 +51,19 @@ def test_toml_and_cli_grids_expand_identically(tmp_path):
         ("tiny-llama", 64, "none")]
     assert {s.memory_cap_bytes for s in from_toml} == {2**30}
     # a multi-option policy in a comma list stays one policy
-    from gcbench.sweeps import _policies
-    assert _policies("none,every-k:k=3,full") == ("none", "every-k:k=3", "full")
+    from gcbench.spec import spec_options
+    assert spec_options()["policy"].parse_many("none,every-k:k=3,full") == ("none", "every-k:k=3", "full")
+
+
+def test_every_runspec_field_is_a_grid_option(tmp_path):
+    """Declared once in spec.py: any field takes several values in a sweep, on the command line or in TOML."""
+    toml = tmp_path / "grid.toml"
+    toml.write_text('model = "tiny-llama"\nseq = 32\nbatch = 1\npolicy = "none"\nlayers = [1, 2]\n'
+                    'precision = ["fp32", "bf16"]\ndevice = "cpu"\n')
+    specs = SweepSpec.load(toml).expand()
+    assert [(s.layers, s.precision) for s in specs] == [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
+    assert SweepSpec.load(None, {"model": "tiny-llama", "seq": "32", "batch": "1", "seed": "1,2", "policy": "none",
+                                 "device": "cpu"}).expand()[1].seed == 2
 
 
 def test_smoke_toml_is_the_16_config_tiny_cpu_grid():

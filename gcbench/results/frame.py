@@ -1,13 +1,33 @@
-"""Records as a pandas DataFrame: what `gcbench report`, `gcbench compare` and a notebook read."""
+"""Records as a pandas DataFrame: what `gcbench report`, `gcbench compare` and a notebook read.
+
+`load()` is the records as stored; `results_frame()` adds what every reader of many records needs alike: the device
+and model-setup labels that decide which records may be compared, the peak this device can measure, and the
+`x none` ratios."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
+from gcbench.errors import GcbenchError
 from gcbench.results.schema import policy_label
 from gcbench.results.store import read_records, result_files
+from gcbench.units import fmt_bytes
+
+PEAK_LABELS = {"cpu": "tracked live-tensor peak (CPU)", "cuda": "torch.cuda.max_memory_allocated (CUDA)"}
+# `x none` ratios are taken inside these groups and never across them: a device, a model setup, one seq and batch.
+GROUP_KEYS = ["device_label", "setup", "seq_len", "batch_size"]
+# Columns the readers use. A file of OOMs only has none of the measurements, so they are added empty.
+EXPECTED = ["peak_allocated_bytes", "peak_tracked_bytes", "activation_peak_bytes", "fwd_bwd_peak_bytes",
+            "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr", "tokens_per_s",
+            "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
+            "predicted_peak_bytes_analytic", "layers", "attn", "memory_cap_bytes", "seed", "error",
+            "env.gpu_name", "env.gpu_memory_bytes", "env.cpu", "env.cpu_count", "env.torch_threads", "env.gcbench"]
+FAILED = {"oom": "OOM", "timeout": "timeout", "error": "error", "skipped": "skipped"}  # status -> how it is shown
 
 
 def load(*paths: str | Path) -> pd.DataFrame:
@@ -20,3 +40,93 @@ def load(*paths: str | Path) -> pd.DataFrame:
             label = policy_label(record) if "policy" in record else None
             rows.append({**record, "policy_label": label, "source": str(path)})
     return pd.json_normalize(rows, max_level=1) if rows else pd.DataFrame()
+
+
+def load_results(paths: Iterable[str | Path]) -> tuple[pd.DataFrame, list[str]]:
+    """`load()` for a report: (DataFrame, warnings as one-line strings). No records at all is a GcbenchError;
+    an empty file beside files with records is only a warning (a sweep may have just started it)."""
+    files = result_files(paths)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        df = load(*files)
+    notes = [str(w.message) for w in caught]
+    if df.empty:
+        raise GcbenchError(f"no records in {', '.join(map(str, files))} (empty results)")
+    empty = sorted({str(f) for f in files} - set(df["source"]))
+    notes += [f"{f}: no records (empty file), left out" for f in empty]
+    return df, notes
+
+
+def given(value: Any) -> bool:
+    """Not None and not a pandas NaN (JSON null becomes either, depending on the column)."""
+    return value is not None and not (isinstance(value, float) and value != value)
+
+
+def as_int(value: Any) -> int:
+    return int(value)  # NaN-padded integer columns come back as floats; labels want "2", not "2.0"
+
+
+def device_label(row: dict[str, Any]) -> str:
+    """What the numbers were measured on; records with different labels are never compared or averaged."""
+    if str(row["device"]).startswith("cuda"):
+        return str(row["env.gpu_name"]) if given(row.get("env.gpu_name")) else str(row["device"])
+    cpu = row.get("env.cpu") if given(row.get("env.cpu")) else ""
+    cores = f" · {as_int(row['env.cpu_count'])} cores" if given(row.get("env.cpu_count")) else ""
+    n = as_int(row["env.torch_threads"]) if given(row.get("env.torch_threads")) else None
+    threads = f" · {n} torch thread{'s' if n != 1 else ''}" if n is not None else ""
+    return f"CPU {cpu}{cores}{threads}".replace("  ", " ")
+
+
+def setup_label(row: dict[str, Any]) -> str:
+    """Everything but seq, batch and policy that defines a config: model, layers, precision, optimizer, ..."""
+    parts = [str(row["model"])]
+    if given(row.get("layers")):
+        parts.append(f"{as_int(row['layers'])} layers")
+    parts += [str(row["precision"]), str(row["optimizer"])]
+    if given(row.get("attn")):
+        parts.append(f"attn {row['attn']}")
+    if given(row.get("memory_cap_bytes")):
+        parts.append(f"memory cap {fmt_bytes(row['memory_cap_bytes'])}")
+    if given(row.get("seed")) and row["seed"] != 0:
+        parts.append(f"seed {as_int(row['seed'])}")
+    return " · ".join(parts)
+
+
+def policy_rank(label: str) -> tuple[int, str]:
+    """Sort key: none first (the baseline), full next, the rest by name."""
+    return ({"none": 0, "full": 1}.get(label, 2), label)
+
+
+def results_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """`load()`'s DataFrame made ready to report: device and setup labels, the peak this device can measure
+    (`peak_bytes`), model state, and `x none` ratios. A config recorded twice keeps its latest record — results
+    are never averaged; `attrs["superseded"]` counts the records that were replaced."""
+    if df.empty:
+        raise GcbenchError("no records to report")
+    frame = df.reindex(columns=list(dict.fromkeys([*df.columns, *EXPECTED]))).reset_index(drop=True)
+    records = frame.to_dict("records")
+    cuda = frame["device"].astype(str).str.startswith("cuda")
+    frame["device_kind"] = cuda.map({True: "cuda", False: "cpu"})
+    frame["device_label"] = [device_label(r) for r in records]
+    frame["setup"] = [setup_label(r) for r in records]
+    frame["peak_bytes"] = frame["peak_allocated_bytes"].where(cuda, frame["peak_tracked_bytes"]).astype(float)
+    frame["peak_label"] = frame["device_kind"].map(PEAK_LABELS)
+    frame["state_bytes"] = frame["param_bytes"] + frame["grad_bytes"] + frame["optimizer_bytes"]
+    frame["tokens"] = frame["seq_len"] * frame["batch_size"]
+    frame["device_memory_bytes"] = frame["env.gpu_memory_bytes"].where(cuda).astype(float)
+    superseded = frame.duplicated([*GROUP_KEYS, "policy_label", "schema_version"], keep="last")
+    frame = frame[~superseded]
+
+    ok_none = frame[(frame["policy"] == "none") & (frame["status"] == "ok")]
+    baseline = ok_none.set_index(GROUP_KEYS)[["peak_bytes", "step_ms_median"]].add_suffix("_none")
+    frame = frame.join(baseline, on=GROUP_KEYS)
+    frame["has_baseline"] = frame["peak_bytes_none"].notna()
+    frame["peak_x_none"] = frame["peak_bytes"] / frame["peak_bytes_none"]
+    frame["step_x_none"] = frame["step_ms_median"] / frame["step_ms_median_none"]
+    frame["prediction_error"] = frame["predicted_peak_bytes"] / frame["peak_bytes"] - 1
+
+    frame = frame.assign(_rank=frame["policy_label"].map(policy_rank))
+    frame = frame.sort_values(["device_label", "setup", "seq_len", "batch_size", "_rank"]).drop(columns="_rank")
+    frame = frame.reset_index(drop=True)
+    frame.attrs["superseded"] = int(superseded.sum())
+    return frame

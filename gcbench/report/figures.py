@@ -1,13 +1,12 @@
 """The report's figures (matplotlib without pyplot: no global state, no GUI backend).
 
 Every figure names its device in the title, puts units on both axes and has a legend for every mark, so it can be
-read without the docs. One function per figure; each gets one device's rows of `report.results_frame` and returns a
+read without the docs. One function per figure; each gets one device's rows of `results_frame` and returns a
 Figure, or a string saying why there is nothing to draw.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,18 +14,16 @@ from pathlib import Path
 
 import matplotlib as mpl
 import pandas as pd
-from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from gcbench.report import byte_unit, fmt_bytes, pareto_front, policy_rank
+from gcbench.report.analysis import pareto_front
+from gcbench.report.figure_layout import (OOM_MARK, STYLE, figure_legend, largest_panels, log2_axis, oom_handle,
+                                          panel_figure, policy_colors)
+from gcbench.results.frame import policy_rank
+from gcbench.units import byte_unit, fmt_bytes
 
-PANEL_IN = (4.4, 3.3)  # inches per panel
-MAX_PANELS = 12  # larger grids show their largest configs; the caption says so
 PNG_DPI = 90  # modest: the figures are embedded in report.html
-STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
-         "axes.spines.right": False, "legend.fontsize": 8, "svg.fonttype": "none", "svg.hashsalt": "gcbench"}
-OOM_MARK = dict(marker="X", s=90, edgecolors="black", linewidths=0.8, zorder=6)
 Drawn = tuple[Figure, str] | str | None  # (figure, caption) | why nothing was drawn | None: does not apply
 STATE_COLORS = {"params": "#4c72b0", "grads": "#8fb0de", "optimizer state": "#dd8452", "activations": "#55a868"}
 
@@ -40,54 +37,6 @@ class FigureFile:
     caption: str
     png: str | None = None
     svg: str | None = None
-
-
-def policy_colors(labels) -> dict[str, str]:
-    """The same colour for a policy in every figure of a report; `none`, the baseline, is dark grey."""
-    palette = [c for i, c in enumerate(mpl.colormaps["tab10"].colors) if i != 7]  # tab10's grey is for `none`
-    ordered = sorted(set(labels) - {"none"}, key=policy_rank)
-    return {"none": "#404040"} | {p: mpl.colors.to_hex(palette[i % len(palette)]) for i, p in enumerate(ordered)}
-
-
-def _panels(n: int, title: str, device: str, legend_cols: int = 1) -> tuple[Figure, list[Axes]]:
-    ncols = min(3, n)
-    nrows = math.ceil(n / ncols)
-    fig = Figure(figsize=(max(PANEL_IN[0] * ncols, 7.0), PANEL_IN[1] * nrows + 1.4), layout="constrained")
-    axes = list(fig.subplots(nrows, ncols, squeeze=False).flat)
-    for ax in axes[n:]:
-        ax.set_visible(False)
-    fig.suptitle(f"{title}\n{device}", fontsize=11, fontweight="bold")
-    return fig, axes[:n]
-
-
-def _legend(fig: Figure, axes: list[Axes], extra: list[tuple[object, str]] = (), policies=()) -> None:
-    """One legend for the whole figure, under the panels: each label once, the policies first in policy order."""
-    seen: dict[str, object] = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            seen.setdefault(label, handle)
-    for handle, label in extra:
-        seen.setdefault(label, handle)
-    order = list(seen)
-    seen = dict(sorted(seen.items(), key=lambda kv: (0, *policy_rank(kv[0])) if kv[0] in policies
-                       else (1, order.index(kv[0]), "")))
-    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", frameon=False,
-               ncols=min(len(seen), 4))
-
-
-def _log2_axis(ax: Axes, values) -> None:
-    ticks = sorted(set(int(v) for v in values))
-    ax.set_xscale("log", base=2)  # seq and batch grids double; even one tick keeps side-by-side marks close
-    ax.set_xlim(ticks[0] / 1.3, ticks[-1] * 1.3)
-    ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.minorticks_off()
-
-
-def _largest(groups: list, n: int = MAX_PANELS) -> tuple[list, str]:
-    """At most n panels, keeping the configs with the most tokens per step."""
-    if len(groups) <= n:
-        return groups, ""
-    return groups[-n:], f" Showing the {n} largest of {len(groups)} configs."
 
 
 def _focus(setup_rows: pd.DataFrame, need_baseline: bool) -> tuple[int, int] | None:
@@ -117,11 +66,11 @@ def peak_vs_seq(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     groups = sorted(dev.groupby(["setup", "batch_size"]), key=lambda kv: kv[0])
     if not groups:
         return "no records"
-    groups, note = _largest(groups)
+    groups, note = largest_panels(groups)
     scale, unit = byte_unit(max([dev["peak_bytes"].max(skipna=True) or 0,
                                  *[v for v, _, _ in _limits(dev)]]))
-    fig, axes = _panels(len(groups), "Peak memory vs sequence length, per checkpoint policy",
-                        dev["device_label"].iloc[0])
+    fig, axes = panel_figure(len(groups), "Peak memory vs sequence length, per checkpoint policy",
+                             dev["device_label"].iloc[0])
     legend_marks: dict[str, dict] = {}
     for ax, ((setup, batch), g) in zip(axes, groups):
         for policy, p in sorted(g.groupby("policy_label"), key=lambda kv: policy_rank(kv[0])):
@@ -146,20 +95,14 @@ def peak_vs_seq(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 ax.scatter(f["seq_len"] * shift, [y] * len(f), **mark)
                 legend_marks["skipped: larger than a config that ran out of memory" if hollow
                              else f"OOM: did not fit{where}"] = hollow
-        _log2_axis(ax, g["seq_len"])
+        log2_axis(ax, g["seq_len"])
         ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9) * 1.08)
         ax.set_title(f"{setup}\nbatch {batch}")
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(f"peak memory ({unit})\n{dev['peak_label'].iloc[0]}")
-    extra = [(_oom_handle(hollow), label) for label, hollow in sorted(legend_marks.items())]
-    _legend(fig, axes, extra, colors)
+    extra = [(oom_handle(hollow), label) for label, hollow in sorted(legend_marks.items())]
+    figure_legend(fig, axes, extra, colors)
     return fig, "One line per policy; lower is better." + note
-
-
-def _oom_handle(hollow: bool = False) -> Line2D:
-    """The legend's mark for configs that did not fit (filled) or were skipped as too large (hollow)."""
-    return Line2D([], [], ls="", marker="X", markersize=9, markeredgecolor="black",
-                  markerfacecolor="white" if hollow else "black")
 
 
 def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
@@ -167,10 +110,11 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     if ok.empty:
         return "no successful runs"
     groups = sorted(ok.groupby(["setup", "seq_len", "batch_size"]), key=lambda kv: (kv[1]["tokens"].iloc[0], kv[0]))
-    groups, note = _largest(groups)
+    groups, note = largest_panels(groups)
     groups = sorted(groups, key=lambda kv: kv[0])
     scale, unit = byte_unit(ok["peak_bytes"].max())
-    fig, axes = _panels(len(groups), "Step time vs peak memory, with the Pareto frontier", dev["device_label"].iloc[0])
+    fig, axes = panel_figure(len(groups), "Step time vs peak memory, with the Pareto frontier",
+                             dev["device_label"].iloc[0])
     for ax, ((setup, seq, batch), g) in zip(axes, groups):
         g = g.reset_index(drop=True)
         front = g.iloc[pareto_front(zip(g["peak_bytes"], g["step_ms_median"]))]
@@ -184,7 +128,7 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_xlabel(f"peak memory ({unit}) — {dev['peak_label'].iloc[0]}")
         ax.set_ylabel("step time, median (ms)")
         ax.margins(0.15)
-    _legend(fig, axes, policies=colors)
+    figure_legend(fig, axes, policies=colors)
     return fig, ("One point per policy; points ringed in black are on the Pareto frontier (lower-left is better)."
                  + note)
 
@@ -199,8 +143,8 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 panels.append((setup, focus, g))
     if not panels:
         return "no seq x batch with a successful `none` baseline and another policy to compare with it"
-    fig, axes = _panels(len(panels), "Relative cost of each checkpoint policy vs no checkpointing (none)",
-                        dev["device_label"].iloc[0])
+    fig, axes = panel_figure(len(panels), "Relative cost of each checkpoint policy vs no checkpointing (none)",
+                             dev["device_label"].iloc[0])
     bars = [("peak memory saved", "#55a868", lambda r: (1 - r["peak_x_none"]) * 100),
             ("step time added (measured)", "#dd8452", lambda r: (r["step_x_none"] - 1) * 100),
             ("FLOPs added by recompute", "#8c8c8c", lambda r: r["recompute_flops_ratio"] * 100)]
@@ -227,7 +171,7 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_ylabel("% of the value under policy none")
         ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
         ax.margins(y=0.15)
-    _legend(fig, axes, policies=colors)
+    figure_legend(fig, axes, policies=colors)
     return fig, ("Per model setup, the seq x batch where the most policies ran. Memory saved: 1 - peak / none's "
                  "peak. Time added: median step time / none's - 1. FLOPs added: recomputed FLOPs / none's FLOPs.")
 
@@ -244,7 +188,7 @@ def memory_breakdown(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     if not panels:
         return "no successful runs"
     scale, unit = byte_unit(max(p[2]["peak_bytes"].max() for p in panels))
-    fig, axes = _panels(len(panels), "Memory breakdown per policy", dev["device_label"].iloc[0])
+    fig, axes = panel_figure(len(panels), "Memory breakdown per policy", dev["device_label"].iloc[0])
     parts = [("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer state", "optimizer_bytes"),
              ("activations", "activation_peak_bytes")]
     for ax, (setup, (seq, batch), g) in zip(axes, panels):
@@ -267,7 +211,7 @@ def memory_breakdown(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_ylabel(f"memory ({unit})")
         ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
         ax.margins(y=0.1)
-    _legend(fig, axes, policies=colors)
+    figure_legend(fig, axes, policies=colors)
     return fig, (f"Per model setup, the seq x batch where the most policies ran. Activations = forward+backward "
                  f"peak above model state ({dev['peak_label'].iloc[0]}); the black tick is the whole step's peak.")
 
@@ -280,8 +224,9 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     several = dev["setup"].nunique() > 1
     nothing_ran = [f"seq {seq}" + (f" of {setup}" if several else "") for (setup, seq), g in everything
                    if not (g["status"] == "ok").any()]
-    groups, note = _largest(groups)
-    fig, axes = _panels(len(groups), "Throughput vs batch size, per checkpoint policy", dev["device_label"].iloc[0])
+    groups, note = largest_panels(groups)
+    fig, axes = panel_figure(len(groups), "Throughput vs batch size, per checkpoint policy",
+                             dev["device_label"].iloc[0])
     oom_seen = False
     for ax, ((setup, seq), g) in zip(axes, groups):
         ranked = sorted(g.loc[g["status"] == "oom", "policy_label"].unique(), key=policy_rank)
@@ -294,13 +239,13 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 shift = 2 ** (0.1 * (ranked.index(policy) - (len(ranked) - 1) / 2))  # side by side
                 ax.scatter(oom["batch_size"] * shift, [0] * len(oom), color=colors[policy], clip_on=False,
                            **OOM_MARK)
-        _log2_axis(ax, g["batch_size"])
+        log2_axis(ax, g["batch_size"])
         ax.set_ylim(bottom=0)
         ax.set_title(f"{setup}\nseq {seq}")
         ax.set_xlabel("batch size (samples per step)")
         ax.set_ylabel("throughput (tokens/s)")
-    extra = [(_oom_handle(), "OOM: did not fit (drawn at 0)")] if oom_seen else []
-    _legend(fig, axes, extra, colors)
+    extra = [(oom_handle(), "OOM: did not fit (drawn at 0)")] if oom_seen else []
+    figure_legend(fig, axes, extra, colors)
     skipped = f" Not drawn, nothing ran: {', '.join(nothing_ran)}." if nothing_ran else ""
     return fig, "Tokens per second = batch x seq / median step time; higher is better." + note + skipped
 
@@ -310,7 +255,7 @@ def predicted_vs_measured(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     if rows.empty:
         return None  # records without predictions: the figure simply does not apply
     scale, unit = byte_unit(max(rows["peak_bytes"].max(), rows["predicted_peak_bytes"].max()))
-    fig, [ax] = _panels(1, "Predicted vs measured peak memory", dev["device_label"].iloc[0])
+    fig, [ax] = panel_figure(1, "Predicted vs measured peak memory", dev["device_label"].iloc[0])
     hi = max(rows["peak_bytes"].max(), rows["predicted_peak_bytes"].max()) / scale * 1.1
     ax.plot([0, hi], [0, hi], color="black", lw=1, label="prediction = measurement")
     ax.fill_between([0, hi], [0, hi * 0.9], [0, hi * 1.1], color="grey", alpha=0.15, label="within ±10%")
@@ -327,7 +272,7 @@ def predicted_vs_measured(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     ax.set_ylim(0, hi)
     ax.set_xlabel(f"measured peak ({unit}) — {dev['peak_label'].iloc[0]}")
     ax.set_ylabel(f"predicted peak ({unit})")
-    _legend(fig, [ax], policies=colors)
+    figure_legend(fig, [ax], policies=colors)
     err = rows["prediction_error"].abs()
     return fig, (f"One point per config that ran; points above the diagonal over-predict. Prediction method: "
                  f"{', '.join(markers)}. Median |error| {err.median():.1%}, worst {err.max():.1%}.")

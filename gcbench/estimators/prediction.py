@@ -1,0 +1,40 @@
+"""What a predictor returns: `Estimate`, one predicted peak and its parts, and its row for `gcbench estimate`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gcbench.spec import RunSpec
+
+# The spec fields an estimate row carries, stored as in every record (results/schema.py SpecFields): `policy` is the
+# name, `policy_options` its options. The rest of a spec (device, steps, seed) does not change a prediction; the
+# spec's device is always "cpu" here anyway, and the row's `target` says what was predicted.
+ROW_SPEC_FIELDS = ("model", "seq_len", "batch_size", "policy", "policy_options", "layers", "precision", "optimizer")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One prediction: the step's peak and what it is made of, in bytes."""
+
+    method: str  # analytic | simulate
+    target: str  # cuda (max_memory_allocated) | cpu (peak_tracked_bytes)
+    peak_bytes: int  # whole step: forward, backward and optimizer step
+    param_bytes: int  # parameters and buffers
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # the rest at the peak: saved activations, temporaries, recompute, the batch
+    peak_phase: str  # "forward/backward" | "optimizer step": where the peak is reached
+    attention_kernel: str  # the SDPA kernel the prediction assumes (flash, efficient, math, cpu-flash, eager)
+    seconds: float  # how long the prediction took
+
+    def fits(self, memory_bytes: int) -> bool:
+        return self.peak_bytes <= memory_bytes
+
+    def as_record(self, spec: RunSpec) -> dict[str, Any]:
+        """Flat, JSON-ready: the spec's shape fields as a record stores them, then the prediction.
+
+        Show the policy with results.schema.policy_label(row), as for any record."""
+        fields = spec.as_record()
+        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, **dataclasses.asdict(self)}

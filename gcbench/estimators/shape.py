@@ -1,0 +1,103 @@
+"""What both predictors read off a spec and its model config: tensor sizes and byte widths (`Shape`), the attention
+kernel the target device runs, and the CUDA allocator's block size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gcbench.spec import RunSpec
+
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the formulas need: sizes from the model config, byte widths from the precision. T = batch x seq."""
+
+    family: str
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    stream_bytes: int  # residual stream, parameters and gradients: 4 (fp32, amp-bf16) | 2 (bf16)
+    act_bytes: int  # matmul outputs: the stream's width, 2 under amp-bf16
+    amp: bool
+    attn_dropout: float
+    hidden_dropout: float  # GPT-2 resid/embd, BERT hidden dropout; Llama has none
+    has_mask: bool  # transformers passes an explicit mask (a sliding window is reached) instead of is_causal
+    attn_impl: str
+
+    @classmethod
+    def of(cls, spec: RunSpec, config) -> Shape:
+        heads = config.num_attention_heads
+        stream = torch.tensor([], dtype=spec.param_dtype).element_size()
+        window = getattr(config, "sliding_window", None)
+        return cls(
+            family=type(config).model_type,
+            batch=spec.batch_size,
+            seq=spec.seq_len,
+            hidden=config.hidden_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+            or 4 * config.hidden_size,
+            vocab=config.vocab_size,
+            stream_bytes=stream,
+            act_bytes=2 if spec.autocast_dtype is not None else stream,
+            amp=spec.autocast_dtype is not None,
+            attn_dropout=float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", None)
+                               or getattr(config, "attention_probs_dropout_prob", 0.0) or 0.0),
+            hidden_dropout=float(getattr(config, "resid_pdrop", None) or getattr(config, "hidden_dropout_prob", 0.0)
+                                 or 0.0),
+            has_mask=bool(window) and spec.seq_len >= window,
+            attn_impl=getattr(config, "_attn_implementation", None) or "sdpa",
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        return {2: torch.bfloat16, 4: torch.float32}[self.act_bytes]
+
+    @property
+    def gqa_in_sdpa(self) -> bool:
+        # transformers lets SDPA broadcast K/V heads only without a mask (integrations/sdpa_attention.py)
+        return self.kv_heads != self.heads and not self.has_mask and self.attn_impl != "eager"
+
+
+def cuda_kernel(dtype: torch.dtype, has_mask: bool, head_dim: int) -> str:
+    """The SDPA kernel torch picks on an sm80+ GPU (sdp_utils.cpp, select_sdp_backend), as far as memory goes.
+
+    cuDNN attention (preferred on some Hopper builds) keeps the same tensors for backward as flash: output and a
+    float32 log-sum-exp per row. Flash needs 16-bit inputs and no mask; memory-efficient takes masks and fp32."""
+    low_precision = dtype in (torch.float16, torch.bfloat16)
+    if low_precision and not has_mask and head_dim <= 256:
+        return "flash"
+    if head_dim % (8 if low_precision else 4) == 0:
+        return "efficient"
+    return "math"
+
+
+def cpu_kernel(dropout: float) -> str:
+    """CPU SDPA: the CPU flash kernel, except with dropout (sdp_utils_cpp.cpp, check_for_dropout): then the math
+    path, which keeps the seq x seq probabilities."""
+    return "math" if dropout > 0 else "cpu-flash"
+
+
+def attention_kernel(spec: RunSpec, config, target: str) -> str:
+    """The kernel the step's attention runs on `target` (the model's own attention when it is eager)."""
+    if (getattr(config, "_attn_implementation", None) or "sdpa") == "eager":
+        return "eager"
+    shape = Shape.of(spec, config)
+    if target == "cpu":
+        return cpu_kernel(shape.attn_dropout)
+    return cuda_kernel(shape.act_dtype, shape.has_mask, shape.head_dim)

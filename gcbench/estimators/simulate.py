@@ -1,0 +1,194 @@
+"""The `simulate` predictor: run the worker's real TrainingStep (the policy applied, warm-up step, forward,
+backward, optimizer step) on fake tensors, where every op computes shapes only, and count what would be allocated.
+
+The fakes are CPU tensors even for a CUDA target, because a CPU-only torch build cannot run fake CUDA tensors
+through autograd; what CUDA does differently is put back here: the attention kernel CUDA would pick, its backward
+workspace, the multi-tensor optimizer path and the allocator's 512-byte blocks. See docs/methodology.md,
+"Predicting memory". Runs any policy that runs on fake tensors; takes about a second for tiny models, seconds for
+7B ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from gcbench.errors import GcbenchError
+from gcbench.estimators.prediction import Estimate
+from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
+from gcbench.measure import LiveTensorTracker, storage_bytes
+from gcbench.models import build_model, find_blocks
+from gcbench.policies import Policy
+from gcbench.spec import RunSpec
+from gcbench.step import TrainingStep, make_optimizer
+from gcbench.units import round_up
+
+
+def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
+    """Run one warm-up step and one tracked step of `spec` on fake tensors; nothing is allocated for real."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    start = time.perf_counter()
+    # The fakes are CPU tensors whatever the target (autocast, too, must act on CPU tensors); see the module docstring.
+    spec = dataclasses.replace(spec, device="cpu", memory_cap_bytes=None)
+    cuda = target == "cuda"
+    config, family = spec.model_config()
+    fake = FakeTensorMode()
+    model = build_model(config, family, "meta", spec.param_dtype)
+    materialise_as_fakes(model, fake)
+    spec.policy.apply(find_blocks(model))
+    _refuse_compiled(model, spec.policy)
+    tracker = AllocatorModel(cuda)
+    try:
+        with fake, _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()):
+            ids = torch.empty((spec.batch_size, spec.seq_len), dtype=torch.long)
+            optimizer = make_optimizer(spec.optimizer, model, foreach=True if cuda else None)
+            step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
+            spec.policy.prepare(step)
+            step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
+            tracker.track(step.static_tensors() + [ids])
+            with tracker:
+                step.forward_backward()
+                fwd_bwd_peak = tracker.peak
+                step.optimizer_step()
+            parts = [storage_bytes(tensors, tracker.granularity_bytes)
+                     for tensors in (step.params(), step.grads(), step.optimizer_state())]
+    except GcbenchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of a policy on fake tensors is the user's answer
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise GcbenchError(f"simulate cannot run {spec.model} with policy {spec.policy} on fake tensors: "
+                           f"{first_line}") from None
+    return Estimate(
+        method="simulate", target=target, peak_bytes=tracker.peak, param_bytes=parts[0], grad_bytes=parts[1],
+        optimizer_bytes=parts[2], activation_bytes=tracker.peak - sum(parts),
+        peak_phase="optimizer step" if tracker.peak > fwd_bwd_peak else "forward/backward",
+        attention_kernel=attention_kernel(spec, config, target), seconds=time.perf_counter() - start)
+
+
+def _refuse_compiled(model: nn.Module, policy: Policy) -> None:
+    # torch.compile on fake tensors crashes the whole process (segmentation fault, torch 2.13 CPU): refuse instead
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if any(isinstance(m, OptimizedModule) for m in model.modules()):
+        raise GcbenchError(f"simulate cannot run policy {policy}: it compiles blocks with torch.compile, which does "
+                           "not run on fake tensors")
+
+
+def materialise_as_fakes(model: nn.Module, fake) -> None:
+    """Replace every meta parameter and buffer by a CPU fake tensor of the same shape, dtype and strides.
+
+    Tied weights stay tied (one fake per original tensor). Values are never read: a fake has none."""
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake_of(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            with fake:
+                data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            fakes[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+        return fakes[id(t)]
+
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is not None:
+                    slots[name] = fake_of(t)
+
+
+@contextlib.contextmanager
+def _unpacked_batch() -> Iterator[None]:
+    """Tell transformers' mask code that the batch holds one sequence per row, as the real run finds out.
+
+    transformers reads position ids to detect packed sequences, but refuses to read a fake tensor and then builds a
+    full 4-D mask — a different (and larger) step than the real one, which runs `is_causal` without a mask.
+    gcbench batches are never packed, so the answer the real run computes is known."""
+    import transformers.masking_utils as masking
+
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+class AllocatorModel(LiveTensorTracker):
+    """The live-tensor tracker, counting as the target device would: on CUDA, 512-byte blocks plus the workspace
+    a kernel allocates internally (invisible to a dispatch mode, but part of max_memory_allocated)."""
+
+    def __init__(self, cuda: bool):
+        super().__init__(granularity_bytes=CUDA_BLOCK_BYTES if cuda else 1)
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.cuda and func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
+            self.peak = max(self.peak, self.current + flash_backward_workspace_bytes(args[1], args[2]))
+        return out
+
+
+def flash_backward_workspace_bytes(query: torch.Tensor, key: torch.Tensor) -> int:
+    """Scratch of FlashAttention-2's backward (flash_api.cpp, mha_bwd): softmax_d and the fp32 dq accumulator,
+    plus dk/dv at full head count when K/V have fewer heads (GQA). query/key: (batch, heads, seq, head_dim)."""
+    b, h, s, d = query.shape
+    s_rounded, d_rounded = round_up(s, 128), round_up(d, 32 if d <= 128 else 64)
+    softmax_d = round_up(b * h * s_rounded * 4, CUDA_BLOCK_BYTES)
+    dq_accumulator = round_up(b * s_rounded * h * d_rounded * 4, CUDA_BLOCK_BYTES)
+    total = softmax_d + dq_accumulator
+    if key.shape[1] != h:
+        total += 2 * round_up(b * key.shape[2] * h * d * key.element_size(), CUDA_BLOCK_BYTES)
+    return total
+
+
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """Route attention and dropout to the aten kernels CUDA would run, on CPU fake tensors.
+
+    CPU and CUDA keep different tensors for backward. SDPA: CPU falls back to the math path (seq x seq
+    probabilities kept) whenever dropout is on, CUDA flash never keeps them; the CUDA kernels' meta functions give
+    their exact outputs and saved tensors without a GPU. Autocast lists SDPA as a lower-precision op on CUDA, so
+    under amp its inputs are cast first (calling the kernel directly would skip that). Dropout: CPU keeps a noise
+    tensor of the input's dtype, CUDA's fused kernel a bool mask."""
+    import torch.nn.functional as F
+
+    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        kernel = cuda_kernel(query.dtype, attn_mask is not None, query.shape[-1])
+        if kernel == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if kernel == "efficient":
+            if key.shape[1] != query.shape[1]:  # the kernel wants equal head counts: repeat K/V as math does
+                repeat = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:  # CUDA turns a bool mask into an additive one
+                bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill_(bias.logical_not(), -math.inf)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0 or inplace:
+            return original_dropout(input, p, training, inplace)
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout

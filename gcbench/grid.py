@@ -1,0 +1,157 @@
+"""SweepSpec: a grid of RunSpecs (every combination of the values given per field) and how to run it.
+
+Every RunSpec field can take several values (`--seq 512,1024`, `seq = [512, 1024]`, `precision = ["fp32", "bf16"]`);
+the keys and parsers come from the field declarations in spec.py, so a new RunSpec field is a grid option at once.
+Importing this module is cheap (no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from gcbench.errors import GcbenchError
+from gcbench.spec import RunSpec, spec_options
+from gcbench.units import fmt_bytes
+
+DEFAULT_OUT = Path("results/sweep.jsonl")
+DEFAULT_TIMEOUT_S = 600.0  # per config; generous: a 7B model at seq 8192 takes minutes to build, warm up and time
+DEFAULT_POLICIES = ("none", "full", "every-k:k=2", "sqrtn")
+ISOLATIONS = ("process", "none")
+REQUIRED = ("model", "seq_len", "batch_size")  # RunSpec fields without a default: a grid must give them
+
+
+def _seconds(value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise GcbenchError(f"expected seconds, got {value!r}") from None
+    if isinstance(value, bool) or not seconds > 0:
+        raise GcbenchError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _isolation(value: Any) -> str:
+    if value not in ISOLATIONS:
+        raise GcbenchError(f"unknown isolation {value!r} ({', '.join(ISOLATIONS)})")
+    return value
+
+
+def _path(value: Any) -> Path:
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise GcbenchError(f"expected a file path, got {value!r}")
+    return Path(value)
+
+
+# How a sweep runs (not part of any RunSpec): option name -> (SweepSpec field, parser).
+RUN_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "out": ("out", _path),
+    "timeout": ("timeout_s", _seconds),
+    "isolation": ("isolation", _isolation),
+}
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A grid: the values of each RunSpec field (every combination is one config), and how to run it."""
+
+    values: Mapping[str, tuple[Any, ...]]  # RunSpec field name -> its values; a field not here keeps its default
+    out: Path = DEFAULT_OUT  # JSON Lines file; records are appended (only a half-written last line is ever cut)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # wall-clock limit per config, child start included
+    isolation: str = "process"  # process: fresh child per config | none: in this process (faster start, less safe)
+
+    def __post_init__(self) -> None:
+        values = {"policy": DEFAULT_POLICIES, **self.values}
+        for name in REQUIRED:
+            if name not in values:
+                flag = spec_options()[name].flag
+                raise GcbenchError(f"no --{flag} given: a sweep needs at least one value of each of --model, --seq "
+                                   "and --batch (or a --config file that sets them)")
+        object.__setattr__(self, "values", MappingProxyType(values))
+
+    @classmethod
+    def load(cls, config: str | Path | None = None, options: Mapping[str, Any] | None = None,
+             where: str | None = None) -> SweepSpec:
+        """The grid from a TOML file and/or options (CLI names: model, seq, batch, policy, ..., memory-cap, out,
+        timeout, isolation); options override the file. `where` names the options in errors (None: flags)."""
+        values: dict[str, tuple] = {}
+        run: dict[str, Any] = {}
+        sources = [] if config is None else [(_read_toml(Path(config)), str(config))]
+        for source, source_where in [*sources, (options or {}, where)]:
+            grid_values, run_values = parse_options(source, where=source_where)
+            values.update(grid_values)
+            run.update(run_values)
+        return cls(values, **run)
+
+    def expand(self) -> list[RunSpec]:
+        """Every config as a validated RunSpec, in run order: fields in declaration order (model, seq, batch, ...),
+        the policy innermost (the policies of one shape run together, and a shape's OOM is known before the next
+        larger shape runs)."""
+        names = [n for n in spec_options() if n in self.values and n != "policy"] + ["policy"]
+        specs = []
+        for combo in itertools.product(*(self.values[n] for n in names)):
+            fields = dict(zip(names, combo))
+            try:
+                specs.append(RunSpec(**fields))
+            except GcbenchError as e:
+                raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "
+                                   f"{fields['batch_size']}, {fields['policy']})") from None
+        return specs
+
+    def shared_options(self) -> str:
+        """The options every config shares, as one line for tables."""
+        one = {n: v[0] for n, v in self.values.items() if len(v) == 1}
+        defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
+        get = lambda name: one.get(name, defaults[name])  # noqa: E731
+        cap = fmt_bytes(get("memory_cap_bytes")) if get("memory_cap_bytes") else "none"
+        return (f"layers {get('layers') or 'all'} · precision {get('precision') or 'auto'} · {get('optimizer')} · "
+                f"device {get('device')} · warm-up {get('warmup_steps')} + {get('measure_steps')} timed steps · "
+                f"memory cap {cap} · timeout {self.timeout_s:g} s · isolation {self.isolation}")
+
+
+def parse_options(options: Mapping[str, Any], where: str | None = None,
+                  fields: tuple[str, ...] | None = None) -> tuple[dict[str, tuple], dict[str, Any]]:
+    """Options by their CLI names ('memory-cap' or 'memory_cap') -> (RunSpec field -> values, SweepSpec run
+    fields). Values are what a TOML file or a Python caller gives (lists, ints) or what the command line gives
+    (comma lists: "512,1024"). `fields` limits which RunSpec fields are accepted (None: all)."""
+    by_flag = {o.flag: (name, o) for name, o in spec_options().items() if fields is None or name in fields}
+    known = [*by_flag, *RUN_OPTIONS] if fields is None else list(by_flag)
+    values: dict[str, tuple] = {}
+    run: dict[str, Any] = {}
+    for raw_key, value in options.items():
+        key = str(raw_key).replace("_", "-")
+        if key in by_flag:
+            name, opt = by_flag[key]
+            parse = opt.parse_many
+        elif key in known:
+            name, parse_value = RUN_OPTIONS[key]
+
+            def parse(v, parse_value=parse_value, key=key):
+                try:
+                    return parse_value(v)
+                except GcbenchError as e:
+                    raise GcbenchError(f"--{key}: {e}") from None
+        else:
+            raise GcbenchError(f"{where + ': ' if where else ''}unknown option {raw_key!r} (known: {', '.join(known)})")
+        try:
+            (values if key in by_flag else run)[name] = parse(value)
+        except GcbenchError as e:
+            # Option errors name the flag (--seq: ...); in a file, name the file and the key instead.
+            raise GcbenchError(f"{where}: {str(e).removeprefix('--')}" if where else str(e)) from None
+    return values, run
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise GcbenchError(f"cannot read sweep config {str(path)!r}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise GcbenchError(f"{path}: malformed TOML: {e}") from None

@@ -1,0 +1,171 @@
+"""What every policy is made of: the POLICIES registry, typed options, the Policy base class and parse_policy.
+
+A policy wraps a model's list of transformer blocks and declares facts about itself that the runner reads
+(`compiles`, `hidden_from_dispatch_modes`, `offloaded_bytes`); it never measures. The policies themselves are in the
+sibling modules (classic, sac, attn, offload, budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gcbench.errors import GcbenchError
+
+if TYPE_CHECKING:
+    from gcbench.step import TrainingStep
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
+    """Class decorator: make a policy a frozen dataclass (its options are the fields) and add it to POLICIES under
+    `name`."""
+
+    def add(cls: type[Policy]) -> type[Policy]:
+        cls = dataclass(frozen=True)(cls)
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+
+    return add
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] = (), within: tuple[float, float] | None = None,
+           blocks: bool = False) -> Any:
+    """A policy option: a dataclass field whose help text `gcbench policies` shows, with the rule its value obeys
+    (checked by Policy.validate): one of `choices`, a number `within` [lo, hi], or a count of `blocks` (1..N)."""
+    rule = {"choices": choices, "within": within, "blocks": blocks}
+    return dataclasses.field(default=default, metadata={"help": help, **rule})
+
+
+class CheckpointedGroup(nn.Module):
+    """Runs a contiguous group of blocks as one non-reentrant checkpoint: only the group's inputs are kept."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return checkpoint(self._run_blocks, hidden_states, *args, use_reentrant=False, **kwargs)
+
+    def _run_blocks(self, hidden_states, *args, **kwargs):
+        for block in self.blocks:
+            hidden_states = block(hidden_states, *args, **kwargs)
+        return hidden_states
+
+
+class Passthrough(nn.Module):
+    """Stands in the block list for a block that a preceding CheckpointedGroup already ran."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base class. A classic policy only says which block groups to checkpoint (`groups`).
+
+    A policy sets things up and declares facts; the runner measures. The class facts below are False for the
+    classic policies.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    # The first step compiles: the runner times it against the next one before warm-up (compile_ms), so that
+    # compiling never lands in the timed steps.
+    compiles: ClassVar[bool] = False
+    # Under a TorchDispatchMode the blocks run otherwise than in the timed steps (torch.compile falls back to eager,
+    # and stays there), so what a dispatch-mode instrument counts (FLOPs; on CPU the live-tensor peaks) would
+    # describe another model: the runner reports those fields as None and counts saved bytes before any such mode.
+    hidden_from_dispatch_modes: ClassVar[bool] = False
+
+    def validate(self, n_blocks: int) -> None:
+        """Raise GcbenchError when an option breaks its rule (see `option`) for a model of `n_blocks` blocks."""
+        for f in dataclasses.fields(self):
+            value, rule = getattr(self, f.name), f.metadata
+            if rule.get("choices") and value not in rule["choices"]:
+                use = " or ".join(f"{f.name}={c}" for c in rule["choices"])
+                raise GcbenchError(f"{self.name}:{f.name}={value} is not known: use {use}")
+            if rule.get("within") and not rule["within"][0] <= value <= rule["within"][1]:
+                lo, hi = rule["within"]
+                raise GcbenchError(f"{self.name}:{f.name}={value} is out of range: {f.name} must be in "
+                                   f"[{lo:g}, {hi:g}]")
+            # Refused, not clamped: a k beyond N would silently measure a different policy than the one asked for.
+            if rule.get("blocks") and not 1 <= value <= n_blocks:
+                raise GcbenchError(f"{self.name}:{f.name}={value} is out of range: the model has {n_blocks} blocks, "
+                                   f"so {f.name} must be 1..{n_blocks}")
+
+    def groups(self, n_blocks: int) -> list[range]:
+        """Contiguous ranges of block indices, each to become one checkpoint."""
+        return []
+
+    def apply(self, blocks: nn.ModuleList) -> Callable[[], None]:
+        """Wrap `blocks` in place; return a function that restores the original blocks."""
+        originals = list(blocks)
+        for group in self.groups(len(blocks)):
+            blocks[group.start] = self.wrap_group([originals[i] for i in group])
+            for i in group[1:]:
+                blocks[i] = Passthrough()
+
+        def undo() -> None:
+            for i, block in enumerate(originals):
+                blocks[i] = block
+
+        return undo
+
+    def wrap_group(self, group: list[nn.Module]) -> nn.Module:
+        """The module that stands for one group of blocks: by default one plain checkpoint around them."""
+        return CheckpointedGroup(group)
+
+    def prepare(self, step: TrainingStep) -> None:
+        """Set up what needs the built step (its device), once after `apply` and before any step runs.
+
+        Runs nothing and measures nothing. The classic policies need nothing.
+        """
+
+    def offloaded_bytes(self, model: nn.Module) -> int | None:
+        """Bytes the policy's blocks copied to host memory in `model`'s last forward; None when it moves nothing."""
+        return None
+
+    def options(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options().items())
+        return f"{self.name}:{opts}" if opts else self.name
+
+
+def parse_policy(text: str) -> Policy:
+    """Parse `name` or `name:key=value[,key=value]` into a Policy; GcbenchError on anything unknown or malformed."""
+    if "+" in text:
+        raise GcbenchError(
+            f"policies do not compose ({text.strip()!r}): give one policy. Supported combinations are options of one "
+            "policy: offload:what=inputs,k=K is every-k with the checkpointed blocks' inputs offloaded, "
+            "offload:what=inputs is full with offload (see docs/policies.md, 'Composition')")
+    name, _, rest = text.strip().partition(":")
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise GcbenchError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or key not in fields:
+            known = ", ".join(fields) or "none"
+            raise GcbenchError(f"policy {name!r}: bad option {item!r} (options: {known})")
+        values[key] = _parse_value(name, key, raw, fields[key].type)
+    return cls(**values)
+
+
+def _parse_value(policy: str, key: str, raw: str, type_name: Any) -> Any:
+    kind = {"int": int, "float": float, "str": str}.get(str(type_name), str)
+    try:
+        return kind(raw)
+    except ValueError:
+        raise GcbenchError(f"policy {policy!r}: option {key}={raw!r} is not a {kind.__name__}") from None

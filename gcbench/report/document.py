@@ -1,0 +1,202 @@
+"""The shareable report (`gcbench report --out DIR`): its content as a list of blocks (headings, paragraphs, grids,
+figures), rendered to report.md and to a self-contained report.html, written beside figures/ all at once."""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+from gcbench.errors import GcbenchError
+from gcbench.report.grids import Grid, environment_grid, grid_grid, largest_fit_grid, prediction_grid, results_grid
+from gcbench.results.frame import FAILED
+
+
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Para:
+    text: str  # may use `code` and **bold**
+
+
+@dataclass
+class Image:
+    png: str  # relative to the report directory
+    svg: str
+    title: str
+    caption: str
+
+
+Block = Heading | Para | Grid | Image
+
+
+def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[str]) -> list[Block]:
+    """The report's content: what was run where, the tables, the figures, the largest config that fit."""
+    from gcbench import __version__
+
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cpu_only = (frame["device_kind"] == "cpu").all()
+    blocks: list[Block] = [
+        Heading("gcbench report" + (" — CPU measurements" if cpu_only else ""), 1),
+        Para(f"{len(frame)} configs from {', '.join(f'`{s}`' for s in sources)}; written {now} by gcbench "
+             f"{__version__}. Each device has its own section: numbers from different devices are never compared "
+             "or averaged, and `x none` ratios compare a policy with the `none` policy at the same device, model "
+             "setup, sequence length and batch size. Memory in binary units (GiB = 2^30 bytes); step time is the "
+             "median of the measured steps."),
+    ]
+    if frame.attrs.get("superseded"):
+        blocks.append(Para(f"{frame.attrs['superseded']} repeated record(s) of the same config were superseded "
+                           "by a later record (the latest is kept; records are never averaged)."))
+    for dev_label, dev in frame.groupby("device_label", sort=False):
+        cpu = dev["device_kind"].iloc[0] == "cpu"
+        blocks.append(Heading(f"{dev_label}" + (" — CPU measurements" if cpu else "")))
+        if cpu:
+            blocks.append(Para("**CPU run.** Step times are CPU times, not GPU times. Peak memory is the "
+                               "*tracked live-tensor peak (CPU)*: the most bytes of tensors alive at once, "
+                               "counted by gcbench; CPU has no allocator peak like CUDA's `max_memory_allocated`."))
+        else:
+            blocks.append(Para("Peak memory is `torch.cuda.max_memory_allocated` over the whole training step."))
+        blocks += [Heading("Environment", 3), environment_grid(dev), Heading("Grid", 3), grid_grid(dev),
+                   Heading("Results", 3)]
+        for _, part in dev.groupby("setup", sort=False):
+            blocks.append(results_grid(part))
+        blocks += [Heading("Largest config that fit, per policy", 3), largest_fit_grid(dev)]
+        predictions = [g for _, part in dev.groupby("setup", sort=False) if (g := prediction_grid(part))]
+        if predictions:
+            blocks += [Heading("Prediction error per method", 3), *predictions]
+        blocks.append(Heading("Figures", 3))
+        for fig in figures.get(dev_label, []):
+            if fig.png is None:
+                blocks.append(Para(f"*{fig.title}*: not drawn — {fig.caption}"))
+            else:
+                blocks.append(Image(fig.png, fig.svg, fig.title, fig.caption))
+    return blocks
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(blocks: list[Block]) -> str:
+    out = []
+    for b in blocks:
+        match b:
+            case Heading():
+                out.append("#" * b.level + " " + b.text)
+            case Para():
+                out.append(b.text)
+            case Grid():
+                lines = [f"**{b.title}**\n"] if b.title else []
+                lines.append("| " + " | ".join(map(_md_cell, b.headers)) + " |")
+                lines.append("|" + "|".join("---:" if i in b.numeric else "---" for i in range(len(b.headers))) + "|")
+                lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
+                if b.caption:
+                    lines.append(f"\n*{b.caption}*")
+                out.append("\n".join(lines))
+            case Image():
+                out.append(f"![{b.title}]({b.png})\n\n*{b.caption}* ([SVG]({b.svg}))")
+    return "\n\n".join(out) + "\n"
+
+
+def _inline_html(text: str) -> str:
+    text = html.escape(text, quote=False)
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    text = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
+    return re.sub(r"\*([^*]+)\*", r"<i>\1</i>", text)
+
+
+HTML_STYLE = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1280px; margin: 2em auto;
+       padding: 0 1.5em; color: #1d1d1f; }
+h1 { border-bottom: 2px solid #333; padding-bottom: .2em; }
+h2 { margin-top: 2.2em; border-bottom: 1px solid #ccc; padding-bottom: .15em; }
+h3 { margin-top: 1.6em; }
+code { background: #f2f2f2; padding: 0 .25em; border-radius: 3px; }
+table { border-collapse: collapse; margin: .6em 0 .3em; font-size: 13px; }
+th, td { padding: .25em .7em; border-bottom: 1px solid #e2e2e2; }
+td { white-space: nowrap; }
+div.wide { overflow-x: auto; }
+th { background: #f6f6f6; text-align: left; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.end td { border-bottom: 2px solid #aaa; }
+td.bad { color: #b00020; font-weight: 600; }
+caption { caption-side: top; text-align: left; font-weight: 600; padding: .3em 0; }
+p.caption { font-size: 13px; color: #555; margin-top: .2em; }
+figure { margin: 1.4em 0; }
+figure img { max-width: 100%; border: 1px solid #ddd; }
+figcaption { font-size: 13px; color: #444; }
+"""
+
+
+def render_html(blocks: list[Block], root: Path) -> str:
+    """One self-contained HTML file: the PNG figures are embedded (base64), the SVGs stay beside it."""
+    title = next((b.text for b in blocks if isinstance(b, Heading)), "gcbench report")
+    out = [f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+           f"<style>{HTML_STYLE}</style></head><body>"]
+    for b in blocks:
+        match b:
+            case Heading():
+                out.append(f"<h{b.level}>{html.escape(b.text)}</h{b.level}>")
+            case Para():
+                out.append(f"<p>{_inline_html(b.text)}</p>")
+            case Grid():
+                bad, end = ' class="bad"', ' class="end"'
+                cls = lambda i: ' class="num"' if i in b.numeric else ""  # noqa: E731
+                rows = []
+                for r, row in enumerate(b.rows):
+                    cells = "".join(f"<td{bad if c in FAILED.values() else cls(i)}>{html.escape(c)}</td>"
+                                    for i, c in enumerate(row))
+                    rows.append(f"<tr{end if r in b.section_ends else ''}>{cells}</tr>")
+                caption = f"<caption>{html.escape(b.title)}</caption>" if b.title else ""
+                head = "".join(f"<th{cls(i)}>{html.escape(h)}</th>" for i, h in enumerate(b.headers))
+                out.append(f"<div class=\"wide\"><table>{caption}<thead><tr>{head}</tr></thead>"
+                           f"<tbody>{''.join(rows)}</tbody></table></div>")
+                if b.caption:
+                    out.append(f"<p class=\"caption\">{_inline_html(b.caption)}</p>")
+            case Image():
+                data = base64.b64encode((root / b.png).read_bytes()).decode()
+                out.append(f"<figure><img src=\"data:image/png;base64,{data}\" alt=\"{html.escape(b.title)}\">"
+                           f"<figcaption><b>{html.escape(b.title)}.</b> {_inline_html(b.caption)}</figcaption>"
+                           "</figure>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def write_report(frame: pd.DataFrame, out: Path) -> list[Path]:
+    """Write report.md, report.html and figures/ into `out`. Everything is made in a scratch directory first and
+    moved in at the end: a failure leaves no half-written report (an earlier report stays as it was)."""
+    from gcbench.report.figures import write_figures  # here: matplotlib only when a report is written
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not out.is_dir():
+            raise GcbenchError(f"--out {str(out)!r} is a file, not a directory")
+        scratch = Path(tempfile.mkdtemp(prefix=".gcbench-report-", dir=out.parent))
+    except OSError as e:
+        raise GcbenchError(f"cannot write the report to {str(out)!r}: {e.strerror or e}") from None
+    try:
+        figures = write_figures(frame, scratch, "figures")
+        blocks = report_blocks(frame, figures, sorted(set(frame["source"])))
+        (scratch / "report.md").write_text(render_markdown(blocks))
+        (scratch / "report.html").write_text(render_html(blocks, scratch))
+        out.mkdir(exist_ok=True)
+        shutil.rmtree(out / "figures", ignore_errors=True)  # a figure of an earlier report must not linger
+        for name in ("figures", "report.md", "report.html"):
+            os.replace(scratch / name, out / name)
+    except OSError as e:
+        raise GcbenchError(f"cannot write the report to {str(out)!r}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return [out / "report.md", out / "report.html", *sorted((out / "figures").iterdir())]

@@ -1,0 +1,163 @@
+"""The report's tables as plain display strings (Grid): one device and setup's results, the largest config that
+fit, each prediction method's error, the environment and the grid that was run. Built from `results_frame`; the
+terminal (tables.py) and the document (document.py) render the same Grid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from gcbench.results.frame import FAILED, as_int, given, policy_rank
+from gcbench.units import byte_unit, fmt_bytes
+
+ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
+    ("gcbench", "env.gcbench"), ("git commit", "env.git_sha"), ("python", "env.python"), ("torch", "env.torch"),
+    ("transformers", "env.transformers"), ("platform", "env.platform"), ("CPU", "env.cpu"),
+    ("CPU cores", "env.cpu_count"), ("torch threads", "env.torch_threads"), ("GPU", "env.gpu_name"),
+    ("GPU memory", "env.gpu_memory_bytes"), ("driver", "env.driver"), ("CUDA", "env.cuda"),
+    ("float32 matmul precision", "env.float32_matmul_precision"), ("TF32 matmul", "env.allow_tf32_matmul"),
+    ("PYTORCH_CUDA_ALLOC_CONF", "env.pytorch_cuda_alloc_conf"),
+]
+
+
+@dataclass
+class Grid:
+    """A table of display strings: one shape for the terminal (rich), report.md and report.html."""
+
+    headers: list[str]
+    rows: list[list[str]]
+    title: str = ""
+    caption: str = ""
+    numeric: set[int] = field(default_factory=set)  # right-aligned columns
+    section_ends: set[int] = field(default_factory=set)  # rows after which a group ends (a rule in the terminal)
+    optional: list[int] = field(default_factory=list)  # columns a narrow terminal leaves out, least useful first
+
+
+def results_grid(part: pd.DataFrame) -> Grid:
+    """The results table of one device and setup: a row per (seq, batch, policy), `x none` within each seq x batch."""
+    scale, unit = byte_unit(part["peak_bytes"].max())
+    predicted = part["predicted_peak_bytes"].notna().any()
+    headers = ["seq", "batch", "policy", "status", f"peak {unit}", "peak x none", f"act. {unit}",
+               "step ms", "IQR ms", "time x none", "tokens/s", "recompute FLOPs"]
+    if predicted:
+        headers += [f"predicted peak {unit}", "prediction error"]
+    size = lambda v: f"{v / scale:,.2f}" if given(v) else "-"  # noqa: E731
+
+    def ratio(v: Any, r: dict) -> str:
+        if r["status"] != "ok":
+            return "-"
+        return f"{v:.2f}x" if given(v) else "n/a"
+
+    rows, ends = [], set()
+    records = part.to_dict("records")
+    for i, r in enumerate(records):
+        ok = r["status"] == "ok"
+        row = [str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], FAILED.get(r["status"], r["status"]),
+               size(r["peak_bytes"]), ratio(r["peak_x_none"], r), size(r["activation_peak_bytes"]),
+               f"{r['step_ms_median']:,.1f}" if ok else "-", f"{r['step_ms_iqr']:,.1f}" if ok else "-",
+               ratio(r["step_x_none"], r),
+               f"{r['tokens_per_s']:,.0f}" if ok else "-",
+               f"+{r['recompute_flops_ratio']:.1%}" if ok and given(r["recompute_flops_ratio"]) else "-"]
+        if predicted:
+            row += [size(r["predicted_peak_bytes"]),
+                    f"{r['prediction_error']:+.1%}" if ok and given(r["prediction_error"]) else "-"]
+        rows.append(row)
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        if nxt is None or (nxt["seq_len"], nxt["batch_size"]) != (r["seq_len"], r["batch_size"]):
+            ends.add(i)
+    caption = (f"peak = {part['peak_label'].iloc[0]}; act. = activations, the fwd+bwd peak above model state; "
+               f"step ms = median step time; "
+               f"x none = ratio to the `none` policy at the same seq and batch; IQR = spread of the measured step "
+               f"times (a time ratio within it is noise); FLOPs include recompute.")
+    if ((part["status"] == "ok") & ~part["has_baseline"]).any():
+        caption += (" n/a: no successful `none` run at that seq and batch, so the ratio is unavailable "
+                    "(absolute numbers shown).")
+    if predicted:
+        caption += " prediction error = predicted / measured peak - 1."
+    optional = [headers.index(h) for h in ("IQR ms", f"predicted peak {unit}", "tokens/s", "prediction error",
+                                           "recompute FLOPs") if h in headers]
+    return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,
+                numeric=set(range(4, len(headers))) | {0, 1}, section_ends=ends, optional=optional)
+
+
+def largest_fit_grid(dev: pd.DataFrame) -> Grid:
+    """Per setup and policy: the largest config (most tokens per step) that ran, and the smallest that did not fit."""
+    scale, unit = byte_unit(dev["peak_bytes"].max())
+    rows, shown_setup = [], None
+    for (setup, policy), g in sorted(dev.groupby(["setup", "policy_label"]), key=lambda kv: (kv[0][0],
+                                                                                             policy_rank(kv[0][1]))):
+        ok = g[g["status"] == "ok"].sort_values(["tokens", "seq_len"])
+        oom = g[g["status"] == "oom"].sort_values(["tokens", "seq_len"])
+        best = ok.iloc[-1] if len(ok) else None
+        first_oom = oom.iloc[0] if len(oom) else None
+        rows.append([
+            "" if setup == shown_setup else setup, policy,
+            f"seq {best['seq_len']} x batch {best['batch_size']} ({best['tokens']:,} tokens)" if best is not None
+            else "nothing fit",
+            f"{best['peak_bytes'] / scale:,.2f}" if best is not None and given(best["peak_bytes"]) else "-",
+            f"seq {first_oom['seq_len']} x batch {first_oom['batch_size']}" if first_oom is not None else "-",
+            f"{len(ok)} / {len(g)}",
+        ])
+        shown_setup = setup  # each setup named once, on its first row
+    return Grid(["setup", "policy", "largest config that fit", f"its peak {unit}", "smallest OOM", "ran ok"], rows,
+                caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5})
+
+
+PREDICTION_METHODS = ("simulate", "analytic")
+
+
+def prediction_grid(part: pd.DataFrame) -> Grid | None:
+    """For one device and setup: per measured config, each prediction method's error against the measured peak,
+    then the median and worst absolute error per method; None when no record carries per-method predictions."""
+    columns = [f"predicted_peak_bytes_{m}" for m in PREDICTION_METHODS]
+    ok = part[(part["status"] == "ok") & part["peak_bytes"].notna() & part[columns].notna().any(axis=1)]
+    if ok.empty:
+        return None
+    scale, unit = byte_unit(ok["peak_bytes"].max())
+    errors = {m: ok[f"predicted_peak_bytes_{m}"] / ok["peak_bytes"] - 1 for m in PREDICTION_METHODS}
+    pct = lambda v: f"{round(v, 3) or 0.0:+.1%}" if given(v) else "-"  # noqa: E731 - never "-0.0%"
+    rows = [[str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], f"{r['peak_bytes'] / scale:,.2f}",
+             *(pct(errors[m][i]) for m in PREDICTION_METHODS)] for i, r in ok.iterrows()]
+    for label, stat in (("median |error|", "median"), ("worst |error|", "max")):
+        rows.append(["", "", label, "", *(f"{getattr(errors[m].abs(), stat)():.1%}" if errors[m].notna().any()
+                                          else "-" for m in PREDICTION_METHODS)])
+    return Grid(["seq", "batch", "policy", f"measured {unit}", *(f"{m} error" for m in PREDICTION_METHODS)], rows,
+                title=f"prediction error · {part['setup'].iloc[0]}",
+                caption=f"error = predicted / measured peak - 1, measured = {part['peak_label'].iloc[0]}; median and "
+                        "worst over the configs each method predicts; - = the method cannot predict this policy "
+                        "(analytic knows the block-grouping ones).",
+                numeric={0, 1, 3, 4, 5}, section_ends={len(rows) - 3})
+
+
+def environment_grid(dev: pd.DataFrame) -> Grid:
+    """The machine and software of one device's records; differing values are all listed, never hidden."""
+    rows = []
+    for label, col in ENV_ROWS:
+        if col not in dev:
+            continue
+        values = [v for v in dict.fromkeys(dev[col].tolist()) if given(v)]
+        if not values:
+            continue
+        if col == "env.gpu_memory_bytes":
+            values = [fmt_bytes(v) for v in values]
+        elif col in ("env.cpu_count", "env.torch_threads"):
+            values = [str(as_int(v)) for v in values]
+        rows.append([label, " / ".join(map(str, values)) + (" (differs between records)" if len(values) > 1 else "")])
+    return Grid(["", "value"], rows)
+
+
+def grid_grid(dev: pd.DataFrame) -> Grid:
+    """The grid that was run on one device: setups, seq lengths, batch sizes, policies, statuses."""
+    sources = sorted(set(dev["source"]))
+    statuses = dev["status"].value_counts()
+    rows = [
+        ["model setups", "; ".join(sorted(set(dev["setup"])))],
+        ["sequence lengths (tokens)", ", ".join(map(str, sorted(set(dev["seq_len"]))))],
+        ["batch sizes", ", ".join(map(str, sorted(set(dev["batch_size"]))))],
+        ["policies", ", ".join(sorted(set(dev["policy_label"]), key=policy_rank))],
+        ["configs", f"{len(dev)}: " + ", ".join(f"{n} {FAILED.get(s, s)}" for s, n in statuses.items())],
+        ["results files", ", ".join(sources)],
+    ]
+    return Grid(["", "value"], rows)

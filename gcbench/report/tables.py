@@ -1,0 +1,148 @@
+"""Tables for the terminal (rich): one run (`gcbench run`), predictions (`gcbench estimate`), and the report's
+grids (`gcbench report`), which leave out their least useful columns on a narrow terminal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gcbench.report.grids import Grid, largest_fit_grid, prediction_grid, results_grid
+from gcbench.results.frame import FAILED
+from gcbench.results.schema import peak_bytes, policy_label
+from gcbench.units import byte_unit, fmt_bytes, human_count
+
+
+def run_table(record: dict[str, Any]) -> Table:
+    """The one-run table `gcbench run` prints: memory, breakdown, time, throughput, recompute cost."""
+    cuda = str(record["device"]).startswith("cuda")
+    env = record.get("env") or {}
+    where = env.get("gpu_name") or f"CPU ({env.get('torch_threads')} threads)"
+    title = (f"{record['model']} ({record.get('n_layers')} blocks) · seq {record['seq_len']} · batch "
+             f"{record['batch_size']} · {policy_label(record)} · {record['precision']} · {where}")
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("what it is", style="dim")
+    if record["status"] != "ok":
+        table.add_row("status", f"[bold red]{record['status']}[/]", record.get("error") or "")
+        return table
+    if cuda:
+        table.add_row("peak memory", fmt_bytes(record["peak_allocated_bytes"]),
+                      "torch.cuda.max_memory_allocated, whole step")
+        table.add_row("peak reserved", fmt_bytes(record["peak_reserved_bytes"]), "allocator cache incl. fragmentation")
+    else:
+        table.add_row("peak memory (tracked)", fmt_bytes(record["peak_tracked_bytes"]),
+                      "peak of live tensor bytes on CPU (not an allocator)")
+    measured = peak_bytes(record)
+    if record.get("predicted_peak_bytes"):
+        error = record["predicted_peak_bytes"] / measured - 1
+        table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
+                      f"{record.get('prediction_method')} before the run, {error:+.1%} vs measured")
+    table.add_row("activation peak", fmt_bytes(record["activation_peak_bytes"]), "fwd+bwd peak above model state")
+    table.add_row("saved activations", fmt_bytes(record["saved_activation_bytes"]), "kept for backward after forward")
+    if record.get("offloaded_bytes") is not None:
+        table.add_row("offloaded to host", fmt_bytes(record["offloaded_bytes"]), "host copies per forward (offload)")
+    if record.get("compile_ms") is not None:
+        table.add_row("compile time", f"{record['compile_ms'] / 1e3:.1f} s", "torch.compile, not in step time")
+    state = record["param_bytes"] + record["grad_bytes"] + record["optimizer_bytes"]
+    table.add_row("model state", fmt_bytes(state),
+                  f"params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
+                  f"+ {record['optimizer']} {fmt_bytes(record['optimizer_bytes'])}")
+    table.add_row("step time (median)", f"{record['step_ms_median']:.1f} ms",
+                  f"IQR {record['step_ms_iqr']:.1f} ms over {len(record['step_ms'])} steps")
+    table.add_row("throughput", f"{record['tokens_per_s']:,.0f} tokens/s", "batch x seq / median step")
+    ratio = record.get("recompute_flops_ratio")
+    table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
+                  f"{human_count(record['flops'], 'FLOP')} per step vs {human_count(record['model_flops'], 'FLOP')}")
+    if record.get("mfu") is not None:
+        table.add_row("MFU", f"{record['mfu']:.1%}", "model FLOPs / step time / dense bf16 peak")
+    return table
+
+
+def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) -> Table:
+    """The table `gcbench estimate` prints: one row per config and method (rows are Estimate.as_record()s: `policy`
+    the name with `policy_options` beside it, or, from older code, the whole label in `policy`).
+    Byte columns share one unit, chosen for the largest peak; what all rows share goes into the title."""
+    first = rows[0]
+    scale, unit = byte_unit(max(r["peak_bytes"] for r in rows))
+    models = {r["model"] + (f" ({r['layers']} blocks)" if r.get("layers") else "") for r in rows}
+    predicted = "torch.cuda.max_memory_allocated" if first["target"] == "cuda" else "CPU live-tensor peak"
+    kernels = ", ".join(sorted({r["attention_kernel"] for r in rows}))
+    title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
+             f"({predicted}) · {first['precision']} · {first['optimizer']} · attention: {kernels}")
+    caption = (f"{unit}; activ. = everything else at the peak; * = peak in the optimizer step (its temporaries)"
+               + (f"; fits = peak <= {fmt_bytes(memory_bytes)}" if memory_bytes else ""))
+    table = Table(title=title, caption=caption, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    columns = (["model"] if len(models) > 1 else []) + ["seq", "batch", "policy", "method", "params", "grads",
+                                                        "optim.", "activ.", "peak"]
+    for col in columns + (["fits"] if memory_bytes else []) + ["time"]:
+        table.add_column(col, justify="left" if col in ("model", "policy", "method", "fits") else "right")
+    for r in rows:
+        cells = [str(r["model"])] if len(models) > 1 else []
+        cells += [str(r["seq_len"]), str(r["batch_size"]), policy_label(r), r["method"]]
+        cells += [f"{r[k] / scale:.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
+        cells.append(f"{r['activation_bytes'] / scale:.2f}" + ("*" if r["peak_phase"] == "optimizer step" else ""))
+        cells.append(f"[bold]{r['peak_bytes'] / scale:.2f}[/]")
+        if memory_bytes:
+            cells.append("[green]yes[/]" if r["peak_bytes"] <= memory_bytes else "[red]no[/]")
+        cells.append(f"{r['seconds']:.2f}s")
+        table.add_row(*cells)
+    return table
+
+
+def rich_table(grid: Grid, width: int | None = None) -> Table:
+    """The grid as a rich Table. Given a terminal `width`, the grid's optional columns are left out (least useful
+    first) until the table fits without breaking numbers apart; report.md and report.html keep every column."""
+    hidden: list[int] = []
+    while True:
+        table = _rich_table(grid, hidden)
+        if width is None or len(hidden) == len(grid.optional):
+            return table
+        # The natural (unwrapped) width: measured on an unbounded console, since a bounded one clamps to its width.
+        if Console(width=100_000).measure(table).maximum <= width:
+            return table
+        hidden.append(grid.optional[len(hidden)])
+
+
+def _rich_table(grid: Grid, hidden: list[int]) -> Table:
+    shown = [i for i in range(len(grid.headers)) if i not in hidden]
+    table = Table(title=grid.title or None, caption=grid.caption or None, header_style="bold",
+                  caption_justify="left")
+    for i in shown:
+        numeric = i in grid.numeric
+        # Numbers never wrap; their headers break after the first word instead ("peak\nx none").
+        header = grid.headers[i].replace(" ", "\n", 1) if numeric else grid.headers[i]
+        # Short labels (policies, statuses) stay on one line; long ones (setups, notes) may wrap.
+        widest = max((len(row[i]) for row in grid.rows), default=0)
+        table.add_column(header, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold",
+                         min_width=None if numeric or widest > 16 else max(widest, len(header)))
+    for i, row in enumerate(grid.rows):
+        cells = [Text(row[j], style="bold red") if row[j] in FAILED.values() else Text(row[j]) for j in shown]
+        table.add_row(*cells, end_section=i in grid.section_ends and i != len(grid.rows) - 1)
+    return table
+
+
+def terminal_tables(frame: pd.DataFrame, width: int | None = None) -> list[Table | str]:
+    """What `gcbench report` prints: per device a heading line, a results table per setup, the largest fits.
+    `width`: the terminal's, so that narrow terminals get the essential columns only."""
+    out: list[Table | str] = []
+    for dev_label, dev in frame.groupby("device_label", sort=False):
+        out.append(f"[bold]{dev_label}[/] — {len(dev)} configs; peak memory = {dev['peak_label'].iloc[0]}")
+        for _, part in dev.groupby("setup", sort=False):
+            out.append(rich_table(results_grid(part), width))
+        fits = largest_fit_grid(dev)
+        fits.title = "largest config that fit, per policy"
+        out.append(rich_table(fits, width))
+        for _, part in dev.groupby("setup", sort=False):
+            predictions = prediction_grid(part)
+            if predictions is not None:
+                out.append(rich_table(predictions, width))
+    if frame.attrs.get("superseded"):
+        out.append(f"[dim]{frame.attrs['superseded']} repeated record(s) of the same config superseded by a later "
+                   f"one (latest kept, never averaged)[/]")
+    return out

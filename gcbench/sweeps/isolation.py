@@ -1,0 +1,192 @@
+"""Process isolation for a sweep: each config in a fresh child process with a timeout (or, for quick CPU checks,
+in this process), returning the config's record; a child that dies or runs out of time becomes a record too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gcbench.errors import GcbenchError
+from gcbench.results.schema import config_label, new_record
+from gcbench.spec import RunSpec
+
+STDERR_TAIL_LINES = 30  # of a failed child's stderr, kept in its record
+
+OnPhase = Callable[[str], None]
+
+
+def failure_record(spec: RunSpec, status: str, error: str, env: dict | None = None, **extra: Any) -> dict[str, Any]:
+    """The record of a config that produced no measurement (skipped, timeout, error)."""
+    return new_record(spec.as_record(), status, error, **extra, env=env)
+
+
+class ProcessRunner:
+    """Each config in a fresh child process, forked from a fork server that imported torch, transformers and
+    gcbench once: a child starts in tens of milliseconds, yet owns its CUDA context and allocator, so an OOM, a
+    sticky CUDA error or a segfault cannot touch the next config. `timeout_s` is enforced by killing the child."""
+
+    def __init__(self, timeout_s: float):
+        from gcbench.sweeps.child import run_child  # here, not at import: importing it warms up (git sha, model code)
+
+        self.timeout_s = timeout_s
+        self._target = run_child
+        self._ctx = _child_context()
+
+    def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:
+        fd, log_path = tempfile.mkstemp(prefix="gcbench-child-", suffix=".log")
+        os.close(fd)
+        results, results_w = self._ctx.Pipe(duplex=False)
+        lifeline_r, lifeline = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=self._target, args=(spec.as_record(), results_w, lifeline_r, log_path),
+                                 name=f"gcbench {config_label(spec.as_record())}", daemon=True)
+        finished = started = False
+        try:
+            with _signals_deferred(), _main_module_hidden():
+                proc.start()
+                started = True
+            # The child holds these now; our copies would keep the pipes open after it died.
+            results_w.close()
+            lifeline_r.close()
+            record, finished = self._wait(spec, proc, results, on_phase, log_path)
+            return record
+        finally:
+            if started:
+                _stop(proc, grace_s=10.0 if finished else 0.0)
+            for conn in (results, results_w, lifeline, lifeline_r):
+                conn.close()
+            os.unlink(log_path)
+
+    def _wait(self, spec: RunSpec, proc, results, on_phase: OnPhase, log_path: str) -> tuple[dict, bool]:
+        deadline = time.monotonic() + self.timeout_s
+        env, phase = None, "starting"
+        while (left := deadline - time.monotonic()) > 0:
+            if not results.poll(min(left, 0.25)):
+                if proc.is_alive() or results.poll():
+                    continue
+                msg = None  # died without closing the pipe cleanly
+            else:
+                try:
+                    msg = results.recv()
+                except EOFError:
+                    msg = None
+            if msg is None:
+                proc.join(5)
+                tail = _tail(log_path)
+                return failure_record(spec, "error", _death_message(proc.exitcode, tail), env,
+                                      stderr_tail=tail), False
+            kind, payload = msg
+            if kind == "record":
+                on_phase("child exiting")  # the next config waits for it: its memory must be released first
+                return payload, True
+            if kind == "env":
+                env = payload
+            elif kind == "progress":
+                phase = payload
+                on_phase(payload)
+        return failure_record(spec, "timeout", f"no result within {self.timeout_s:g} s (was: {phase})", env,
+                              stderr_tail=_tail(log_path)), False
+
+
+class InProcessRunner:
+    """--isolation none: every config in this process. Starts faster, but less safe: no timeout, a crash or a
+    sticky CUDA error ends the whole sweep, and what one config leaves in the CUDA caching allocator or in host
+    memory can shift the next one's numbers. For quick CPU checks."""
+
+    def __init__(self, timeout_s: float | None = None):
+        self.timeout_s = None  # cannot be enforced without a process to kill
+
+    def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:
+        from gcbench.runner import run
+
+        try:
+            return run(spec, on_phase)
+        except GcbenchError as e:
+            return failure_record(spec, "error", str(e))
+        except Exception as e:  # failure is data: the sweep goes on
+            tail = "\n".join(traceback.format_exc().splitlines()[-STDERR_TAIL_LINES:])
+            return failure_record(spec, "error", f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
+
+
+def _child_context():
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")  # no fork server (Windows): slower starts, same isolation
+    # torch.cuda.is_available() in the fork server (transformers calls it) would initialise the CUDA driver there,
+    # and a process forked after that cannot use CUDA. NVML answers the same question without touching CUDA.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["gcbench.sweeps.child"])
+    return ctx
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while a child starts and deliver them right after: interrupted mid-start, the sweep
+    would not yet know the child's pid and could not stop it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in caught[:1]:
+            signal.raise_signal(sig)  # to the restored handler: KeyboardInterrupt in a sweep
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a child without the caller's __main__. The child runs gcbench.sweeps.child.run_child and needs nothing from
+    the calling script, but multiprocessing would re-run that script in every child (its unguarded top level
+    included: a notebook-style script calling gcbench.sweep() would recurse) and cannot at all for `python -`."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__: nothing to re-import
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _stop(proc, grace_s: float) -> None:
+    """Wait `grace_s` for a child to exit by itself, then SIGTERM, then SIGKILL; always reaped before returning,
+    so the next config starts on a device this one has released."""
+    proc.join(grace_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    proc.close()
+
+
+def _tail(path: str, lines: int = STDERR_TAIL_LINES) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 16384))
+        text = f.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _death_message(exitcode: int | None, tail: str) -> str:
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        how = f"child killed by {name}" + (" (the kernel's OOM killer?)" if name == "SIGKILL" else "")
+    else:
+        how = f"child exited with code {exitcode} without a result"
+    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+    return f"{how}: {last}"[:500] if last else how

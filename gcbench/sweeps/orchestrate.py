@@ -1,0 +1,167 @@
+"""Running a grid: resume from the output file, skip configs larger than one that ran out of memory, one record
+appended per config as it ends, Ctrl-C and SIGTERM stop the running child and keep what is written."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from gcbench.grid import SweepSpec
+from gcbench.results.schema import STATUSES, config_key
+from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
+from gcbench.spec import RunSpec
+from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner, failure_record
+from gcbench.sweeps.progress import SweepProgress
+
+
+class OomFrontier:
+    """The skip rule. Once a config runs out of memory, any config with the same model, policy and other options
+    whose seq_len and batch_size are both at least as large needs at least as much memory: it is skipped."""
+
+    def __init__(self) -> None:
+        self._ooms: dict[str, list[tuple[int, int]]] = {}
+
+    @staticmethod
+    def _shape_free_key(record: Mapping[str, Any]) -> str:
+        return config_key(record, ignore=("seq_len", "batch_size"))
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        if record.get("status") == "oom":
+            self._ooms.setdefault(self._shape_free_key(record), []).append(
+                (record["seq_len"], record["batch_size"]))
+
+    def skip_reason(self, spec: RunSpec) -> str | None:
+        for seq, batch in self._ooms.get(self._shape_free_key(spec.as_record()), []):
+            if spec.seq_len >= seq and spec.batch_size >= batch:
+                return f"seq {seq} batch {batch} ran out of memory with the same model and policy (--no-skip runs it)"
+        return None
+
+
+@dataclass(frozen=True)
+class PlannedConfig:
+    spec: RunSpec
+    done: dict[str, Any] | None  # its record already in the output file (resume), or None: to run
+
+
+class Sweep:
+    """Runs a grid: resume from the output file, skip after OOMs, one record appended per config as it ends.
+
+    Everything is validated when the Sweep is made (every RunSpec, the output file's schema), before anything
+    runs or is written. Ctrl-C and SIGTERM stop the running child and raise KeyboardInterrupt after it: the
+    records written so far stay, and running the same sweep again resumes.
+    """
+
+    def __init__(self, grid: SweepSpec, *, rerun: bool = False, skip_after_oom: bool = True,
+                 console: Console | None = None):
+        self.grid = grid
+        self.rerun = rerun  # run every config again, even those with a record in the output file
+        self.skip_after_oom = skip_after_oom
+        self.console = console  # progress and warnings go here (stderr); None: quiet, warnings via `warnings`
+        self.sweep_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+        self.specs = grid.expand()
+        self._existing, notes = _existing_records(grid.out)
+        for note in notes:
+            self._warn(note)
+
+    def plan(self) -> list[PlannedConfig]:
+        """Each config with its resumable record from the output file (newest wins), or None if it must run."""
+        done = {} if self.rerun else {config_key(r): r for r in self._existing if self._counts_as_done(r)}
+        return [PlannedConfig(spec, done.get(config_key(spec.as_record()))) for spec in self.specs]
+
+    def _counts_as_done(self, record: dict[str, Any]) -> bool:
+        status = record.get("status")
+        if status == "skipped":
+            return self.skip_after_oom  # --no-skip runs what an earlier sweep skipped
+        return status in STATUSES
+
+    def run(self) -> list[dict[str, Any]]:
+        """Run what the plan says must run; return the grid's records in grid order (resumed ones included)."""
+        out = self.grid.out
+        ensure_writable(out)
+        dropped = drop_truncated_last_line(out)
+        if dropped is not None:
+            self._warn(f"{out}: removed a truncated last line left by an interrupted run ({dropped[:60]!r}...)")
+        plan = self.plan()
+        runner = (ProcessRunner if self.grid.isolation == "process" else InProcessRunner)(self.grid.timeout_s)
+        frontier = OomFrontier()
+        envs: dict[str, dict] = {}
+        records: list[dict[str, Any]] = []
+        to_run = sum(p.done is None for p in plan)
+        with _sigterm_raises_interrupt(), SweepProgress(self.console, to_run, len(plan) - to_run) as view:
+            for config in plan:
+                record = config.done
+                if record is None:
+                    record = self._run_one(config.spec, runner, frontier, view)
+                    if record.get("env") is None:
+                        record["env"] = envs.get(config.spec.device) or _host_env()
+                    envs[config.spec.device] = record["env"]
+                    append_record(out, record)
+                    view.finished(record)
+                frontier.add(record)
+                records.append(record)
+        return records
+
+    def _run_one(self, spec: RunSpec, runner, frontier: OomFrontier, view: SweepProgress) -> dict[str, Any]:
+        reason = frontier.skip_reason(spec) if self.skip_after_oom else None
+        if reason is not None:
+            record, wall_ms = failure_record(spec, "skipped", reason), None
+        else:
+            view.started(spec)
+            t0 = time.perf_counter()
+            record = runner(spec, view.phase)
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        env = record.pop("env", None)
+        # config_wall_ms: the whole config as the sweep saw it (child start, build, all steps), in ms.
+        return {**record, "sweep_id": self.sweep_id, "isolation": self.grid.isolation, "config_wall_ms": wall_ms,
+                "env": env}
+
+    def _warn(self, message: str) -> None:
+        if self.console is not None:
+            self.console.print(f"gcbench: warning: {message}", markup=False, highlight=False)
+        else:
+            warnings.warn(message, stacklevel=3)
+
+
+def _existing_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Records already in the output file (GcbenchError for another schema_version) and warnings about it."""
+    if not path.exists():
+        return [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = read_records(path)
+    return records, [str(w.message) for w in caught]
+
+
+def _host_env() -> dict:
+    # For records no child produced (skipped, or a child that died before reporting): the sweep process must not
+    # create a CUDA context of its own (it would hold device memory during every config), so no GPU fields here.
+    from gcbench.env import capture_env
+
+    return capture_env("cpu")
+
+
+@contextmanager
+def _sigterm_raises_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler ending the job, `kill`) takes the Ctrl-C path: stop the child, keep the records."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

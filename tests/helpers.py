@@ -1,0 +1,44 @@
+"""What several test modules share: the tiny models, the classic policies, a small spec, and the gradient check.
+Test modules import these from here, never from each other or from conftest."""
+
+import torch
+
+from gcbench.models import build_model, find_blocks
+from gcbench.policies import POLICIES, classic
+from gcbench.spec import RunSpec
+from gcbench.step import make_batch
+
+TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
+# Every policy of policies/classic.py at its default options ("every-k:k=2"), in registry order: a new classic
+# policy is tested without being listed here.
+CLASSIC = tuple(str(cls()) for cls in POLICIES.values() if cls.__module__ == classic.__name__)
+
+
+def tiny_spec(model="tiny-llama", policy="none", **overrides) -> RunSpec:
+    fields = dict(model=model, seq_len=128, batch_size=2, policy=policy, device="cpu", warmup_steps=1,
+                  measure_steps=1)
+    return RunSpec(**(fields | overrides))
+
+
+def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str = "cpu"):
+    """(loss, gradients in parameter order) of one fp32 forward+backward under `policy`."""
+    spec = tiny_spec(model_name, policy, device=device, precision="fp32")
+    config, family = spec.model_config()
+    torch.manual_seed(0)
+    model = build_model(config, family, device, torch.float32)
+    params = list(model.parameters())
+    spec.policy.apply(find_blocks(model))
+    torch.manual_seed(dropout_seed)
+    loss = model(**make_batch(spec, config, device)).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in params]
+
+
+def assert_gradients_equal_none(model_name: str, policy: str, device: str = "cpu") -> None:
+    """The policy's loss and every parameter's gradient equal those of `none` (same seeds, dropout on)."""
+    loss_ref, ref = gradients(model_name, "none", device=device)
+    loss, got = gradients(model_name, policy, device=device)
+    torch.testing.assert_close(loss, loss_ref)
+    assert len(got) == len(ref) and all(g is not None for g in got)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
