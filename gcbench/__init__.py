@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gcbench.errors import GcbenchError
 
@@ -29,13 +29,6 @@ _LAZY = {
     "estimate": "gcbench.estimators",
     "load": "gcbench.results.frame",
 }
-
-if TYPE_CHECKING:
-    from gcbench.estimators import estimate
-    from gcbench.results.frame import load
-    from gcbench.runner import run
-    from gcbench.spec import RunSpec
-    from gcbench.sweeps import sweep
 
 __all__ = ["GcbenchError", "RunSpec", "estimate", "load", "run", "sweep", "__version__"]
 

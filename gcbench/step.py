@@ -1,28 +1,42 @@
 """The training step gcbench measures: a model, its optimizer and one fixed random batch.
 
-The run (run.py) times and measures it; the estimator (estimate/) simulates it on fake tensors; policies wrap its
-model's blocks. Gradients are zeroed in place (set_to_none=False): they are static memory like parameters and
+The runner (runner.py) times and measures it; the estimators (estimators/) simulate it on fake tensors; policies
+wrap its model's blocks. It knows a StepSpec only by the few fields it reads (StepSpec), so it imports nothing of
+gcbench and everything above can use it. Gradients are zeroed in place (set_to_none=False): they are static memory like parameters and
 optimizer state, so everything above the step's starting baseline is activations and temporaries.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from gcbench.spec import RunSpec
-
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter
+
+
+class StepSpec(Protocol):
+    """What the step reads of a spec (spec.StepSpec has it all)."""
+
+    batch_size: int
+    seq_len: int
+    seed: int
+    device: str
+    optimizer: str
+
+    @property
+    def param_dtype(self) -> torch.dtype: ...
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None: ...
 
 
 class TrainingStep:
     """One training step on a fixed random batch, split in the two phases whose memory is reported apart."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: dict, spec: RunSpec):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: dict, spec: StepSpec):
         self.model, self.optimizer, self.batch = model, optimizer, batch
         self.device = torch.device(spec.device)
         dtype, device_type = spec.autocast_dtype, self.device.type
@@ -71,14 +85,14 @@ def make_optimizer(name: str, model: nn.Module, foreach: bool | None = None) -> 
     return None
 
 
-def make_batch(spec: RunSpec, config, device: str) -> dict[str, torch.Tensor]:
+def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
     """Random token ids of the requested shape; labels = inputs (causal LM shifts them, MLM predicts them)."""
     gen = torch.Generator().manual_seed(spec.seed)
     ids = torch.randint(0, config.vocab_size, (spec.batch_size, spec.seq_len), generator=gen).to(device)
     return {"input_ids": ids, "labels": ids}
 
 
-def model_state_bytes(spec: RunSpec, n_params: int) -> int:
+def model_state_bytes(spec: StepSpec, n_params: int) -> int:
     """Parameters + gradients + optimizer state, in bytes, before anything is allocated."""
     per_param = torch.tensor([], dtype=spec.param_dtype).element_size()
     return n_params * per_param * (2 + OPTIMIZER_STATES[spec.optimizer])
