@@ -20,8 +20,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from gcbench.errors import GcbenchError
-from gcbench.spec import RunSpec
-from gcbench.spec import spec_options as spec_options_of_runspec
+from gcbench.spec import RunSpec, spec_options
 
 app = typer.Typer(
     help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
@@ -57,7 +56,7 @@ ESTIMATE_AXES = ("model", "seq_len", "batch_size", "policy")
 ESTIMATE_FIELDS = (*ESTIMATE_AXES, "layers", "precision", "optimizer", "attn")
 
 
-def spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
+def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
                  defaults: dict[str, Any] | None = None) -> Callable[[Callable], Callable]:
     """Give a command one option per RunSpec field (spec.py declares them: flag, help, metavar), before its own.
 
@@ -65,7 +64,7 @@ def spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...]
     (`defaults`, by field name; the others keep RunSpec's). `several`: the fields that take comma-separated values
     here (ALL: every one); `fields`: which RunSpec fields the command has (None: all).
     """
-    options = {n: o for n, o in spec_options_of_runspec().items() if fields is None or n in fields}
+    options = {n: o for n, o in spec_options().items() if fields is None or n in fields}
     defaults = defaults or {}
     runspec_defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
 
@@ -101,17 +100,15 @@ def spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...]
 
 def one_value_each(values: dict[str, tuple], why: str) -> dict[str, Any]:
     """{field: (value,)} -> {field: value}; GcbenchError naming the option given several values."""
-    from gcbench.spec import spec_options as declared
-
     for name, given in values.items():
         if len(given) > 1:
-            raise GcbenchError(f"--{declared()[name].flag} takes one value here, got {len(given)}"
+            raise GcbenchError(f"--{spec_options()[name].flag} takes one value here, got {len(given)}"
                                + (f": {why}" if why else ""))
     return {name: given[0] for name, given in values.items()}
 
 
 @app.command()
-@spec_options(defaults={"model": "gpt2", "seq_len": 512, "batch_size": 1, "policy": "none"})
+@with_spec_options(defaults={"model": "gpt2", "seq_len": 512, "batch_size": 1, "policy": "none"})
 def run(
     spec_values: dict[str, Any],
     out: Annotated[Path, typer.Option(help="JSON Lines file the record is appended to", metavar="<path>")]
@@ -124,7 +121,7 @@ def run(
     from gcbench.runner import run as run_spec
 
     with domain_errors():
-        values, _ = parse_options(spec_values, fields=tuple(spec_options_of_runspec()))
+        values, _ = parse_options(spec_values, fields=tuple(spec_options()))
         spec = RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`"))
         ensure_writable(out)
         with _step_progress(spec.warmup_steps + spec.measure_steps + 4) as advance:
@@ -242,7 +239,7 @@ def compare(
 
 
 @app.command()
-@spec_options(several=ALL)
+@with_spec_options(several=ALL)
 def sweep(
     spec_values: dict[str, Any],
     config: Annotated[Path | None, typer.Option(help="TOML file with the grid (keys: the option names above and "
@@ -292,7 +289,7 @@ def sweep(
 
 
 @app.command()
-@spec_options(several=ESTIMATE_AXES, fields=ESTIMATE_FIELDS, defaults={"seq_len": 2048, "batch_size": 1})
+@with_spec_options(several=ESTIMATE_AXES, fields=ESTIMATE_FIELDS, defaults={"seq_len": 2048, "batch_size": 1})
 def estimate(
     spec_values: dict[str, Any],
     method: Annotated[str, typer.Option(help="analytic (per-block formulas, instant) | simulate (the real step "
