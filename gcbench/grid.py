@@ -126,24 +126,20 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
     run: dict[str, Any] = {}
     for raw_key, value in options.items():
         key = str(raw_key).replace("_", "-")
-        if key in by_flag:
-            name, opt = by_flag[key]
-            parse = opt.parse_many
-        elif key in known:
-            name, parse_value = RUN_OPTIONS[key]
-
-            def parse(v, parse_value=parse_value, key=key):
-                try:
-                    return parse_value(v)
-                except GcbenchError as e:
-                    raise GcbenchError(f"--{key}: {e}") from None
-        else:
-            raise GcbenchError(f"{where + ': ' if where else ''}unknown option {raw_key!r} (known: {', '.join(known)})")
+        if key not in known:
+            raise GcbenchError(f"{where + ': ' if where else ''}unknown option {raw_key!r} "
+                               f"(known: {', '.join(known)})")
         try:
-            (values if key in by_flag else run)[name] = parse(value)
+            if key in by_flag:
+                name, opt = by_flag[key]
+                values[name] = opt.parse_many(value)
+            else:
+                name, parse = RUN_OPTIONS[key]
+                run[name] = parse(value)
         except GcbenchError as e:
-            # Option errors name the flag (--seq: ...); in a file, name the file and the key instead.
-            raise GcbenchError(f"{where}: {str(e).removeprefix('--')}" if where else str(e)) from None
+            # On the command line the flag is named (--seq: ...); in a file, the file and its key.
+            message = str(e).removeprefix(f"--{key}: ")
+            raise GcbenchError(f"{where}: {key}: {message}" if where else f"--{key}: {message}") from None
     return values, run
 
 

@@ -1,9 +1,10 @@
 """The training step gcbench measures: a model, its optimizer and one fixed random batch.
 
 The runner (runner.py) times and measures it; the estimators (estimators/) simulate it on fake tensors; policies
-wrap its model's blocks. It knows a StepSpec only by the few fields it reads (StepSpec), so it imports nothing of
-gcbench and everything above can use it. Gradients are zeroed in place (set_to_none=False): they are static memory like parameters and
-optimizer state, so everything above the step's starting baseline is activations and temporaries.
+wrap its model's blocks. It knows a RunSpec only by the few fields it reads (StepSpec), so it imports nothing of
+gcbench and everything above can use it. Gradients are zeroed in place (set_to_none=False): they are static
+memory like parameters and optimizer state, so everything above the step's starting baseline is activations and
+temporaries.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parame
 
 
 class StepSpec(Protocol):
-    """What the step reads of a spec (spec.StepSpec has it all)."""
+    """What the step reads of a spec (spec.RunSpec has it all)."""
 
     batch_size: int
     seq_len: int
