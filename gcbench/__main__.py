@@ -1,5 +1,27 @@
-"""`python -m gcbench`: the `gcbench` command, for checkouts that are not pip-installed (benchmarks/gpu/validate.sh)."""
+"""The `gcbench` command's entry point (the console script, and `python -m gcbench` for checkouts that are not
+pip-installed, as benchmarks/gpu/validate.sh uses).
 
-from gcbench.cli import main
+SIGTERM takes Ctrl-C's path from the first moment, before the CLI and its libraries are imported, so that a sweep
+stopped by a scheduler while still starting up ends with its message and exit code 130, not a bare 143."""
 
-main()
+import signal
+import sys
+
+
+def raise_interrupt(signum, frame):
+    """A signal handler: the signal is a KeyboardInterrupt."""
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        from gcbench.cli import main as cli_main
+    except KeyboardInterrupt:
+        print("gcbench: interrupted", file=sys.stderr)
+        sys.exit(130)
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -42,13 +42,17 @@ def _root(ctx: typer.Context) -> None:
 
 
 @contextmanager
-def domain_errors() -> Iterator[None]:
-    """GcbenchError -> one line on stderr, exit code 2."""
+def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Iterator[None]:
+    """GcbenchError -> one line on stderr, exit code 2. Ctrl-C or SIGTERM -> the line `interrupted()` gives (what
+    was kept, what to do next), exit code 130."""
     try:
         yield
     except GcbenchError as e:
         typer.echo(f"gcbench: error: {e}", err=True)
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo(f"gcbench: {interrupted()}", err=True)
+        raise typer.Exit(130) from None
 
 
 ALL = "all"
@@ -115,18 +119,30 @@ def run(
     = DEFAULT_OUT,
 ) -> None:
     """Measure real training steps of one model under one checkpoint policy."""
-    from gcbench.grid import parse_options
-    from gcbench.report.tables import run_table
-    from gcbench.results.store import append_record, ensure_writable
-    from gcbench.runner import run as run_spec
+    import json
 
-    with domain_errors():
+    written = False
+    with domain_errors(lambda: f"interrupted; {'the record is in' if written else 'nothing was written to'} {out}"):
+        from gcbench.grid import parse_options
+        from gcbench.report.tables import run_table
+        from gcbench.results.store import append_record, check_appendable, drop_truncated_last_line
+        from gcbench.runner import run as run_spec
+
         values, _ = parse_options(spec_values, fields=tuple(spec_options()))
         spec = RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`"))
-        ensure_writable(out)
+        check_appendable(out)  # before measuring: an output that cannot take the record is known now
         with _step_progress(spec.warmup_steps + spec.measure_steps + 4) as advance:
-            record = run_spec(spec, progress=advance)
-        append_record(out, record)
+            record = run_spec(spec, progress=advance, refuse_unfit=True)
+        dropped = drop_truncated_last_line(out)
+        if dropped is not None:
+            typer.echo(f"gcbench: warning: {out}: removed a truncated last line left by an interrupted run "
+                       f"({dropped[:60]!r}...)", err=True)
+        try:
+            append_record(out, record)
+        except GcbenchError:
+            typer.echo(json.dumps(record, default=str))  # the measurement is not lost: stdout has it
+            raise
+        written = True
     console.print(run_table(record))
     console.print(f"[dim]record appended to {out}[/]")
     if record["status"] != "ok":
@@ -136,7 +152,8 @@ def run(
 @contextmanager
 def _step_progress(total: int):
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True) as bar:
+    # Not on a pipe or a log file: a bar there is noise, and its last refresh leaves an empty line.
+    with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
         task = bar.add_task("starting", total=total)
 
         def advance(description: str) -> None:
@@ -148,15 +165,22 @@ def _step_progress(total: int):
 @app.command()
 def models() -> None:
     """List the model presets."""
+    from rich import box
+
     from gcbench.models import MODELS, describe
 
-    table = Table(title="model presets (random weights, built from transformers configs)")
-    for col in ("name", "family", "params", "layers", "hidden", "heads", "attention", "summary"):
-        table.add_column(col, justify="right" if col in ("params", "layers", "hidden", "heads") else "left")
+    wide = console.width >= 110  # the one-line summaries only where they need not wrap
+    table = Table(title="model presets (random weights, built from transformers configs)", box=box.SIMPLE_HEAD,
+                  caption=None if wide else "(summaries in a terminal of 110 columns or more)")
+    for col in ("name", "family", "params", "layers", "hidden", "heads", "max seq", *(["summary"] if wide else [])):
+        table.add_column(col, justify="right" if col in ("params", "layers", "hidden", "max seq") else "left",
+                         no_wrap=col != "summary")
     for name in MODELS:
         row = describe(name)
-        row["params"] = f"{row['params'] / 1e6:,.1f} M"
-        table.add_row(*(str(v) for v in row.values()))
+        heads = f"{row['heads']}" + (f" ({row['kv_heads']} kv)" if row["kv_heads"] != row["heads"] else "")
+        params = f"{row['params'] / 1e9:.2f} B" if row["params"] >= 1e9 else f"{row['params'] / 1e6:.1f} M"
+        cells = [name, row["family"], params, str(row["layers"]), str(row["hidden"]), heads, str(row["max_seq"])]
+        table.add_row(*cells, *([row["summary"]] if wide else []))
     console.print(table)
 
 
@@ -188,6 +212,8 @@ def report(
     from gcbench.results.frame import load_results, results_frame
 
     with domain_errors():
+        if out is not None and not str(out).strip():
+            raise GcbenchError("--out: an empty path; give the directory the report goes to")
         df, notes = load_results(paths)
         for note in notes:
             typer.echo(f"gcbench: warning: {note}", err=True)
@@ -254,32 +280,34 @@ def sweep(
     no_skip: Annotated[bool, typer.Option("--no-skip", help="also run configs larger than one that ran out of "
                                                            "memory (default: record them as skipped)")] = False,
     rerun: Annotated[bool, typer.Option("--rerun", help="run every config, even those already in --out")] = False,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="run again the configs whose record in --out "
+                                                                     "is an error or a timeout (an oom stays: it "
+                                                                     "is a result)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and its size; run nothing")] = False,
 ) -> None:
     """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result.
 
     Every option of a config takes several comma-separated values (--seq 512,1024); the grid is every combination.
     """
-    from gcbench.grid import SweepSpec
-    from gcbench.sweeps import Sweep
-    from gcbench.report.sweep_tables import grid_table, largest_fit_table, summary_table
+    from gcbench.grid import DEFAULT_OUT as DEFAULT_SWEEP_OUT, SweepSpec
 
     options = {**spec_values, "out": out, "timeout": timeout, "isolation": isolation}
-    with domain_errors():
+    results = out or DEFAULT_SWEEP_OUT
+    with domain_errors(lambda: f"interrupted; finished configs are in {results}, run the same command again to "
+                               "resume"):
+        from gcbench.report.sweep_tables import grid_table, largest_fit_table, summary_table
+        from gcbench.sweeps import Sweep
+
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
-        job = Sweep(grid, rerun=rerun, skip_after_oom=not no_skip, console=err_console)
+        results = grid.out
+        job = Sweep(grid, rerun=rerun, retry_failed=retry_failed, skip_after_oom=not no_skip, console=err_console)
         if dry_run:
             plan = [(p.spec.as_record(), p.done["status"] if p.done else None) for p in job.plan()]
             console.print(grid_table(plan, grid.out, grid.shared_options()))
             return
-        try:
-            records = job.run()
-        except KeyboardInterrupt:
-            typer.echo(f"gcbench: interrupted; finished configs are in {grid.out}, run the same command again "
-                       "to resume", err=True)
-            raise typer.Exit(130) from None
+        records = job.run()
     console.print(summary_table(records))
-    fits = largest_fit_table(records)
+    fits = largest_fit_table(records, console.width)
     if fits is not None:
         console.print(fits)
     console.print(f"[dim]records in {grid.out} (sweep {job.sweep_id})[/]")
@@ -313,12 +341,14 @@ def estimate(
     with domain_errors():
         if output_format not in ("table", "json"):
             raise GcbenchError(f"unknown --format {output_format!r} (table, json)")
-        memory = parse_bytes(gpu_memory) if gpu_memory else None
+        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
         grid, _ = parse_options(spec_values, fields=ESTIMATE_FIELDS)
         if "model" not in grid:
             raise GcbenchError("no --model given: which model to estimate (see `gcbench models`)")
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         methods = [m.strip() for m in method.split(",") if m.strip()]
+        if not methods or len(set(methods)) < len(methods):
+            raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
         with err_console.status("estimating"):
             results = estimate_grid(grid["model"], grid["seq_len"], grid["batch_size"], grid.get("policy", ("none",)),
                                     methods, target=device, precision=one.get("precision", ""),
@@ -335,7 +365,8 @@ def estimate(
 
 
 def main() -> None:
-    """Console entry point: usage errors too become one line on stderr with exit code 2."""
+    """The CLI's entry (gcbench/__main__.py calls it, after making SIGTERM a KeyboardInterrupt): usage errors too
+    become one line on stderr with exit code 2, an interruption before a command began exit code 130."""
     try:
         # Without standalone mode, click *returns* the code of a typer.Exit raised in a command (exit 1 on an OOM,
         # 2 on a domain error, 1 on a compare regression) instead of raising it: pass it on, or CI sees success.
@@ -343,8 +374,8 @@ def main() -> None:
         sys.exit(code if isinstance(code, int) else 0)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except typer.Abort:
-        typer.echo("gcbench: aborted", err=True)
+    except (typer.Abort, KeyboardInterrupt):  # before a command began: nothing was written
+        typer.echo("gcbench: interrupted", err=True)
         sys.exit(130)
     except typer.TyperException as e:  # click's usage errors, vendored by typer
         typer.echo(f"gcbench: error: {e.format_message()}", err=True)

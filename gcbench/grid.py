@@ -124,8 +124,13 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
     known = [*by_flag, *RUN_OPTIONS] if fields is None else list(by_flag)
     values: dict[str, tuple] = {}
     run: dict[str, Any] = {}
+    seen: dict[str, str] = {}
     for raw_key, value in options.items():
         key = str(raw_key).replace("_", "-")
+        if key in seen:  # memory-cap and memory_cap are one option
+            raise GcbenchError(f"{where + ': ' if where else ''}{seen[key]!r} and {raw_key!r} are the same option: "
+                               "give it once")
+        seen[key] = str(raw_key)
         if key not in known:
             raise GcbenchError(f"{where + ': ' if where else ''}unknown option {raw_key!r} "
                                f"(known: {', '.join(known)})")
@@ -144,10 +149,14 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    if path.exists() and not path.is_file():  # a directory, /dev/zero, a FIFO: would fail late or read forever
+        raise GcbenchError(f"sweep config {str(path)!r} is not a regular file")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except OSError as e:
         raise GcbenchError(f"cannot read sweep config {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise GcbenchError(f"{path}: not a TOML file (TOML is UTF-8 text)") from None
     except tomllib.TOMLDecodeError as e:
         raise GcbenchError(f"{path}: malformed TOML: {e}") from None

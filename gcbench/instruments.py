@@ -58,6 +58,60 @@ def instrument_for(device: str, memory_cap_bytes: int | None = None) -> CpuInstr
     return instrument_class(device)(device, memory_cap_bytes)
 
 
+def free_without_context(device: str) -> int | None:
+    """Free memory of `device`, read without touching it (a sweep's parent must never create a CUDA context): free
+    host memory (CPU), or NVML's free memory of that GPU; None when NVML cannot tell (no NVML, a MIG slice, GPUs
+    whose CUDA order NVML cannot know)."""
+    if str(device).startswith("cuda"):
+        return _nvml_free_bytes(torch.device(device).index or 0)
+    return psutil.virtual_memory().available
+
+
+def _nvml_free_bytes(cuda_index: int) -> int | None:
+    """Free memory of CUDA device `cuda_index` through NVML (nvidia-ml-py), which creates no CUDA context. CUDA and
+    NVML number GPUs differently: follow CUDA_VISIBLE_DEVICES (indices or GPU- UUIDs), and without it trust NVML's
+    order only where CUDA's order equals it (CUDA_DEVICE_ORDER=PCI_BUS_ID, or all GPUs of one model)."""
+    import os
+
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            entries = [e.strip() for e in visible.split(",") if e.strip()]
+            if cuda_index >= len(entries):
+                return None
+            entry = entries[cuda_index]
+            if entry.isdigit():
+                handle = pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+            elif entry.startswith("GPU-"):
+                handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
+            else:
+                return None  # a MIG slice: NVML's numbers would be the whole GPU's
+        else:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            if cuda_index >= len(handles):
+                return None
+            same_model = len({pynvml.nvmlDeviceGetName(h) for h in handles}) == 1
+            if not same_model and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+                return None  # CUDA puts the fastest first; NVML orders by PCI bus
+            handle = handles[cuda_index]
+        try:
+            if pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
+                return None
+        except pynvml.NVMLError:
+            pass  # no MIG on this GPU
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
 @contextmanager
 def cleanup_after(cleanup: Callable[[], None]) -> Iterator[None]:
     """Run `cleanup` when the block ends, however it ends. If the block failed, its error is the one raised: a
@@ -82,12 +136,8 @@ class Instrument:
         self.device = torch.device(device)
         self.memory_cap_bytes = memory_cap_bytes
 
-    def available_bytes(self) -> int:
-        """Bytes a run may use: the device's free memory now, or the memory cap when that is smaller."""
-        free = self.free_bytes()
-        return free if self.memory_cap_bytes is None else min(free, self.memory_cap_bytes)
-
     def free_bytes(self) -> int:
+        """The device's free memory now (the memory cap is checked beside it: runner.check_fits)."""
         raise NotImplementedError
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,11 @@ preset("tiny-bert", "bert", "CI: 4 x 64, 4 heads, dropout 0.1 (MLM head)",
 
 
 def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
-    """The config of a preset name or of a local Hugging Face config.json; returns (config, family)."""
+    """The config of a preset name or of a local Hugging Face config.json; returns (config, family).
+
+    A config.json is checked as a whole before it is used: the values transformers refuses, sizes that are not
+    positive integers, heads that do not divide, and a model that cannot be built from it are each one
+    GcbenchError naming the file, the field and the rule."""
     if model in MODELS:
         p = MODELS[model]
         return p.make_config(), p.family
@@ -93,14 +98,75 @@ def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
     if not path.suffix == ".json":
         raise GcbenchError(f"unknown model {model!r}; presets: {', '.join(MODELS)} (or a path to a config.json)")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise GcbenchError(f"cannot read model config {str(path)!r}: {e}") from None
-    family = data.get("model_type") if isinstance(data, dict) else None
-    if family not in FAMILIES:
+        if path.exists() and not path.is_file():
+            raise OSError(f"{str(path)!r} is not a regular file")
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise GcbenchError(f"cannot read model config {str(path)!r}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise GcbenchError(f"{str(path)!r} is not a JSON config: {_one_line(e)}") from None
+    if not isinstance(data, dict):
+        raise GcbenchError(f"{str(path)!r}: a config.json holds one JSON object, not a {type(data).__name__}")
+    family = data.pop("model_type", None)
+    if not isinstance(family, str) or family not in FAMILIES:
         raise GcbenchError(f"{str(path)!r}: model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
-    data.pop("model_type")
-    return FAMILIES[family].config_cls(**data), family
+    cls = FAMILIES[family].config_cls
+    sizes = {*_SIZES, *(cls.attribute_map[k] for k in _SIZES if k in cls.attribute_map)}  # gpt2: n_embd, ...
+    for key, value in data.items():
+        if key in sizes and value is not None and not _positive_int(value):
+            raise GcbenchError(f"{path}: {key} must be a positive integer, got {value!r}")
+    try:
+        config = cls(**data)
+    except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
+        raise GcbenchError(f"{path}: transformers refuses this config: {_validation_message(e)}") from None
+    key = (str(path), json.dumps(data, sort_keys=True, default=str))
+    if key not in _CHECKED:  # a sweep makes a RunSpec per config, each loading the config again
+        _check_config(config, family, path)
+        _CHECKED.add(key)
+    return config, family
+
+
+# Sizes every family's config has (through its attribute_map: gpt2's n_embd is hidden_size); None means "derived".
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+          "vocab_size", "max_position_embeddings", "n_positions", "head_dim", "n_inner")
+
+
+_CHECKED: set[tuple[str, str]] = set()  # (path, config text) already checked
+
+
+def _check_config(config: transformers.PretrainedConfig, family: str, path: Path) -> None:
+    """The rules a config must obey to be built and trained."""
+    for name in _SIZES:
+        value = getattr(config, name, None)
+        if value is not None and not _positive_int(value):
+            raise GcbenchError(f"{path}: {name} must be a positive integer, got {value!r}")
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv:
+        raise GcbenchError(f"{path}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
+    if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
+        raise GcbenchError(f"{path}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
+                           f"({heads})")
+    try:
+        build_meta_model(config, family)  # no memory, no init: whatever else transformers refuses, say it now
+    except Exception as e:  # noqa: BLE001
+        raise GcbenchError(f"{path}: transformers cannot build a model from this config: {_one_line(e)}") from None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _validation_message(e: BaseException) -> str:
+    """transformers' (huggingface_hub's strict dataclass) validation error as "field: rule" on one line."""
+    text = _one_line(e)
+    if m := re.fullmatch(r"Validation error for field '(\w+)': \w+: (.*)", text):
+        return f"{m[1]}: {m[2]}"
+    return re.sub(r"^Class validation error for validator '\w+': \w+: ", "", text)
 
 
 def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
@@ -115,7 +181,9 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     if seq_len > max_pos:
         if FAMILIES[family].learned_positions:
             raise GcbenchError(f"--seq {seq_len} exceeds the {max_pos} learned positions of this {family} model")
-        config.max_position_embeddings = seq_len  # RoPE has no table; the limit is nominal
+        raise GcbenchError(f"--seq {seq_len} exceeds the {max_pos} positions this {family} model is made for "
+                           "(max_position_embeddings, with rope_scaling's factor); for longer sequences use a "
+                           "config.json that allows them")
     config.use_cache = False
     if attn is not None:
         config._attn_implementation = attn
@@ -123,7 +191,13 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
 
 
 def _max_positions(config) -> int:
-    return getattr(config, "n_positions", None) or config.max_position_embeddings
+    """The longest sequence the model is made for: its learned position table, or (RoPE) max_position_embeddings
+    times the factor of a linear or dynamic rope_scaling, which transformers does not fold into it."""
+    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    scaling = getattr(config, "rope_scaling", None) or {}
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("linear", "dynamic"):
+        positions = int(positions * float(scaling.get("factor", 1.0)))
+    return positions
 
 
 def build_model(config, family: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
@@ -155,11 +229,10 @@ def count_params(module: nn.Module) -> int:
 
 
 def describe(name: str) -> dict:
-    """One row of `gcbench models`: name, params, layers, hidden, heads, attention kind."""
+    """One row of `gcbench models`: name, family, params, layers, hidden, heads and kv heads, summary."""
     p = MODELS[name]
     config = p.make_config()
     heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
     return {
         "name": name,
         "family": p.family,
@@ -167,6 +240,7 @@ def describe(name: str) -> dict:
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
         "heads": heads,
-        "attention": "MHA" if kv == heads else f"GQA ({kv} kv heads)",
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
+        "max_seq": _max_positions(config),  # the longest --seq it takes
         "summary": p.summary,
     }

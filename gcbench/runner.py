@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from gcbench.env import capture_env
-from gcbench.errors import GcbenchError
+from gcbench.errors import WontFit
 from gcbench.estimators import predict_for_run
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
@@ -37,27 +38,76 @@ from gcbench.units import fmt_bytes
 TRACKED_PEAK_FIELDS = ("peak_tracked_bytes", "fwd_bwd_peak_bytes", "activation_peak_bytes")
 
 
-def check_fits(spec: RunSpec, meta_model: nn.Module, available: int) -> None:
-    """Refuse at once (GcbenchError) when model state alone cannot fit in `available` bytes (the instrument's:
-    free memory, or the memory cap when smaller); suggest a --layers that would."""
-    n_params = count_params(meta_model)
-    need = model_state_bytes(spec, n_params)
-    if need <= 0.9 * available:
+# A config is not run when its predicted peak exceeds the device's free memory times this margin. CPU: the
+# simulation predicts the tracked peak exactly and the process needs more than that, so a prediction past the free
+# memory never fits (it would swap, or the kernel would kill a process). CUDA: predictions are within a few percent
+# of max_memory_allocated; a config within 10% above the free memory runs, and the allocator decides.
+PEAK_MARGIN = {"cpu": 1.0, "cuda": 1.10}
+# Under --memory-cap the real out-of-memory (the allocator's, or on CPU the tracker's) is the measurement: a config
+# is recorded as oom without running only when its prediction is this far past the cap.
+CAP_MARGIN = 2.0
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts read off a meta-device model: enough to know the model state of any precision/optimizer."""
+
+    n_params: int
+    block_params: int  # of one transformer block
+    n_blocks: int
+
+    @classmethod
+    def of(cls, meta_model: nn.Module) -> ModelSize:
+        blocks = find_blocks(meta_model)
+        return cls(count_params(meta_model), count_params(blocks[0]), len(blocks))
+
+
+_MODEL_SIZES: dict[str, ModelSize] = {}  # by config: a sweep asks once per config, a meta build takes ~0.1-1 s
+
+
+def model_size(spec: RunSpec) -> ModelSize:
+    """The ModelSize of a spec's model, from a meta-device build (no memory, no init)."""
+    config, family = spec.model_config()
+    key = f"{family}:{config.to_json_string(use_diff=False)}"
+    if key not in _MODEL_SIZES:
+        _MODEL_SIZES[key] = ModelSize.of(build_meta_model(config, family))
+    return _MODEL_SIZES[key]
+
+
+def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak: int | None = None) -> None:
+    """Raise WontFit, before anything is allocated, when the config cannot fit: its model state (parameters,
+    gradients, optimizer state) takes more than 90% of the memory cap or of the device's `free` bytes (None:
+    unknown), or its predicted peak is past the free memory by PEAK_MARGIN or past the cap by CAP_MARGIN."""
+    cap = spec.memory_cap_bytes
+    kind = "cuda" if spec.device.startswith("cuda") else "cpu"
+
+    def room(by_cap: bool) -> str:
+        return f"--memory-cap allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
+
+    need = model_state_bytes(spec, size.n_params)
+    for limit, by_cap in ((cap, True), (free, False)):
+        if limit is not None and need > 0.9 * limit:
+            per_block = model_state_bytes(spec, size.block_params)
+            rest = need - per_block * size.n_blocks
+            fit_layers = math.floor((0.5 * limit - rest) / per_block)
+            hint = f"try --layers {fit_layers}" if fit_layers >= 1 else \
+                "even one block does not fit; choose a smaller model"
+            raise WontFit(f"{spec.model} needs {fmt_bytes(need)} for parameters, gradients and {spec.optimizer} "
+                          f"state ({spec.precision}) but {room(by_cap)}; {hint}", by_cap=by_cap)
+    if predicted_peak is None:
         return
-    blocks = find_blocks(meta_model)
-    per_block = model_state_bytes(spec, count_params(blocks[0]))
-    rest = need - per_block * len(blocks)
-    fit_layers = math.floor((0.5 * available - rest) / per_block)
-    hint = f"try --layers {fit_layers}" if fit_layers >= 1 else "even one block does not fit; choose a smaller model"
-    capped = spec.memory_cap_bytes is not None and available == spec.memory_cap_bytes
-    room = f"--memory-cap allows {fmt_bytes(available)}" if capped else \
-        f"{spec.device} has {fmt_bytes(available)} available"
-    raise GcbenchError(f"{spec.model} needs {fmt_bytes(need)} for parameters, gradients and {spec.optimizer} state "
-                       f"({spec.precision}) but {room}; {hint}")
+    for limit, margin, by_cap in ((free, PEAK_MARGIN[kind], False), (cap, CAP_MARGIN, True)):
+        if limit is not None and predicted_peak > limit * margin:
+            raise WontFit(f"the predicted peak of seq {spec.seq_len} x batch {spec.batch_size} under {spec.policy} "
+                          f"is {fmt_bytes(predicted_peak)} but {room(by_cap)}; try a smaller --seq or --batch, or a "
+                          "checkpoint policy", by_cap=by_cap)
 
 
-def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
-    """Measure `spec` in this process. An out-of-memory is a result (status 'oom'), not an exception."""
+def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool = False) -> dict[str, Any]:
+    """Measure `spec` in this process. An out-of-memory is a result (status 'oom'), not an exception; so is a config
+    that cannot fit at all (check_fits), which is then recorded without allocating anything. `refuse_unfit`: raise
+    WontFit instead when the device itself is too small (a memory cap stands for a smaller device: that is still an
+    `oom` result)."""
     record = new_record(spec.as_record())
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
     # (CUDA) or peak_tracked_bytes (CPU) should read.
@@ -65,7 +115,12 @@ def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
     instrument = instrument_for(spec.device, spec.memory_cap_bytes)
     try:
         with instrument.session():
+            check_fits(spec, model_size(spec), instrument.free_bytes(), record["predicted_peak_bytes"])
             record.update(_measure(spec, instrument, progress or (lambda _: None)))
+    except WontFit as e:
+        if refuse_unfit and not e.by_cap:
+            raise
+        record.update(status="oom", error=f"not run: {e}", oom_predicted=True)
     except torch.OutOfMemoryError as e:
         record.update(status="oom", error=str(e).strip().splitlines()[0][:500])
     record["env"] = capture_env(spec.device)
@@ -74,15 +129,12 @@ def run(spec: RunSpec, progress: Progress | None = None) -> dict[str, Any]:
 
 def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress: Progress) -> dict[str, Any]:
     config, family = spec.model_config()
-    meta = build_meta_model(config, family)
-    check_fits(spec, meta, instrument.available_bytes())
     out: dict[str, Any] = {
         "family": family,
         "n_layers": config.num_hidden_layers,
-        "n_params": count_params(meta),
+        "n_params": model_size(spec).n_params,
         "attn_implementation": config._attn_implementation or "sdpa",
     }
-    del meta
 
     progress("building model")
     torch.manual_seed(spec.seed)

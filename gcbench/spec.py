@@ -30,6 +30,10 @@ PRECISIONS = {
     "amp-bf16": ("float32", "bfloat16"),  # fp32 master weights, bf16 matmuls under autocast
 }
 OPTIMIZERS = ("adamw", "sgd", "none")
+# The integer fields' ranges. Above them: sizes no machine holds (int64 overflows in torch), step counts that would
+# run for days, seeds torch.manual_seed refuses.
+LIMITS = {"seq_len": (1, 2**31 - 1), "batch_size": (1, 2**31 - 1), "layers": (1, 100_000),
+          "warmup_steps": (1, 1_000_000), "measure_steps": (1, 1_000_000), "seed": (0, 2**63 - 1)}
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 
 
@@ -38,7 +42,7 @@ ATTENTION = ("eager", "sdpa", "flash_attention_2")
 def parse_int(value: Any) -> int:
     """An integer; its range is RunSpec's to check, so that its message names the rule."""
     # bool is an int in Python; `seq = true` in TOML is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"\s*-?\d+\s*", str(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"\s*-?[0-9]+\s*", str(value)):
         raise GcbenchError(f"{value!r} is not an integer")
     return int(value)
 
@@ -51,7 +55,7 @@ def parse_name(value: Any) -> str:
 
 def parse_size(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
-        return value  # RunSpec refuses a size that is not positive
+        return parse_bytes(str(value))  # bytes: the checks of a size typed
     if isinstance(value, str):
         return parse_bytes(value)
     raise GcbenchError(f"expected a size such as 2GiB, got {value!r}")
@@ -154,15 +158,16 @@ class RunSpec:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalisation
         if isinstance(self.policy, str):
             set_("policy", parse_policy(self.policy))
-        for name in ("seq_len", "batch_size"):
+        if self.warmup_steps == 0:
+            raise GcbenchError("--warmup must be at least 1, got 0: the first step creates gradients and optimizer "
+                               "state, so it cannot be a measured one")
+        for name, (lo, hi) in LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise GcbenchError(f"--{name.split('_')[0]} must be a positive integer, got {value}")
-        if self.warmup_steps < 1:
-            raise GcbenchError(f"--warmup must be at least 1, got {self.warmup_steps}: the first step creates "
-                               "gradients and optimizer state, so it cannot be a measured one")
-        if self.measure_steps < 1:
-            raise GcbenchError(f"--steps must be at least 1, got {self.measure_steps}")
+            if name == "layers" and value is None:
+                continue  # all of the model's blocks
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise GcbenchError(f"--{spec_options()[name].flag} must be an integer from {lo} to {hi:,}, got "
+                                   f"{value!r}")
         set_("device", resolve_device(self.device))
         if not self.precision:
             set_("precision", "bf16" if self.device.startswith("cuda") else "fp32")

@@ -11,8 +11,11 @@ import re
 
 from gcbench.errors import GcbenchError
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
+
+
+MAX_BYTES = 2**60  # 1 EiB: a size past this is a typo, and past 2**63 no longer an int64
 
 
 def parse_bytes(text: str) -> int:
@@ -20,17 +23,18 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
         raise GcbenchError(f"cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise GcbenchError(f"size {text!r} must be positive")
-    return value
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not 0 < value <= MAX_BYTES:
+        raise GcbenchError(f"size {text!r} must be positive" if value <= 0 else
+                           f"size {text!r} is beyond any memory (at most {fmt_bytes(MAX_BYTES)})")
+    return int(value)
 
 
 def fmt_bytes(n: float | None) -> str:
     """Binary units (GiB = 2**30), scaled to stay readable for tiny and 7B models alike."""
     if n is None:
         return "-"
-    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+    for scale, unit in ((2**60, "EiB"), (2**50, "PiB"), (2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"

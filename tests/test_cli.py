@@ -65,7 +65,11 @@ def test_models_and_policies_list_the_registries(monkeypatch):
     assert models.exit_code == 0
     for name in MODELS:
         assert name in models.stdout
-    assert "6,738.4 M" in models.stdout  # llama-7b parameter count from the meta-device build
+    assert "6.74 B" in models.stdout and "Llama-2 7B" in models.stdout  # params from the meta-device build
+    monkeypatch.setattr(cli, "console", Console(width=80))
+    narrow = runner.invoke(app, ["models"]).stdout
+    assert all(len(line) <= 80 for line in narrow.splitlines()) and "…" not in narrow  # nothing cut
+    assert all(name in narrow for name in MODELS) and " 4096" in narrow  # llama-7b's longest --seq
     policies = runner.invoke(app, ["policies"])
     assert policies.exit_code == 0
     for name in POLICIES:
@@ -78,8 +82,8 @@ BAD_INPUT = [
     (["--policy", "bogus"], "unknown policy"),
     (["--policy", "every-k:k=0"], "out of range"),
     (["--policy", "segments:k=999"], "out of range"),
-    (["--seq", "0"], "--seq must be a positive integer"),
-    (["--batch", "-1"], "--batch must be a positive integer"),
+    (["--seq", "0"], "--seq must be an integer from 1"),
+    (["--batch", "-1"], "--batch must be an integer from 1"),
     (["--layers", "99"], "--layers 99 is out of range"),
     (["--precision", "fp8"], "unknown precision"),
     (["--memory-cap", "lots"], "cannot read 'lots' as a size"),
@@ -135,7 +139,7 @@ def test_local_config_json(tmp_path):
 
 def test_usage_errors_through_the_entry_point_are_one_line():
     """Type errors are caught by click before our code runs; main() still makes them one line, exit 2."""
-    proc = subprocess.run([sys.executable, "-c", "from gcbench.cli import main; main()", "run", "--seq", "abc"],
+    proc = subprocess.run([sys.executable, "-m", "gcbench", "run", "--seq", "abc"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "--seq" in proc.stderr and "Traceback" not in proc.stderr
@@ -143,7 +147,7 @@ def test_usage_errors_through_the_entry_point_are_one_line():
 
 def test_exit_codes_reach_the_shell(tmp_path):
     """Through the real entry point: a domain error exits 2, an OOM record exits 1 (not 0)."""
-    entry = [sys.executable, "-c", "from gcbench.cli import main; main()"]
+    entry = [sys.executable, "-m", "gcbench"]
     bad = subprocess.run([*entry, "run", "--model", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("gcbench: error: unknown model")
     oom = subprocess.run([*entry, *TINY_RUN, "--memory-cap", "5MiB", "--out", str(tmp_path / "r.jsonl")],

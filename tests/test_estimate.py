@@ -138,7 +138,7 @@ def test_simulate_leaves_no_patch_behind():
 
 def test_grid_validates_every_spec_before_running_any():
     with pytest.raises(GcbenchError, match="learned positions"):
-        estimate_grid(["tiny-llama", "gpt2"], [4096], [1], ["none"], ["simulate"])
+        estimate_grid(["tiny-llama", "gpt2"], [2048], [1], ["none"], ["simulate"])
     with pytest.raises(GcbenchError, match="analytic model does not know"):
         estimate_grid(["tiny-llama"], [32], [1], ["none", "sac"], ["analytic"])
 

@@ -1,6 +1,7 @@
 """Instruments and the results store."""
 
 import json
+import re
 import warnings
 
 import pytest
@@ -107,11 +108,31 @@ def test_other_schema_version_is_refused(tmp_path):
 
 
 def test_load_is_a_dataframe_with_env_columns(tmp_path):
+    head = {"schema_version": 1, "model": "tiny-llama", "batch_size": 1, "policy": "none", "device": "cpu",
+            "status": "ok"}
     for seq in (32, 64):
-        append_record(tmp_path / "r.jsonl", {"schema_version": 1, "seq_len": seq, "env": {"torch": "x"}})
+        append_record(tmp_path / "r.jsonl", {**head, "seq_len": seq, "env": {"torch": "x"}})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         df = load(tmp_path)
     assert list(df["seq_len"]) == [32, 64] and list(df["env.torch"]) == ["x", "x"]
     with pytest.raises(GcbenchError, match="no such results file"):
         load(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("change,problem", [
+    ({"seq_len": "abc"}, "seq_len is 'abc', not an int"), ({"batch_size": None}, "batch_size is None"),
+    ({"status": "weird"}, "unknown status 'weird'"), ({"peak_tracked_bytes": [1]}, "not a number"),
+    ({"seq_len": True}, "seq_len is True"), ({"policy_options": [1]}, "not an object"),
+])
+def test_a_line_that_is_no_record_is_named(tmp_path, change, problem):
+    head = {"schema_version": 1, "model": "tiny-llama", "seq_len": 32, "batch_size": 1, "policy": "none",
+            "device": "cpu", "status": "ok"}
+    path = tmp_path / "r.jsonl"
+    append_record(path, head)
+    append_record(path, {**head, **change})
+    with pytest.raises(GcbenchError, match=f"record 2 is not a gcbench record: .*{re.escape(problem)}"):
+        load(path)
+    (tmp_path / "v.jsonl").write_text(json.dumps({**head, "schema_version": True}) + "\n")
+    with pytest.raises(GcbenchError, match="schema_version True"):
+        load(tmp_path / "v.jsonl")

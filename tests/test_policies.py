@@ -47,7 +47,7 @@ def test_parse_policy():
     assert parse_policy("every-k:k=3") == EveryK(k=3)
     assert str(parse_policy("segments:k=4")) == "segments:k=4"
     assert str(parse_policy("sqrtn")) == "sqrtn"
-    for bad, msg in [("bogus", "unknown policy"), ("every-k:j=2", "bad option"), ("every-k:k=two", "not a int"),
+    for bad, msg in [("bogus", "unknown policy"), ("every-k:j=2", "bad option"), ("every-k:k=two", "not an integer"),
                      ("full:k=2", "bad option"), ("every-k:k", "bad option")]:
         with pytest.raises(GcbenchError, match=msg):
             parse_policy(bad)

@@ -250,7 +250,7 @@ def test_block_wrappers_and_undo(policy, wrapper):
     ("offload:what=grads", "what=inputs or what=all"),
     ("offload:k=9", "out of range"),
     ("budget:b=1.5", "out of range"),
-    ("budget:b=half", "not a float"),
+    ("budget:b=half", "not a number"),
     ("every-k:k=2+offload", "do not compose"),
     ("sac+attn", "do not compose"),
 ])

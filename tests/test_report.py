@@ -263,7 +263,7 @@ def test_compare_fails_past_a_threshold(old_new):
 
 def test_compare_exit_code_reaches_the_shell(old_new):
     """Through the console entry point (what CI runs), a regression is exit 1, not a printed warning."""
-    cmd = [sys.executable, "-c", "from gcbench.cli import main; main()", "compare", *map(str, old_new)]
+    cmd = [sys.executable, "-m", "gcbench", "compare", *map(str, old_new)]
     proc = subprocess.run([*cmd, "--fail", "time:10%"], capture_output=True, text=True)
     assert proc.returncode == 1 and "4 regression(s)" in proc.stdout
 

@@ -46,7 +46,7 @@ failed=()
 if [ "$smoke" = 0 ]; then
   dir="results/gpu/$slug" report=docs/gpu-report
   large=llama-7b small=gpt2 layers=8 seq=512 long_seqs=2048,4096 long_batches=1,4 small_seq=1024 small_batch=8
-  line_seqs=512,1024,2048,4096,8192 line_batches=1,2,4,8 line_cap=() rounds=30
+  line_seqs=512,1024,2048,4096 line_batches=1,2,4,8 line_cap=() rounds=30
 else  # the same plan on tiny models; a memory cap puts the OOM line within reach
   dir="results/gpu-smoke/$slug" report="results/gpu-smoke/$slug/report"
   large=tiny-llama small=tiny-gpt2 layers=4 seq=64 long_seqs=64 long_batches=1,2 small_seq=64 small_batch=2

@@ -148,24 +148,30 @@ def parse_policy(text: str) -> Policy:
             f"policies do not compose ({text.strip()!r}): give one policy. Supported combinations are options of one "
             "policy: offload:what=inputs,k=K is every-k with the checkpointed blocks' inputs offloaded, "
             "offload:what=inputs is full with offload (see docs/policies.md, 'Composition')")
-    name, _, rest = text.strip().partition(":")
+    name, colon, rest = text.strip().partition(":")
     cls = POLICIES.get(name)
     if cls is None:
         raise GcbenchError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    known = ", ".join(fields) or "none"
+    if colon and not rest.strip():
+        raise GcbenchError(f"policy {text.strip()!r}: empty option list after ':' (give key=value options, or "
+                           f"write {name!r} alone; options: {known})")
     values: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = item.partition("=")
+    for item in (s.strip() for s in rest.split(",") if colon):
+        key, eq, raw = (part.strip() for part in item.partition("="))
         if not eq or key not in fields:
-            known = ", ".join(fields) or "none"
             raise GcbenchError(f"policy {name!r}: bad option {item!r} (options: {known})")
+        if key in values:
+            raise GcbenchError(f"policy {name!r}: option {key} given twice")
         values[key] = _parse_value(name, key, raw, fields[key].type)
     return cls(**values)
 
 
 def _parse_value(policy: str, key: str, raw: str, type_name: Any) -> Any:
-    kind = {"int": int, "float": float, "str": str}.get(str(type_name), str)
+    kind, what = {"int": (int, "an integer"), "float": (float, "a number"), "str": (str, "a string")}.get(
+        str(type_name), (str, "a string"))
     try:
         return kind(raw)
     except ValueError:
-        raise GcbenchError(f"policy {policy!r}: option {key}={raw!r} is not a {kind.__name__}") from None
+        raise GcbenchError(f"policy {policy!r}: option {key}={raw!r} is not {what}") from None

@@ -102,7 +102,7 @@ def largest_fit_grid(dev: pd.DataFrame) -> Grid:
         ])
         shown_setup = setup  # each setup named once, on its first row
     return Grid(["setup", "policy", "largest config that fit", f"its peak {unit}", "smallest OOM", "ran ok"], rows,
-                caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5})
+                caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5}, optional=[5])
 
 
 PREDICTION_METHODS = ("simulate", "analytic")

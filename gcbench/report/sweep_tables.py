@@ -50,51 +50,49 @@ def summary_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def summary_table(records: list[dict[str, Any]]) -> Table:
-    """The table a sweep prints at the end: every config of the grid with its status and headline numbers."""
+    """The table a sweep prints at the end: every config of the grid with its status and headline numbers. Why a
+    config did not run is a numbered note under the table (each distinct reason once, at full width), so that the
+    table keeps to 80 columns however long the reasons are."""
     frame = summary_frame(records)
     counts = Counter(frame["status"]) if len(frame) else Counter()
     title = f"{len(frame)} configs: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
     models = sorted(set(frame["model"])) if len(frame) else []
     if len(models) == 1:  # one model: name it once in the title, keep the table within 80 columns
         title = f"{models[0]} · {title}"
-    # A light box (no vertical rules) so that the config and its numbers fit an 80-column terminal.
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                  caption="peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak; "
-                          "act. peak: fwd+bwd peak above model state")
-    notes = bool(len(frame)) and (frame["status"] != "ok").any()  # the column only when something did not run
     columns = ["model", "seq", "batch", "policy", "status", "step ms", "peak", "act. peak", "tokens/s"]
     if len(models) == 1:
         columns.remove("model")
+    notes: dict[str, int] = {}  # reason -> its number, in order of first appearance
     rows = []
     for row in frame.itertuples(index=False):
         ok = row.status == "ok"
+        note = "" if ok or not row.note else f"({notes.setdefault(str(row.note), len(notes) + 1)})"
         rows.append([*([] if len(models) == 1 else [row.model]), str(row.seq_len), str(row.batch_size), row.policy,
                      row.status, f"{row.step_ms_median:.1f}" if ok else "-",
                      fmt_bytes(row.peak_bytes) if ok else "-", fmt_bytes(row.activation_peak_bytes) if ok else "-",
-                     f"{row.tokens_per_s:,.0f}" if ok else "-",
-                     *([str(row.note)[:100] if row.note and not ok else ""] if notes else [])])
-    for i, col in enumerate(columns):
-        # The config and its numbers keep their width; on a narrow terminal the note wraps instead.
+                     f"{row.tokens_per_s:,.0f}" if ok else "-", note])
+    caption = ["peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak; act. peak: fwd+bwd peak "
+               "above model state"] + [f"({n}) {escape(text)}" for text, n in notes.items()]
+    # A light box (no vertical rules) so that the config and its numbers fit an 80-column terminal.
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  caption="\n".join(caption), caption_justify="left")
+    for i, col in enumerate([*columns, "note" if notes else ""]):
         table.add_column(col, justify="left" if col in ("model", "policy", "status") else "right", no_wrap=True,
                          min_width=max(len(r[i]) for r in rows) if rows else None)
-    if notes:
-        table.add_column("note", ratio=1)
     status = columns.index("status")
     for cells in rows:
         cells[status] = f"[{STATUS_STYLE[cells[status]]}]{cells[status]}[/]"
-        if notes:
-            cells[-1] = escape(cells[-1])
         table.add_row(*cells)
     return table
 
 
-def largest_fit_table(records: list[dict[str, Any]]) -> Table | None:
+def largest_fit_table(records: list[dict[str, Any]], width: int | None = None) -> Table | None:
     """`gcbench report`'s "largest config that fit" table for these records; None when nothing ran out of memory
-    (then "largest" would only mean "largest in the grid")."""
+    (then "largest" would only mean "largest in the grid"). `width`: the terminal's (see tables.rich_table)."""
     if not any(r["status"] == "oom" for r in records):
         return None
     # The same frame `gcbench report` builds from a results file (results.load adds policy_label and source).
     rows = [{**r, "policy_label": policy_label(r), "source": "sweep"} for r in records]
     grid = largest_fit_grid(results_frame(pd.json_normalize(rows, max_level=1)))
     grid.title = "largest config that fit, per policy"
-    return rich_table(grid)
+    return rich_table(grid, width)

@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -22,14 +23,19 @@ def run_table(record: dict[str, Any]) -> Table:
     cuda = str(record["device"]).startswith("cuda")
     env = record.get("env") or {}
     where = env.get("gpu_name") or f"CPU ({env.get('torch_threads')} threads)"
-    title = (f"{record['model']} ({record.get('n_layers')} blocks) · seq {record['seq_len']} · batch "
+    blocks = record.get("n_layers") or record.get("layers")
+    title = (f"{record['model']}{f' ({blocks} blocks)' if blocks else ''} · seq {record['seq_len']} · batch "
              f"{record['batch_size']} · {policy_label(record)} · {record['precision']} · {where}")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("what it is", style="dim")
     if record["status"] != "ok":
-        table.add_row("status", f"[bold red]{record['status']}[/]", record.get("error") or "")
+        style = "bold yellow" if record["status"] == "oom" else "bold red"
+        table.add_row("status", f"[{style}]{record['status']}[/]", escape(record.get("error") or ""))
+        if record.get("predicted_peak_bytes"):
+            table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
+                          f"{record.get('prediction_method')}, before the run")
         return table
     if cuda:
         table.add_row("peak memory", fmt_bytes(record["peak_allocated_bytes"]),
@@ -117,10 +123,11 @@ def _rich_table(grid: Grid, hidden: list[int]) -> Table:
         numeric = i in grid.numeric
         # Numbers never wrap; their headers break after the first word instead ("peak\nx none").
         header = grid.headers[i].replace(" ", "\n", 1) if numeric else grid.headers[i]
-        # Short labels (policies, statuses) stay on one line; long ones (setups, notes) may wrap.
+        # Short labels (policies, statuses) stay on one line; long ones (setups, notes) and headers may wrap.
         widest = max((len(row[i]) for row in grid.rows), default=0)
+        longest_word = max(map(len, header.split()), default=0)
         table.add_column(header, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold",
-                         min_width=None if numeric or widest > 16 else max(widest, len(header)))
+                         min_width=None if numeric or widest > 16 else max(widest, longest_word))
     for i, row in enumerate(grid.rows):
         cells = [Text(row[j], style="bold red") if row[j] in FAILED.values() else Text(row[j]) for j in shown]
         table.add_row(*cells, end_section=i in grid.section_ends and i != len(grid.rows) - 1)

@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import policy_label
+from gcbench.results.schema import policy_label, record_problem
 from gcbench.results.store import read_records, result_files
 from gcbench.units import fmt_bytes
 
@@ -36,9 +36,10 @@ def load(*paths: str | Path) -> pd.DataFrame:
     flattening would otherwise scatter the options over NaN-padded `policy_options.*` columns)."""
     rows = []
     for path in result_files(paths or ("results",)):
-        for record in read_records(path):
-            label = policy_label(record) if "policy" in record else None
-            rows.append({**record, "policy_label": label, "source": str(path)})
+        for i, record in enumerate(read_records(path), 1):
+            if (problem := record_problem(record)) is not None:
+                raise GcbenchError(f"{path}: record {i} is not a gcbench record: {problem}")
+            rows.append({**record, "policy_label": policy_label(record), "source": str(path)})
     return pd.json_normalize(rows, max_level=1) if rows else pd.DataFrame()
 
 

@@ -42,6 +42,7 @@ class Record(SpecFields, total=False):
     schema_version: int
     status: str  # one of STATUSES
     error: str | None  # why it did not run or finished early (OOM message, timeout, last stderr line)
+    oom_predicted: bool  # an `oom` recorded without running: model state or predicted peak past the memory it may use
     # prediction made before the run (estimators.predict_for_run)
     predicted_peak_bytes: int | None
     prediction_method: str | None
@@ -99,6 +100,29 @@ def new_record(spec_fields: Mapping[str, Any], status: str = "ok", error: str | 
         raise ValueError(f"unknown status {status!r}")
     return {"schema_version": SCHEMA_VERSION, **spec_fields, "status": status, "error": error,  # type: ignore
             **fields}
+
+
+# What a reader needs of every record, with its type: without these a record cannot be placed in a table.
+REQUIRED = {"model": str, "seq_len": int, "batch_size": int, "policy": str, "device": str, "status": str}
+
+
+def record_problem(record: Mapping[str, Any]) -> str | None:
+    """Why `record` is not a record readers can use (a field missing or of the wrong type, an unknown status, a
+    measurement that is not a number); None when it is one."""
+    for name, kind in REQUIRED.items():
+        value = record.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} is {value!r}, not a{'n' if kind is int else ''} {kind.__name__}" if name in record \
+                else f"no {name!r} field"
+    if record["status"] not in STATUSES:
+        return f"unknown status {record['status']!r} (one of {', '.join(STATUSES)})"
+    if not isinstance(record.get("policy_options") or {}, dict):
+        return f"policy_options is {record['policy_options']!r}, not an object"
+    for name, value in record.items():
+        measured = name.endswith(("_bytes", "_ms_median", "_ms_iqr", "_per_s", "_flops", "_ratio")) or name == "mfu"
+        if measured and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{name} is {value!r}, not a number"
+    return None
 
 
 def config_key(record: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> str:

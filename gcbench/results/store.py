@@ -1,9 +1,17 @@
-"""The results store: append-only JSON Lines, one record per line (the schema is schema.py)."""
+"""The results store: append-only JSON Lines, one record per line (the schema is schema.py).
+
+Appends cannot tear: a record is one `write` of its whole line on an O_APPEND descriptor, under an exclusive lock,
+flushed and fsynced; when the write fails (a full disk, Ctrl-C) the file is truncated back to its size before, so
+it is left exactly as it was. Readers and writers accept regular files only (not /dev/zero, a FIFO, a directory).
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import stat
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -12,8 +20,23 @@ from typing import Any
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import SCHEMA_VERSION
 
+
+def check_regular(path: Path, what: str = "results") -> None:
+    """GcbenchError unless `path` is absent or a regular file: a device, FIFO or socket would be read forever or
+    swallow records (/dev/zero, /dev/full, /dev/null)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # absent, or not reachable: opening it says why
+    if stat.S_ISDIR(mode):
+        raise GcbenchError(f"{str(path)!r} is a directory; {what} must be a regular file (e.g. {path}/runs.jsonl)")
+    if not stat.S_ISREG(mode):
+        raise GcbenchError(f"{str(path)!r} is not a regular file; {what} must be a regular file")
+
+
 def ensure_writable(path: Path) -> None:
     """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind."""
+    check_regular(path)
     existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -25,17 +48,59 @@ def ensure_writable(path: Path) -> None:
         path.unlink()
 
 
+def check_appendable(path: Path) -> None:
+    """Everything that would stop a record from being appended to `path` later, checked before any work: a regular
+    file (or none yet) that can be written, whose records this gcbench reads (GcbenchError otherwise: a newer
+    schema_version, a corrupt line in the middle). A torn last line is no obstacle: `drop_truncated_last_line`
+    cuts it off before the append."""
+    ensure_writable(path)
+    if path.exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            read_records(path)
+
+
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append one record as one line, flushed and fsynced: a crash loses at most the line being written."""
-    line = json.dumps(record, default=str)
+    """Append one record as one line, all or nothing: on any failure (ENOSPC, EIO, Ctrl-C) the file is truncated back
+    to its size before (removed if this call created it) and a GcbenchError says why."""
+    check_regular(path)
+    data = (json.dumps(record, default=str) + "\n").encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab+") as f:
+    created = not path.exists()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # concurrent writers: truncating back must not cut another's line
+        size = os.fstat(fd).st_size
         # A killed writer can leave a last line without its newline; start ours on a fresh line.
-        if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
-            f.write(b"\n")
-        f.write(line.encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException as e:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+            if isinstance(e, OSError):
+                why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or str(e)
+                raise GcbenchError(f"cannot write results to {str(path)!r}: {why}; the file is left as it "
+                                   "was") from None
+            raise
+    except BaseException:
+        if created and os.fstat(fd).st_size == 0:
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """One write of the whole line (a regular file takes it whole unless the disk fills up mid-way)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def drop_truncated_last_line(path: Path) -> str | None:
@@ -61,10 +126,13 @@ def drop_truncated_last_line(path: Path) -> str | None:
 def read_records(path: Path) -> list[dict[str, Any]]:
     """All records of one file. A corrupt last line (a killed run) is warned about and skipped; a corrupt line
     elsewhere, or a record of another schema version, is an error."""
+    check_regular(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode().splitlines()
     except OSError as e:
         raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise GcbenchError(f"{str(path)!r} is not a results file (not UTF-8 text)") from None
     records = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -79,9 +147,11 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                 continue
             raise GcbenchError(f"{path}:{i}: corrupt results line (not a JSON object)") from None
         version = record.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version != SCHEMA_VERSION or isinstance(version, bool):  # true == 1 in Python, not in a schema
+            newer = isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION
             raise GcbenchError(
-                f"{path}:{i}: schema_version {version!r}, but this gcbench reads version {SCHEMA_VERSION}")
+                f"{path}:{i}: schema_version {version!r}, but this gcbench reads version {SCHEMA_VERSION}"
+                + (" (written by a newer gcbench: upgrade to read or add to it)" if newer else ""))
         records.append(record)
     return records
 
@@ -96,6 +166,7 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
                 raise GcbenchError(f"{str(p)!r} holds no *.jsonl results")
             files.extend(found)
         elif p.exists():
+            check_regular(p)
             files.append(p)
         else:
             raise GcbenchError(f"no such results file: {str(p)!r}")

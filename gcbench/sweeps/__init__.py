@@ -24,8 +24,8 @@ from gcbench.sweeps.orchestrate import Sweep
 __all__ = ["Sweep", "SweepSpec", "sweep"]
 
 
-def sweep(config: str | Path | SweepSpec | None = None, *, rerun: bool = False, skip_after_oom: bool = True,
-          progress: bool = True, **options: Any) -> list[dict[str, Any]]:
+def sweep(config: str | Path | SweepSpec | None = None, *, rerun: bool = False, retry_failed: bool = False,
+          skip_after_oom: bool = True, progress: bool = True, **options: Any) -> list[dict[str, Any]]:
     """Run a sweep from Python, exactly as `gcbench sweep` does; returns the grid's records in grid order.
 
         gcbench.sweep(model="tiny-llama", seq=[32, 64], batch=[1, 2], policy=["none", "full"], device="cpu",
@@ -41,4 +41,4 @@ def sweep(config: str | Path | SweepSpec | None = None, *, rerun: bool = False, 
     else:
         grid = SweepSpec.load(config, options, where="sweep()")
     console = Console(stderr=True) if progress else None
-    return Sweep(grid, rerun=rerun, skip_after_oom=skip_after_oom, console=console).run()
+    return Sweep(grid, rerun=rerun, retry_failed=retry_failed, skip_after_oom=skip_after_oom, console=console).run()

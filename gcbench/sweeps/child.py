@@ -41,9 +41,13 @@ def _warm_up_fork_server() -> None:
 _warm_up_fork_server()
 
 
-def run_child(spec_record: dict[str, Any], conn: Connection, lifeline: Connection, log_path: str) -> None:
-    """Entry point of one child: measure the spec, stream progress, send the record."""
+def run_child(spec_record: dict[str, Any], conn: Connection, lifeline: Connection, log_path: str,
+              cwd: str | None = None) -> None:
+    """Entry point of one child: measure the spec (relative paths from `cwd`, the sweep's), stream progress, send
+    the record."""
     threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
+    if cwd is not None:
+        os.chdir(cwd)
     # The sweep decides when a child stops (it terminates it); Ctrl-C in the terminal is for the parent.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

@@ -46,7 +46,9 @@ class ProcessRunner:
         os.close(fd)
         results, results_w = self._ctx.Pipe(duplex=False)
         lifeline_r, lifeline = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=self._target, args=(spec.as_record(), results_w, lifeline_r, log_path),
+        # The cwd: the fork server keeps the one it started in, but relative paths (a config.json) are the caller's.
+        proc = self._ctx.Process(target=self._target, args=(spec.as_record(), results_w, lifeline_r, log_path,
+                                                            os.getcwd()),
                                  name=f"gcbench {config_label(spec.as_record())}", daemon=True)
         finished = started = False
         try:

@@ -17,11 +17,17 @@ from typing import Any
 from rich.console import Console
 
 from gcbench.grid import SweepSpec
+from gcbench.errors import WontFit
+from gcbench.instruments import free_without_context
 from gcbench.results.schema import STATUSES, config_key
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
+from gcbench.runner import check_fits, model_size
 from gcbench.spec import RunSpec
 from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner, failure_record
 from gcbench.sweeps.progress import SweepProgress
+
+
+RETRIED = ("error", "timeout")  # what --retry-failed runs again; an oom is a result and stays (--rerun runs it)
 
 
 class OomFrontier:
@@ -61,10 +67,11 @@ class Sweep:
     records written so far stay, and running the same sweep again resumes.
     """
 
-    def __init__(self, grid: SweepSpec, *, rerun: bool = False, skip_after_oom: bool = True,
-                 console: Console | None = None):
+    def __init__(self, grid: SweepSpec, *, rerun: bool = False, retry_failed: bool = False,
+                 skip_after_oom: bool = True, console: Console | None = None):
         self.grid = grid
         self.rerun = rerun  # run every config again, even those with a record in the output file
+        self.retry_failed = retry_failed  # run again the configs whose record is an error or a timeout
         self.skip_after_oom = skip_after_oom
         self.console = console  # progress and warnings go here (stderr); None: quiet, warnings via `warnings`
         self.sweep_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
@@ -72,6 +79,7 @@ class Sweep:
         self._existing, notes = _existing_records(grid.out)
         for note in notes:
             self._warn(note)
+        self.unfit = self._unfit(self.specs)
 
     def plan(self) -> list[PlannedConfig]:
         """Each config with its resumable record from the output file (newest wins), or None if it must run."""
@@ -82,6 +90,8 @@ class Sweep:
         status = record.get("status")
         if status == "skipped":
             return self.skip_after_oom  # --no-skip runs what an earlier sweep skipped
+        if status in RETRIED:
+            return not self.retry_failed
         return status in STATUSES
 
     def run(self) -> list[dict[str, Any]]:
@@ -101,7 +111,7 @@ class Sweep:
             for config in plan:
                 record = config.done
                 if record is None:
-                    record = self._run_one(config.spec, runner, frontier, view)
+                    record = self._run_one(config.spec, runner, frontier, view, self.unfit.get(config.spec))
                     if record.get("env") is None:
                         record["env"] = envs.get(config.spec.device) or _host_env()
                     envs[config.spec.device] = record["env"]
@@ -111,9 +121,31 @@ class Sweep:
                 records.append(record)
         return records
 
-    def _run_one(self, spec: RunSpec, runner, frontier: OomFrontier, view: SweepProgress) -> dict[str, Any]:
+    def _unfit(self, specs: list[RunSpec]) -> dict[RunSpec, str]:
+        """The configs that cannot fit at all (their model state alone is too large for the memory cap or the free
+        memory), known when the sweep is made, before the first child starts: they are recorded as `oom` without
+        running. The rest is checked by the child before it allocates (runner.check_fits with the predicted peak)."""
+        free: dict[str, int | None] = {}
+        unfit = {}
+        for spec in specs:
+            if spec.device not in free:
+                free[spec.device] = free_without_context(spec.device)
+            try:
+                check_fits(spec, model_size(spec), free[spec.device])
+            except WontFit as e:
+                unfit[spec] = str(e)
+        if unfit:
+            first = next(iter(unfit.values()))
+            self._warn(f"{len(unfit)} of {len(specs)} configs cannot fit: each is recorded as oom without running; "
+                       f"the first: {first}")
+        return unfit
+
+    def _run_one(self, spec: RunSpec, runner, frontier: OomFrontier, view: SweepProgress,
+                 unfit: str | None) -> dict[str, Any]:
         reason = frontier.skip_reason(spec) if self.skip_after_oom else None
-        if reason is not None:
+        if unfit is not None:
+            record, wall_ms = failure_record(spec, "oom", f"not run: {unfit}", oom_predicted=True), None
+        elif reason is not None:
             record, wall_ms = failure_record(spec, "skipped", reason), None
         else:
             view.started(spec)

@@ -27,7 +27,8 @@ class SweepProgress:
         self._bar = Progress(
             SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[counts]}"),
-            console=console, transient=True, disable=console is None)
+            # The bar only on a terminal; a pipe or log file gets the finished lines alone.
+            console=console, transient=True, disable=console is None or not console.is_terminal)
 
     def __enter__(self) -> SweepProgress:
         if self.console is not None and self.resumed:

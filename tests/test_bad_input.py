@@ -1,0 +1,309 @@
+"""Bad input and exhausted resources: refused before any work (one line on stderr, exit code 2, nothing written) or
+recorded as a result; never a traceback, a torn results file or a lost record. One test per case of issue 11."""
+
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.results import store
+from gcbench.results.schema import SCHEMA_VERSION, new_record
+from gcbench.results.store import read_records
+from gcbench.spec import RunSpec
+
+runner = CliRunner()
+FAST = ["--device", "cpu", "--warmup", "1", "--steps", "1"]
+RUN = ["run", "--model", "tiny-llama", "--seq", "32", "--batch", "1", *FAST]
+
+
+def refused(result, *words):
+    """Exit code 2, one line on stderr naming `words`, no traceback."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gcbench: error: "), result.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Fail the test if a run starts measuring: what is refused must be refused before any work."""
+    import gcbench.runner
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured although the input was refused")
+
+    monkeypatch.setattr(gcbench.runner, "_measure", measure)
+
+
+@pytest.mark.parametrize("policy,words", [
+    ("full:", ["empty option list"]),
+    ("every-k:", ["empty option list"]),
+    ("every-k:k=", ["not an integer"]),
+    ("every-k:k=2,k=3", ["given twice"]),
+    ("every-k:,k=2", ["bad option"]),
+])
+def test_malformed_policy_is_refused(tmp_path, no_measuring, policy, words):
+    out = tmp_path / "r.jsonl"
+    refused(runner.invoke(app, [*RUN, "--policy", policy, "--out", str(out)]), *words)
+    assert not out.exists()
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "vocab_size": 128}
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"hidden_size": -5}, ["hidden_size", "positive integer", "-5"]),
+    ({"hidden_size": 30, "num_attention_heads": 4}, ["hidden size (30)", "multiple", "attention heads (4)"]),
+    ({"num_attention_heads": 2, "num_key_value_heads": 3}, ["num_key_value_heads (3)", "divide"]),
+    ({"intermediate_size": "64"}, ["intermediate_size", "positive integer", "'64'"]),
+    ({"rms_norm_eps": "small"}, ["rms_norm_eps", "float"]),
+    ({"num_hidden_layers": 0}, ["num_hidden_layers", "positive integer"]),
+    ({"hidden_act": "no-such-activation"}, ["cannot build", "no-such-activation"]),
+])
+def test_config_json_that_transformers_rejects_is_one_line(tmp_path, no_measuring, fields, words):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA, **fields}))
+    out = tmp_path / "r.jsonl"
+    refused(runner.invoke(app, ["run", "--model", str(config), *RUN[3:], "--out", str(out)]), "config.json",
+            *words)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text,words", [("[1, 2]", ["one JSON object", "list"]), ("", ["not a JSON config"]),
+                                        ('{"model_type": "t5"}', ["'t5' is not supported"])])
+def test_config_json_that_is_no_config_is_one_line(tmp_path, text, words):
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    refused(runner.invoke(app, ["estimate", "--model", str(config), "--seq", "32", "--method", "analytic"]), *words)
+
+
+def test_seq_past_the_models_positions_is_refused(tmp_path, no_measuring):
+    out = tmp_path / "r.jsonl"
+    # tiny-llama (RoPE) is made for 2048 positions; gpt2's table has 1024
+    refused(runner.invoke(app, [*RUN, "--seq", "10000000", "--out", str(out)]), "--seq 10000000", "2048 positions")
+    refused(runner.invoke(app, [*RUN, "--model", "tiny-gpt2", "--seq", "4096", "--out", str(out)]),
+            "2048 learned positions")
+    scaled = tmp_path / "long.json"  # a linear rope_scaling factor stretches the limit
+    scaled.write_text(json.dumps({**LLAMA, "max_position_embeddings": 64,
+                                  "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    assert RunSpec(model=str(scaled), seq_len=256, batch_size=1, device="cpu").seq_len == 256
+    refused(runner.invoke(app, [*RUN, "--model", str(scaled), "--seq", "257", "--out", str(out)]), "256 positions")
+    assert not out.exists()
+
+
+def test_a_size_the_device_cannot_hold_is_refused_in_seconds_without_allocating(tmp_path, no_measuring):
+    out = tmp_path / "r.jsonl"
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    line = refused(runner.invoke(app, [*RUN, "--seq", "2048", "--batch", "100000", "--out", str(out)]),
+                   "predicted peak", "TiB", "cpu has", "free")
+    assert "try a smaller --seq or --batch" in line
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 1024**2  # under 1 GiB more, ever
+    assert not out.exists()
+
+
+def test_the_same_size_in_a_sweep_is_an_oom_record_without_allocating(tmp_path):
+    out = tmp_path / "r.jsonl"
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = runner.invoke(app, ["sweep", "--model", "tiny-llama", "--seq", "32,64", "--batch", "1,10000000",
+                                 "--policy", "none", *FAST, "--isolation", "none", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 1024**2  # under 1 GiB more, ever
+    by_shape = {(r["seq_len"], r["batch_size"]): r for r in read_records(out)}
+    # the larger seq at the huge batch is skipped after the first one's (predicted) OOM, as after any OOM
+    assert [r["status"] for r in by_shape.values()] == ["ok", "oom", "ok", "skipped"]
+    huge = by_shape[32, 10000000]
+    assert huge["oom_predicted"] and huge["error"].startswith("not run: the predicted peak")
+    assert huge["predicted_peak_bytes"] > 2**40 and huge["env"] is not None
+    assert "(1) not run: the predicted peak" in result.stdout  # the reason, once, under the table
+
+
+def test_memory_cap_below_model_state_is_an_oom_in_human_units(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, [*RUN, "--memory-cap", "1MiB", "--out", str(out)])
+    assert result.exit_code == 1, result.output  # an OOM is a result, as on a card that small
+    [record] = read_records(out)
+    assert record["status"] == "oom" and record["oom_predicted"]
+    assert "--memory-cap allows 1.00 MiB" in record["error"] and "MiB for parameters" in record["error"]
+    assert "oom" in result.stdout and "(None blocks)" not in result.stdout
+
+
+def test_a_sweep_that_cannot_fit_at_all_starts_no_child(tmp_path, monkeypatch):
+    """The README's llama-7b sweep on a machine too small: every config is known not to fit before the first child
+    (model state 28 GiB in fp32 against 1 GiB free) and is recorded as oom without one."""
+    from gcbench.sweeps import isolation, orchestrate
+
+    def no_child(self, spec, on_phase):
+        raise AssertionError("a child was started for a config that cannot fit")
+
+    monkeypatch.setattr(isolation.ProcessRunner, "__call__", no_child)
+    monkeypatch.setattr(orchestrate, "free_without_context", lambda device: 2**30)
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["sweep", "--model", "llama-7b", "--layers", "8", "--seq", "512,1024",
+                                 "--batch", "1,2", "--policy", "none,full", *FAST, "--precision", "fp32",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    records = read_records(out)
+    assert len(records) == 8 and all(r["status"] == "oom" and r["oom_predicted"] for r in records)
+    assert "needs 28.03 GiB" in records[0]["error"] and "cpu has 1.00 GiB free" in records[0]["error"]
+    assert "8 of 8 configs cannot fit" in result.stderr
+    assert all(len(line) <= 80 for line in result.stdout.splitlines())  # the reason is a note, not a column
+
+
+def test_run_onto_a_torn_last_line_repairs_it_then_appends(tmp_path):
+    out = tmp_path / "r.jsonl"
+    good = json.dumps(new_record(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu").as_record()))
+    out.write_text(good + "\n" + '{"schema_version": 1, "mod')
+    result = runner.invoke(app, [*RUN, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "removed a truncated last line" in result.stderr
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and lines[0] == good and json.loads(lines[1])["status"] == "ok"
+
+
+def test_run_onto_a_newer_schema_is_refused_before_measuring(tmp_path, no_measuring):
+    out = tmp_path / "r.jsonl"
+    content = json.dumps({"schema_version": SCHEMA_VERSION + 1, "model": "x"}) + "\n"
+    out.write_text(content)
+    refused(runner.invoke(app, [*RUN, "--out", str(out)]), f"schema_version {SCHEMA_VERSION + 1}", "newer gcbench")
+    assert out.read_text() == content
+
+
+def _disk_fills_up(monkeypatch, after: int = 10):
+    """Writes put `after` bytes on disk, then fail as a full disk does."""
+    def write_all(fd, data):
+        os.write(fd, data[:after])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store, "_write_all", write_all)
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_full_disk_leaves_the_file_as_it_was_and_prints_the_record(tmp_path, monkeypatch, existing):
+    out = tmp_path / "r.jsonl"
+    before = json.dumps({"schema_version": SCHEMA_VERSION, "status": "ok"}) + "\n"
+    if existing:
+        out.write_text(before)
+    _disk_fills_up(monkeypatch)
+    result = runner.invoke(app, [*RUN, "--out", str(out)])
+    refused(result, "cannot write results", "the disk is full", "left as it was")
+    assert out.read_text() == before if existing else not out.exists()
+    record = json.loads(result.stdout.strip().splitlines()[-1])  # the measurement is not lost
+    assert record["status"] == "ok" and record["model"] == "tiny-llama"
+
+
+def test_full_disk_during_a_sweep_stops_it_and_keeps_earlier_records(tmp_path, monkeypatch):
+    out = tmp_path / "r.jsonl"
+    args = ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", "--policy", "none,full", *FAST,
+            "--isolation", "none", "--out", str(out)]
+    assert runner.invoke(app, [*args[:-6], "--policy", "none", *FAST, "--isolation", "none", "--out",
+                               str(out)]).exit_code == 0
+    before = out.read_bytes()
+    _disk_fills_up(monkeypatch)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1].endswith("the disk is full; the file is left as it was")
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("make_args", [
+    lambda t: ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", *FAST, "--out", "/dev/full"],
+    lambda t: [*RUN, "--out", "/dev/null"],
+    lambda t: ["report", "/dev/zero"],
+    lambda t: ["compare", "/dev/zero", "/dev/zero"],
+    lambda t: ["report", str(t / "fifo.jsonl")],
+    lambda t: ["report", str(t / "binary.jsonl")],
+])
+def test_results_must_be_regular_files(tmp_path, make_args):
+    os.mkfifo(tmp_path / "fifo.jsonl")  # reading it would block forever
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    t0 = time.monotonic()
+    line = refused(runner.invoke(app, make_args(tmp_path)))
+    assert "regular file" in line or "not UTF-8" in line
+    assert time.monotonic() - t0 < 60  # at once: nothing read from a device
+
+
+def test_ctrl_c_during_run_says_nothing_was_written(tmp_path, monkeypatch):
+    import gcbench.runner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gcbench.runner, "_measure", interrupted)
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, [*RUN, "--out", str(out)])
+    assert result.exit_code == 130
+    assert result.stderr.strip().splitlines() == [f"gcbench: interrupted; nothing was written to {out}"]
+    assert not out.exists()
+
+
+def test_ctrl_c_while_the_record_is_written_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    out = tmp_path / "r.jsonl"
+    out.write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n")
+    before = out.read_bytes()
+
+    def write_all(fd, data):
+        os.write(fd, data[:7])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_write_all", write_all)
+    result = runner.invoke(app, [*RUN, "--out", str(out)])
+    assert result.exit_code == 130 and "nothing was written" in result.stderr
+    assert out.read_bytes() == before
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (Linux: SigCgt in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_sigterm_while_a_sweep_starts_up_exits_130_with_the_resume_message(tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "gcbench", "sweep", "--model", "tiny-llama", "--seq", "32",
+                             "--batch", "1", *FAST, "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, signal.SIGTERM):  # the entry point's first act; imports follow
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("gcbench: interrupted") and "Traceback" not in err
+    assert not out.exists() or read_records(out) == []
+
+
+def test_retry_failed_reruns_errors_and_timeouts_but_not_ooms(tmp_path):
+    from gcbench.grid import SweepSpec
+    from gcbench.sweeps.orchestrate import Sweep
+
+    out = tmp_path / "r.jsonl"
+    grid = SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": [1, 2, 4], "policy": "none",
+                                 "device": "cpu", "warmup": 1, "steps": 1, "out": out})
+    for spec, status in zip(grid.expand(), ("error", "timeout", "oom")):
+        store.append_record(out, new_record(spec.as_record(), status, "earlier"))
+
+    def to_run(**how):
+        return [p.spec.batch_size for p in Sweep(grid, **how).plan() if p.done is None]
+
+    assert to_run() == []  # every status is final on a plain resume
+    assert to_run(retry_failed=True) == [1, 2]
+    assert to_run(rerun=True) == [1, 2, 4]
+    result = runner.invoke(app, ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1,2,4", "--policy",
+                                 "none", *FAST, "--out", str(out), "--retry-failed", "--dry-run"])
+    assert result.exit_code == 0 and "2 to run" in result.stdout
