@@ -81,7 +81,7 @@ def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str,
         for name, opt in options.items():
             many = several == ALL or name in several
             help = opt.help + ("; comma-separated for several" if many and several != ALL else "")
-            if name not in defaults and runspec_defaults.get(name) not in (None, ""):
+            if name not in defaults and runspec_defaults.get(name) not in (None, "", dataclasses.MISSING):
                 help += f" (default: {runspec_defaults[name]})"  # applied by RunSpec, so that a TOML file can set it
             metavar = f"<{opt.metavar.lower()}{',...' if many else ''}>"
             hint = Annotated[str | None, typer.Option(f"--{opt.flag}", help=help, metavar=metavar)]
@@ -202,8 +202,8 @@ def policies() -> None:
 @app.command()
 def report(
     paths: Annotated[list[Path], typer.Argument(help="results files (*.jsonl) or directories holding them")],
-    out: Annotated[Path | None, typer.Option(help="also write report.md, a self-contained report.html and "
-                                                  "figures/*.png|svg into this directory")] = None,
+    out: Annotated[str | None, typer.Option(help="also write report.md, a self-contained report.html and "
+                                                 "figures/*.png|svg into this directory", metavar="<dir>")] = None,
 ) -> None:
     """Tables of many runs grouped by device, model, seq and batch, with `x none` ratios; --out adds figures
     and a report to share."""
@@ -212,7 +212,7 @@ def report(
     from gcbench.results.frame import load_results, results_frame
 
     with domain_errors():
-        if out is not None and not str(out).strip():
+        if out is not None and not out.strip():
             raise GcbenchError("--out: an empty path; give the directory the report goes to")
         df, notes = load_results(paths)
         for note in notes:
@@ -221,7 +221,7 @@ def report(
         for item in terminal_tables(frame, console.width):
             console.print(item)
         if out is not None:
-            written = write_report(frame, out)
+            written = write_report(frame, Path(out))
             console.print(f"report written to {out}/ ({len(written)} files: report.md, report.html, "
                           f"{len(written) - 2} figure files)")
 

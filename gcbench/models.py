@@ -93,17 +93,17 @@ def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
         p = MODELS[model]
         return p.make_config(), p.family
     path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.suffix == ".json":
-        raise GcbenchError(f"unknown model {model!r}; presets: {', '.join(MODELS)} (or a path to a config.json)")
     try:
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.suffix == ".json":
+            raise GcbenchError(f"unknown model {model!r}; presets: {', '.join(MODELS)} (or a path to a config.json)")
         if path.exists() and not path.is_file():
             raise OSError(f"{str(path)!r} is not a regular file")
         data = json.loads(path.read_bytes())
     except OSError as e:
-        raise GcbenchError(f"cannot read model config {str(path)!r}: {e.strerror or e}") from None
-    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise GcbenchError(f"cannot read model config {str(path)[:200]!r}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bytes that are not UTF-8, nesting too deep
         raise GcbenchError(f"{str(path)!r} is not a JSON config: {_one_line(e)}") from None
     if not isinstance(data, dict):
         raise GcbenchError(f"{str(path)!r}: a config.json holds one JSON object, not a {type(data).__name__}")

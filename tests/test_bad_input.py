@@ -307,3 +307,17 @@ def test_retry_failed_reruns_errors_and_timeouts_but_not_ooms(tmp_path):
     result = runner.invoke(app, ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1,2,4", "--policy",
                                  "none", *FAST, "--out", str(out), "--retry-failed", "--dry-run"])
     assert result.exit_code == 0 and "2 to run" in result.stdout
+
+
+def test_pathological_files_and_names_are_one_line(tmp_path, no_measuring):
+    deep = "[" * 100_000 + "]" * 100_000  # past the JSON parser's recursion limit
+    results = tmp_path / "deep.jsonl"
+    results.write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n" + deep + "\n" + "{}\n")
+    refused(runner.invoke(app, ["report", str(results)]), "deep.jsonl:2: corrupt results line")
+    (tmp_path / "deep.json").write_text(deep)
+    refused(runner.invoke(app, ["estimate", "--model", str(tmp_path / "deep.json"), "--seq", "16"]),
+            "not a JSON config")
+    long_name = tmp_path / ("b" * 5000 + ".jsonl")
+    refused(runner.invoke(app, [*RUN, "--out", str(long_name)]), "cannot write results", "File name too long")
+    refused(runner.invoke(app, [*RUN, "--model", str(tmp_path / ("a" * 5000 + ".json"))]), "cannot read model config")
+    refused(runner.invoke(app, ["report", str(results), "--out", ""]), "--out: an empty path")

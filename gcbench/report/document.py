@@ -156,7 +156,7 @@ def render_html(blocks: list[Block], root: Path) -> str:
                 cls = lambda i: ' class="num"' if i in b.numeric else ""  # noqa: E731
                 rows = []
                 for r, row in enumerate(b.rows):
-                    cells = "".join(f"<td{bad if c in FAILED.values() else cls(i)}>{html.escape(c)}</td>"
+                    cells = "".join(f"<td{bad if c.rstrip('*') in FAILED.values() else cls(i)}>{html.escape(c)}</td>"
                                     for i, c in enumerate(row))
                     rows.append(f"<tr{end if r in b.section_ends else ''}>{cells}</tr>")
                 caption = f"<caption>{html.escape(b.title)}</caption>" if b.title else ""

@@ -54,7 +54,8 @@ def results_grid(part: pd.DataFrame) -> Grid:
     records = part.to_dict("records")
     for i, r in enumerate(records):
         ok = r["status"] == "ok"
-        row = [str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], FAILED.get(r["status"], r["status"]),
+        status = FAILED.get(r["status"], r["status"]) + ("*" if r.get("oom_predicted") is True else "")
+        row = [str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], status,
                size(r["peak_bytes"]), ratio(r["peak_x_none"], r), size(r["activation_peak_bytes"]),
                f"{r['step_ms_median']:,.1f}" if ok else "-", f"{r['step_ms_iqr']:,.1f}" if ok else "-",
                ratio(r["step_x_none"], r),
@@ -76,6 +77,9 @@ def results_grid(part: pd.DataFrame) -> Grid:
                     "(absolute numbers shown).")
     if predicted:
         caption += " prediction error = predicted / measured peak - 1."
+    if "oom_predicted" in part and (part["oom_predicted"] == True).any():  # noqa: E712 - NaN where absent
+        caption += (" OOM* = not run: its model state or predicted peak was past the memory (the record's `error` "
+                    "says which).")
     optional = [headers.index(h) for h in ("IQR ms", f"predicted peak {unit}", "tokens/s", "prediction error",
                                            "recompute FLOPs") if h in headers]
     return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,

@@ -129,7 +129,8 @@ def _rich_table(grid: Grid, hidden: list[int]) -> Table:
         table.add_column(header, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold",
                          min_width=None if numeric or widest > 16 else max(widest, longest_word))
     for i, row in enumerate(grid.rows):
-        cells = [Text(row[j], style="bold red") if row[j] in FAILED.values() else Text(row[j]) for j in shown]
+        cells = [Text(row[j], style="bold red") if row[j].rstrip("*") in FAILED.values() else Text(row[j])
+                 for j in shown]
         table.add_row(*cells, end_section=i in grid.section_ends and i != len(grid.rows) - 1)
     return table
 

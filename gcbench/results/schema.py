@@ -116,8 +116,9 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
                 else f"no {name!r} field"
     if record["status"] not in STATUSES:
         return f"unknown status {record['status']!r} (one of {', '.join(STATUSES)})"
-    if not isinstance(record.get("policy_options") or {}, dict):
-        return f"policy_options is {record['policy_options']!r}, not an object"
+    for name in ("policy_options", "env"):
+        if not isinstance(record.get(name) or {}, dict):
+            return f"{name} is {record[name]!r}, not an object"
     for name, value in record.items():
         measured = name.endswith(("_bytes", "_ms_median", "_ms_iqr", "_per_s", "_flops", "_ratio")) or name == "mfu"
         if measured and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):

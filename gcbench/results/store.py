@@ -37,8 +37,8 @@ def check_regular(path: Path, what: str = "results") -> None:
 def ensure_writable(path: Path) -> None:
     """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind."""
     check_regular(path)
-    existed = path.exists()
     try:
+        existed = path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a"):
             pass
@@ -115,7 +115,7 @@ def drop_truncated_last_line(path: Path) -> str | None:
     try:
         if isinstance(json.loads(tail or b"{}"), dict):
             return None
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     with open(path, "r+b") as f:
         f.truncate(start)
@@ -141,7 +141,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError("not an object")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the JSON parser follows
             if i == len(lines):
                 warnings.warn(f"{path}:{i}: ignoring a truncated last line (an interrupted run)", stacklevel=2)
                 continue
