@@ -7,10 +7,7 @@ stopped by a scheduler while still starting up ends with its message and exit co
 import signal
 import sys
 
-
-def raise_interrupt(signum, frame):
-    """A signal handler: the signal is a KeyboardInterrupt."""
-    raise KeyboardInterrupt
+from gcbench.errors import raise_interrupt
 
 
 def main() -> None:
@@ -18,7 +15,8 @@ def main() -> None:
     try:
         from gcbench.cli import main as cli_main
     except KeyboardInterrupt:
-        print("gcbench: interrupted", file=sys.stderr)
+        print("gcbench: interrupted while starting; nothing was run or written: run the same command again",
+              file=sys.stderr)
         sys.exit(130)
     cli_main()
 

@@ -121,11 +121,11 @@ def run(
     """Measure real training steps of one model under one checkpoint policy."""
     import json
 
-    written = False
+    written: list[bool] = []  # [True] once the record is in --out
     with domain_errors(lambda: f"interrupted; {'the record is in' if written else 'nothing was written to'} {out}"):
         from gcbench.grid import parse_options
         from gcbench.report.tables import run_table
-        from gcbench.results.store import append_record, check_appendable, drop_truncated_last_line
+        from gcbench.results.store import append_record, check_appendable
         from gcbench.runner import run as run_spec
 
         values, _ = parse_options(spec_values, fields=tuple(spec_options()))
@@ -133,16 +133,14 @@ def run(
         check_appendable(out)  # before measuring: an output that cannot take the record is known now
         with _step_progress(spec.warmup_steps + spec.measure_steps + 4) as advance:
             record = run_spec(spec, progress=advance, refuse_unfit=True)
-        dropped = drop_truncated_last_line(out)
-        if dropped is not None:
-            typer.echo(f"gcbench: warning: {out}: removed a truncated last line left by an interrupted run "
-                       f"({dropped[:60]!r}...)", err=True)
         try:
-            append_record(out, record)
+            dropped = append_record(out, record, written=lambda: written.append(True))
         except GcbenchError:
             typer.echo(json.dumps(record, default=str))  # the measurement is not lost: stdout has it
             raise
-        written = True
+        if dropped is not None:
+            typer.echo(f"gcbench: warning: {out}: removed a truncated last line left by an interrupted run "
+                       f"({dropped[:60]!r}...)", err=True)
     console.print(run_table(record))
     console.print(f"[dim]record appended to {out}[/]")
     if record["status"] != "ok":

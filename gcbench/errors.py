@@ -12,3 +12,13 @@ class WontFit(GcbenchError):
     def __init__(self, message: str, *, by_cap: bool):
         super().__init__(message)
         self.by_cap = by_cap
+
+    @property
+    def limit(self) -> str:
+        """What it does not fit: "cap" (--memory-cap; final) or "free" (the device's free memory now)."""
+        return "cap" if self.by_cap else "free"
+
+
+def raise_interrupt(signum: int, frame: object) -> None:
+    """A signal handler that makes the signal (SIGTERM) take Ctrl-C's path: a KeyboardInterrupt."""
+    raise KeyboardInterrupt

@@ -149,13 +149,13 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    if path.exists() and not path.is_file():  # a directory, /dev/zero, a FIFO: would fail late or read forever
-        raise GcbenchError(f"sweep config {str(path)!r} is not a regular file")
     try:
+        if path.exists() and not path.is_file():  # a directory, /dev/zero, a FIFO: fails late or reads forever
+            raise GcbenchError(f"sweep config {str(path)!r} is not a regular file")
         with open(path, "rb") as f:
             return tomllib.load(f)
     except OSError as e:
-        raise GcbenchError(f"cannot read sweep config {str(path)!r}: {e.strerror or e}") from None
+        raise GcbenchError(f"cannot read sweep config {str(path)[:200]!r}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise GcbenchError(f"{path}: not a TOML file (TOML is UTF-8 text)") from None
     except tomllib.TOMLDecodeError as e:

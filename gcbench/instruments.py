@@ -64,7 +64,7 @@ def free_without_context(device: str) -> int | None:
     whose CUDA order NVML cannot know)."""
     if str(device).startswith("cuda"):
         return _nvml_free_bytes(torch.device(device).index or 0)
-    return psutil.virtual_memory().available
+    return psutil.virtual_memory().available  # Linux: MemAvailable, what can be had without swapping
 
 
 def _nvml_free_bytes(cuda_index: int) -> int | None:
@@ -80,26 +80,21 @@ def _nvml_free_bytes(cuda_index: int) -> int | None:
     except pynvml.NVMLError:
         return None
     try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        # CUDA numbers GPUs fastest first, NVML by PCI bus: the same order only for GPUs of one model or with
+        # CUDA_DEVICE_ORDER=PCI_BUS_ID. Indices in CUDA_VISIBLE_DEVICES are CUDA's too; UUIDs are unambiguous.
+        same_order = (len({pynvml.nvmlDeviceGetName(h) for h in handles}) <= 1
+                      or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            entries = [e.strip() for e in visible.split(",") if e.strip()]
-            if cuda_index >= len(entries):
-                return None
-            entry = entries[cuda_index]
-            if entry.isdigit():
-                handle = pynvml.nvmlDeviceGetHandleByIndex(int(entry))
-            elif entry.startswith("GPU-"):
-                handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
-            else:
-                return None  # a MIG slice: NVML's numbers would be the whole GPU's
+        entries = [e.strip() for e in visible.split(",")] if visible is not None else \
+            [str(i) for i in range(len(handles))]
+        entry = entries[cuda_index] if cuda_index < len(entries) else ""
+        if entry.startswith("GPU-"):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
+        elif entry.isdigit() and same_order and int(entry) < len(handles):
+            handle = handles[int(entry)]
         else:
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            if cuda_index >= len(handles):
-                return None
-            same_model = len({pynvml.nvmlDeviceGetName(h) for h in handles}) == 1
-            if not same_model and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-                return None  # CUDA puts the fastest first; NVML orders by PCI bus
-            handle = handles[cuda_index]
+            return None  # a MIG slice (NVML's numbers would be the whole GPU's), an order NVML cannot tell
         try:
             if pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
                 return None
@@ -156,8 +151,7 @@ class CpuInstrument(Instrument):
             yield
 
     def free_bytes(self) -> int:
-        """Host memory available without swapping (psutil; Linux: MemAvailable)."""
-        return psutil.virtual_memory().available
+        return free_without_context("cpu")
 
     def describe(self) -> dict[str, Any]:
         return {"gpu_name": None, "gpu_memory_bytes": None}

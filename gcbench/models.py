@@ -132,6 +132,7 @@ _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
 
 
 _CHECKED: set[tuple[str, str]] = set()  # (path, config text) already checked
+MAX_LAYERS = 1_000  # blocks; the deepest published models have about 130
 
 
 def _check_config(config: transformers.PretrainedConfig, family: str, path: Path) -> None:
@@ -140,6 +141,12 @@ def _check_config(config: transformers.PretrainedConfig, family: str, path: Path
         value = getattr(config, name, None)
         if value is not None and not _positive_int(value):
             raise GcbenchError(f"{path}: {name} must be a positive integer, got {value!r}")
+    if config.num_hidden_layers > MAX_LAYERS:  # a meta build of millions of blocks would take the machine down
+        raise GcbenchError(f"{path}: num_hidden_layers must be at most {MAX_LAYERS:,}, got {config.num_hidden_layers:,}")
+    scaling = getattr(config, "rope_scaling", None) or {}
+    factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else 1.0
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1e6:
+        raise GcbenchError(f"{path}: rope_scaling's factor must be a number from 1 to 1e6, got {factor!r}")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % kv:

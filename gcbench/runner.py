@@ -38,11 +38,11 @@ from gcbench.units import fmt_bytes
 TRACKED_PEAK_FIELDS = ("peak_tracked_bytes", "fwd_bwd_peak_bytes", "activation_peak_bytes")
 
 
-# A config is not run when its predicted peak exceeds the device's free memory times this margin. CPU: the
-# simulation predicts the tracked peak exactly and the process needs more than that, so a prediction past the free
-# memory never fits (it would swap, or the kernel would kill a process). CUDA: predictions are within a few percent
-# of max_memory_allocated; a config within 10% above the free memory runs, and the allocator decides.
-PEAK_MARGIN = {"cpu": 1.0, "cuda": 1.10}
+# A config is not run when its predicted peak exceeds the device's free memory by more than this margin. The CPU
+# simulation predicts the tracked peak exactly and the process needs more than that, so past the free memory it
+# never fits (it would swap, or the kernel would kill a process). CUDA predictions, and the analytic ones, are
+# within a few percent: a config up to 10% above the free memory runs, and the allocator decides.
+EXACT_MARGIN, MARGIN = 1.0, 1.10
 # Under --memory-cap the real out-of-memory (the allocator's, or on CPU the tracker's) is the measurement: a config
 # is recorded as oom without running only when its prediction is this far past the cap.
 CAP_MARGIN = 2.0
@@ -74,18 +74,21 @@ def model_size(spec: RunSpec) -> ModelSize:
     return _MODEL_SIZES[key]
 
 
-def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak: int | None = None) -> None:
+def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak: int | None = None,
+               prediction_method: str | None = None) -> None:
     """Raise WontFit, before anything is allocated, when the config cannot fit: its model state (parameters,
-    gradients, optimizer state) takes more than 90% of the memory cap or of the device's `free` bytes (None:
-    unknown), or its predicted peak is past the free memory by PEAK_MARGIN or past the cap by CAP_MARGIN."""
+    gradients, optimizer state) takes more than 90% of the device's `free` bytes (None: unknown) or of the memory
+    cap, or its predicted peak is past the free memory (by MARGIN; exactly, for the CPU simulation) or past the cap
+    by CAP_MARGIN. The device is checked before the cap: a config the device cannot hold is refused as such."""
     cap = spec.memory_cap_bytes
-    kind = "cuda" if spec.device.startswith("cuda") else "cpu"
+    cpu_exact = not spec.device.startswith("cuda") and prediction_method == "simulate"
+    limits = ((free, False), (cap, True))
 
     def room(by_cap: bool) -> str:
         return f"--memory-cap allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
 
     need = model_state_bytes(spec, size.n_params)
-    for limit, by_cap in ((cap, True), (free, False)):
+    for limit, by_cap in limits:
         if limit is not None and need > 0.9 * limit:
             per_block = model_state_bytes(spec, size.block_params)
             rest = need - per_block * size.n_blocks
@@ -96,11 +99,12 @@ def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak:
                           f"state ({spec.precision}) but {room(by_cap)}; {hint}", by_cap=by_cap)
     if predicted_peak is None:
         return
-    for limit, margin, by_cap in ((free, PEAK_MARGIN[kind], False), (cap, CAP_MARGIN, True)):
+    for limit, by_cap in limits:
+        margin = CAP_MARGIN if by_cap else EXACT_MARGIN if cpu_exact else MARGIN
         if limit is not None and predicted_peak > limit * margin:
+            hint = "a smaller --seq or --batch" + ("" if spec.policy.name == "full" else ", or a checkpoint policy")
             raise WontFit(f"the predicted peak of seq {spec.seq_len} x batch {spec.batch_size} under {spec.policy} "
-                          f"is {fmt_bytes(predicted_peak)} but {room(by_cap)}; try a smaller --seq or --batch, or a "
-                          "checkpoint policy", by_cap=by_cap)
+                          f"is {fmt_bytes(predicted_peak)} but {room(by_cap)}; try {hint}", by_cap=by_cap)
 
 
 def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool = False) -> dict[str, Any]:
@@ -115,12 +119,13 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     instrument = instrument_for(spec.device, spec.memory_cap_bytes)
     try:
         with instrument.session():
-            check_fits(spec, model_size(spec), instrument.free_bytes(), record["predicted_peak_bytes"])
+            check_fits(spec, model_size(spec), instrument.free_bytes(), record["predicted_peak_bytes"],
+                       record["prediction_method"])
             record.update(_measure(spec, instrument, progress or (lambda _: None)))
     except WontFit as e:
         if refuse_unfit and not e.by_cap:
             raise
-        record.update(status="oom", error=f"not run: {e}", oom_predicted=True)
+        record.update(status="oom", error=f"not run: {e}", oom_predicted=True, oom_limit=e.limit)
     except torch.OutOfMemoryError as e:
         record.update(status="oom", error=str(e).strip().splitlines()[0][:500])
     record["env"] = capture_env(spec.device)

@@ -32,7 +32,7 @@ PRECISIONS = {
 OPTIMIZERS = ("adamw", "sgd", "none")
 # The integer fields' ranges. Above them: sizes no machine holds (int64 overflows in torch), step counts that would
 # run for days, seeds torch.manual_seed refuses.
-LIMITS = {"seq_len": (1, 2**31 - 1), "batch_size": (1, 2**31 - 1), "layers": (1, 100_000),
+LIMITS = {"seq_len": (1, 2**31 - 1), "batch_size": (1, 2**31 - 1), "layers": (1, 1_000),
           "warmup_steps": (1, 1_000_000), "measure_steps": (1, 1_000_000), "seed": (0, 2**63 - 1)}
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 

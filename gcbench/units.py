@@ -24,8 +24,8 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise GcbenchError(f"cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
     value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if not 0 < value <= MAX_BYTES:
-        raise GcbenchError(f"size {text!r} must be positive" if value <= 0 else
+    if not 1 <= value <= MAX_BYTES:
+        raise GcbenchError(f"size {text!r} must be at least 1 byte" if value < 1 else
                            f"size {text!r} is beyond any memory (at most {fmt_bytes(MAX_BYTES)})")
     return int(value)
 

@@ -157,7 +157,7 @@ def test_a_sweep_that_cannot_fit_at_all_starts_no_child(tmp_path, monkeypatch):
     records = read_records(out)
     assert len(records) == 8 and all(r["status"] == "oom" and r["oom_predicted"] for r in records)
     assert "needs 28.03 GiB" in records[0]["error"] and "cpu has 1.00 GiB free" in records[0]["error"]
-    assert "8 of 8 configs cannot fit" in result.stderr
+    assert "8 of 8 configs to run cannot fit" in result.stderr
     assert all(len(line) <= 80 for line in result.stdout.splitlines())  # the reason is a note, not a column
 
 
@@ -280,12 +280,15 @@ def test_sigterm_while_a_sweep_starts_up_exits_130_with_the_resume_message(tmp_p
     deadline = time.monotonic() + 60
     while not _catches(proc.pid, signal.SIGTERM):  # the entry point's first act; imports follow
         assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.005)
+        time.sleep(0.002)
+    # SIGTERM is caught before torch is even loaded: the sweep's own handler would come only after that
+    assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1].startswith("gcbench: interrupted") and "Traceback" not in err
-    assert not out.exists() or read_records(out) == []
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("gcbench: interrupted") and "run the same command again" in last
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_retry_failed_reruns_errors_and_timeouts_but_not_ooms(tmp_path):
@@ -321,3 +324,87 @@ def test_pathological_files_and_names_are_one_line(tmp_path, no_measuring):
     refused(runner.invoke(app, [*RUN, "--out", str(long_name)]), "cannot write results", "File name too long")
     refused(runner.invoke(app, [*RUN, "--model", str(tmp_path / ("a" * 5000 + ".json"))]), "cannot read model config")
     refused(runner.invoke(app, ["report", str(results), "--out", ""]), "--out: an empty path")
+
+
+def test_retry_failed_checks_free_memory_ooms_again(tmp_path):
+    from gcbench.grid import SweepSpec
+    from gcbench.sweeps.orchestrate import Sweep
+
+    out = tmp_path / "r.jsonl"
+    grid = SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": [1, 2], "policy": "none",
+                                 "device": "cpu", "out": out})
+    for spec, limit in zip(grid.expand(), ("free", "cap")):
+        store.append_record(out, new_record(spec.as_record(), "oom", "not run: ...", oom_predicted=True,
+                                            oom_limit=limit))
+    assert [p.spec.batch_size for p in Sweep(grid, retry_failed=True).plan() if p.done is None] == [1]
+    assert all(p.done for p in Sweep(grid).plan())
+
+
+def test_a_torn_tail_is_cut_under_the_lock_when_appending(tmp_path):
+    out = tmp_path / "r.jsonl"
+    whole = json.dumps({"schema_version": SCHEMA_VERSION, "a": 1})
+    out.write_text(whole + "\n" + '{"schema_version": 1, "a": ')
+    assert store.append_record(out, {"schema_version": SCHEMA_VERSION, "a": 2}) == '{"schema_version": 1, "a": '
+    assert [r["a"] for r in read_records(out)] == [1, 2]
+    out.write_text(whole)  # a whole object without its newline stays
+    assert store.append_record(out, {"schema_version": SCHEMA_VERSION, "a": 3}) is None
+    assert [r["a"] for r in read_records(out)] == [1, 3]
+
+
+@pytest.mark.parametrize("text", ["0.5", "0.5B", "0", "-1GiB", "1e99", "2EiB"])
+def test_sizes_below_a_byte_or_beyond_any_memory_are_refused(text):
+    from gcbench.errors import GcbenchError
+    from gcbench.units import parse_bytes
+
+    with pytest.raises(GcbenchError):
+        parse_bytes(text)
+
+
+class FakeNvml:
+    """pynvml with GPUs of the given names, each with `free` bytes = 1000 x (its NVML index + 1)."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_DEVICE_MIG_ENABLE = 1
+
+    def __init__(self, names):
+        self.names = names
+
+    def nvmlInit(self): pass
+
+    def nvmlShutdown(self): pass
+
+    def nvmlDeviceGetCount(self): return len(self.names)
+
+    def nvmlDeviceGetHandleByIndex(self, i): return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid): return int(uuid.removeprefix("GPU-"))
+
+    def nvmlDeviceGetName(self, h): return self.names[h]
+
+    def nvmlDeviceGetMigMode(self, h): return (0, 0)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("Memory", (), {"free": 1000 * (h + 1)})()
+
+
+@pytest.mark.parametrize("names,env,index,free", [
+    (["H100", "H100"], {}, 1, 2000),
+    (["H100", "H100"], {"CUDA_VISIBLE_DEVICES": "1"}, 0, 2000),
+    (["H100", "H100"], {"CUDA_VISIBLE_DEVICES": "GPU-1,GPU-0"}, 1, 1000),
+    (["H100", "A100"], {}, 0, None),  # CUDA's fastest-first order is not NVML's
+    (["H100", "A100"], {"CUDA_VISIBLE_DEVICES": "1"}, 0, None),  # a CUDA index, in CUDA's order
+    (["H100", "A100"], {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}, 0, 2000),
+    (["H100", "H100"], {"CUDA_VISIBLE_DEVICES": "MIG-abc"}, 0, None),
+    (["H100"], {}, 3, None),
+])
+def test_free_memory_without_a_cuda_context_finds_the_gpu_cuda_means(monkeypatch, names, env, index, free):
+    from gcbench import instruments
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(names))
+    for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert instruments.free_without_context(f"cuda:{index}") == free

@@ -11,6 +11,7 @@ workspace, the multi-tensor optimizer path and the allocator's 512-byte blocks. 
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import math
 import time
@@ -30,6 +31,19 @@ from gcbench.step import TrainingStep, make_optimizer
 from gcbench.units import round_up
 
 
+@contextlib.contextmanager
+def _fake_tensor_quiet():
+    """FakeTensorMode logs (with a traceback) what it cannot compute, such as a storage size past int64 for an absurd
+    --batch; the simulation's own error says it in one line."""
+    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_logger.level
+    fake_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_logger.setLevel(level)
+
+
 def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
     """Run one warm-up step and one tracked step of `spec` on fake tensors; nothing is allocated for real."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -46,7 +60,7 @@ def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
     _refuse_compiled(model, spec.policy)
     tracker = AllocatorModel(cuda)
     try:
-        with fake, _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()):
+        with fake, _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()), _fake_tensor_quiet():
             ids = torch.empty((spec.batch_size, spec.seq_len), dtype=torch.long)
             optimizer = make_optimizer(spec.optimizer, model, foreach=True if cuda else None)
             step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)

@@ -76,11 +76,14 @@ def summary_table(records: list[dict[str, Any]]) -> Table:
     # A light box (no vertical rules) so that the config and its numbers fit an 80-column terminal.
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                   caption="\n".join(caption), caption_justify="left")
-    for i, col in enumerate([*columns, "note" if notes else ""]):
+    if notes:
+        columns.append("note")
+    for i, col in enumerate(columns):
         table.add_column(col, justify="left" if col in ("model", "policy", "status") else "right", no_wrap=True,
                          min_width=max(len(r[i]) for r in rows) if rows else None)
     status = columns.index("status")
     for cells in rows:
+        cells = cells[:len(columns)]
         cells[status] = f"[{STATUS_STYLE[cells[status]]}]{cells[status]}[/]"
         table.add_row(*cells)
     return table

@@ -43,6 +43,7 @@ class Record(SpecFields, total=False):
     status: str  # one of STATUSES
     error: str | None  # why it did not run or finished early (OOM message, timeout, last stderr line)
     oom_predicted: bool  # an `oom` recorded without running: model state or predicted peak past the memory it may use
+    oom_limit: str  # with oom_predicted: "free" (the device's free memory then; --retry-failed re-checks) | "cap"
     # prediction made before the run (estimators.predict_for_run)
     predicted_peak_bytes: int | None
     prediction_method: str | None

@@ -11,9 +11,12 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import stat
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,40 +63,88 @@ def check_appendable(path: Path) -> None:
             read_records(path)
 
 
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append one record as one line, all or nothing: on any failure (ENOSPC, EIO, Ctrl-C) the file is truncated back
-    to its size before (removed if this call created it) and a GcbenchError says why."""
+def append_record(path: Path, record: dict[str, Any], written: Callable[[], None] | None = None) -> str | None:
+    """Append one record as one line, all or nothing: on any failure (ENOSPC, EIO) the file is truncated back to its
+    size before (removed if this call created it) and a GcbenchError says why. Under the file's lock, a half-written
+    last line (a writer killed mid-line) is cut off first and returned, for the caller to warn about; after a new
+    record it would be a corrupt line in the middle. Ctrl-C and SIGTERM wait until the file is whole again, so they
+    arrive as a KeyboardInterrupt after the record is in: `written` is called as soon as it is (fsynced)."""
     check_regular(path)
     data = (json.dumps(record, default=str) + "\n").encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    created = not path.exists()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        created = not path.exists()
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
     except OSError as e:
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # concurrent writers: truncating back must not cut another's line
-        size = os.fstat(fd).st_size
-        # A killed writer can leave a last line without its newline; start ours on a fresh line.
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        except BaseException as e:
-            os.ftruncate(fd, size)
-            os.fsync(fd)
-            if isinstance(e, OSError):
+        with _signals_held():
+            fcntl.flock(fd, fcntl.LOCK_EX)  # concurrent writers: repairing or truncating back cuts only our own
+            dropped = _drop_torn_tail(fd)
+            size = os.fstat(fd).st_size
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            except BaseException as e:
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+                if not isinstance(e, OSError):
+                    raise
                 why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or str(e)
-                raise GcbenchError(f"cannot write results to {str(path)!r}: {why}; the file is left as it "
-                                   "was") from None
-            raise
+                raise GcbenchError(f"cannot write results to {str(path)!r}: {why}; the file is left as it was") \
+                    from None
+            if written is not None:
+                written()
+    except OSError as e:  # truncating back failed too: say so, without a traceback
+        raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}; its last line may be "
+                           "incomplete (the next write removes it)") from None
     except BaseException:
         if created and os.fstat(fd).st_size == 0:
             path.unlink(missing_ok=True)
         raise
     finally:
         os.close(fd)
+    return dropped
+
+
+def _drop_torn_tail(fd: int) -> str | None:
+    """Cut the last line off the file when it lacks its newline and is not a whole JSON object; return it. A whole
+    object without a newline (written by hand) stays: a newline is added after it."""
+    size = os.fstat(fd).st_size
+    if not size or os.pread(fd, 1, size - 1) == b"\n":
+        return None
+    start = size
+    while start > 0:  # back to the last newline, a block at a time
+        block_start = max(0, start - 65536)
+        block = os.pread(fd, start - block_start, block_start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            start = block_start + newline + 1
+            break
+        start = block_start
+    tail = os.pread(fd, size - start, start)
+    try:
+        if isinstance(json.loads(tail), dict):
+            _write_all(fd, b"\n")
+            return None
+    except (ValueError, RecursionError):
+        pass
+    os.ftruncate(fd, start)
+    return tail.decode(errors="replace")
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while the file is changed and deliver them after (the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -104,23 +155,23 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def drop_truncated_last_line(path: Path) -> str | None:
-    """Cut a half-written last line (a writer killed mid-line) off `path` and return it; None when the file
-    ends cleanly. Needed before appending: after a new record it would be a corrupt line in the middle."""
+    """Cut a half-written last line (a writer killed mid-line) off `path`, under its lock, and return it; None when
+    the file ends cleanly or does not exist."""
+    check_regular(path)
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
     except FileNotFoundError:
         return None
-    start = data.rstrip(b"\n").rfind(b"\n") + 1
-    tail = data[start:]
+    except OSError as e:
+        raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
     try:
-        if isinstance(json.loads(tail or b"{}"), dict):
-            return None
-    except (ValueError, RecursionError):
-        pass
-    with open(path, "r+b") as f:
-        f.truncate(start)
-        os.fsync(f.fileno())
-    return tail.decode(errors="replace")
+        with _signals_held():
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            dropped = _drop_torn_tail(fd)
+            os.fsync(fd)
+        return dropped
+    finally:
+        os.close(fd)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -160,6 +211,10 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
     """Expand directories to the *.jsonl files inside them."""
     files: list[Path] = []
     for p in map(Path, paths):
+        try:
+            p.is_dir()
+        except OSError as e:  # a name too long, a loop of links: is_dir() raises rather than answer False
+            raise GcbenchError(f"cannot read results {str(p)[:200]!r}: {e.strerror or e}") from None
         if p.is_dir():
             found = sorted(p.rglob("*.jsonl"))
             if not found:

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from gcbench.grid import SweepSpec
-from gcbench.errors import WontFit
+from gcbench.errors import GcbenchError, WontFit, raise_interrupt
 from gcbench.instruments import free_without_context
 from gcbench.results.schema import STATUSES, config_key
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
@@ -27,7 +27,9 @@ from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner, failure_rec
 from gcbench.sweeps.progress import SweepProgress
 
 
-RETRIED = ("error", "timeout")  # what --retry-failed runs again; an oom is a result and stays (--rerun runs it)
+# What --retry-failed runs again, with the oom records that were not run for want of free memory at the time; an oom
+# (measured, or predicted past the cap) is a result and stays (--rerun runs it).
+RETRIED = ("error", "timeout")
 
 
 class OomFrontier:
@@ -79,7 +81,8 @@ class Sweep:
         self._existing, notes = _existing_records(grid.out)
         for note in notes:
             self._warn(note)
-        self.unfit = self._unfit(self.specs)
+        # The configs to run that cannot fit at all, known before the first child starts (warned about by run()).
+        self.unfit = self._unfit([p.spec for p in self.plan() if p.done is None])
 
     def plan(self) -> list[PlannedConfig]:
         """Each config with its resumable record from the output file (newest wins), or None if it must run."""
@@ -90,8 +93,8 @@ class Sweep:
         status = record.get("status")
         if status == "skipped":
             return self.skip_after_oom  # --no-skip runs what an earlier sweep skipped
-        if status in RETRIED:
-            return not self.retry_failed
+        if status in RETRIED or record.get("oom_limit") == "free":
+            return not self.retry_failed  # a predicted oom for want of free memory depends on what else ran
         return status in STATUSES
 
     def run(self) -> list[dict[str, Any]]:
@@ -102,6 +105,10 @@ class Sweep:
         if dropped is not None:
             self._warn(f"{out}: removed a truncated last line left by an interrupted run ({dropped[:60]!r}...)")
         plan = self.plan()
+        if self.unfit:
+            first = next(iter(self.unfit.values()))
+            self._warn(f"{len(self.unfit)} of {sum(p.done is None for p in plan)} configs to run cannot fit: each is "
+                       f"recorded as oom without running; the first: {first}")
         runner = (ProcessRunner if self.grid.isolation == "process" else InProcessRunner)(self.grid.timeout_s)
         frontier = OomFrontier()
         envs: dict[str, dict] = {}
@@ -115,13 +122,15 @@ class Sweep:
                     if record.get("env") is None:
                         record["env"] = envs.get(config.spec.device) or _host_env()
                     envs[config.spec.device] = record["env"]
-                    append_record(out, record)
+                    dropped = append_record(out, record)
+                    if dropped is not None:  # another writer was killed mid-line meanwhile
+                        self._warn(f"{out}: removed a truncated last line ({dropped[:60]!r}...)")
                     view.finished(record)
                 frontier.add(record)
                 records.append(record)
         return records
 
-    def _unfit(self, specs: list[RunSpec]) -> dict[RunSpec, str]:
+    def _unfit(self, specs: list[RunSpec]) -> dict[RunSpec, WontFit]:
         """The configs that cannot fit at all (their model state alone is too large for the memory cap or the free
         memory), known when the sweep is made, before the first child starts: they are recorded as `oom` without
         running. The rest is checked by the child before it allocates (runner.check_fits with the predicted peak)."""
@@ -133,18 +142,15 @@ class Sweep:
             try:
                 check_fits(spec, model_size(spec), free[spec.device])
             except WontFit as e:
-                unfit[spec] = str(e)
-        if unfit:
-            first = next(iter(unfit.values()))
-            self._warn(f"{len(unfit)} of {len(specs)} configs cannot fit: each is recorded as oom without running; "
-                       f"the first: {first}")
+                unfit[spec] = e
         return unfit
 
     def _run_one(self, spec: RunSpec, runner, frontier: OomFrontier, view: SweepProgress,
-                 unfit: str | None) -> dict[str, Any]:
+                 unfit: WontFit | None) -> dict[str, Any]:
         reason = frontier.skip_reason(spec) if self.skip_after_oom else None
         if unfit is not None:
-            record, wall_ms = failure_record(spec, "oom", f"not run: {unfit}", oom_predicted=True), None
+            record = failure_record(spec, "oom", f"not run: {unfit}", oom_predicted=True, oom_limit=unfit.limit)
+            wall_ms = None
         elif reason is not None:
             record, wall_ms = failure_record(spec, "skipped", reason), None
         else:
@@ -166,8 +172,11 @@ class Sweep:
 
 def _existing_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Records already in the output file (GcbenchError for another schema_version) and warnings about it."""
-    if not path.exists():
-        return [], []
+    try:
+        if not path.exists():
+            return [], []
+    except OSError as e:  # a name too long: exists() raises rather than answer False
+        raise GcbenchError(f"cannot use {str(path)[:200]!r} for results: {e.strerror or e}") from None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = read_records(path)
@@ -189,10 +198,7 @@ def _sigterm_raises_interrupt() -> Iterator[None]:
         yield
         return
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         yield
     finally:

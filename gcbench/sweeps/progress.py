@@ -3,6 +3,7 @@ config."""
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from typing import Any
 
@@ -67,6 +68,6 @@ def _finished_line(record: dict[str, Any]) -> str:
     if status == "ok":
         line += f"  {record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(peak_bytes(record))}"
     elif record.get("error"):
-        line += f"  [dim]{escape(str(record['error'])[:120])}[/]"
+        line += f"  [dim]{escape(textwrap.shorten(str(record['error']), 120, placeholder=' ...'))}[/]"
     return line
 
