@@ -279,8 +279,9 @@ def sweep(
                                                            "memory (default: record them as skipped)")] = False,
     rerun: Annotated[bool, typer.Option("--rerun", help="run every config, even those already in --out")] = False,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="run again the configs whose record in --out "
-                                                                     "is an error or a timeout (an oom stays: it "
-                                                                     "is a result)")] = False,
+                                                                     "is an error, a timeout, or an oom not run for "
+                                                                     "want of free memory (other ooms stay: they "
+                                                                     "are results)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and its size; run nothing")] = False,
 ) -> None:
     """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result.

@@ -73,7 +73,7 @@ class Sweep:
                  skip_after_oom: bool = True, console: Console | None = None):
         self.grid = grid
         self.rerun = rerun  # run every config again, even those with a record in the output file
-        self.retry_failed = retry_failed  # run again the configs whose record is an error or a timeout
+        self.retry_failed = retry_failed  # run again errors, timeouts and ooms not run for want of free memory
         self.skip_after_oom = skip_after_oom
         self.console = console  # progress and warnings go here (stderr); None: quiet, warnings via `warnings`
         self.sweep_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
