@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gcbench.errors import GcbenchError
+from gcbench.results.store import check_regular
 from gcbench.spec import RunSpec, spec_options
 from gcbench.units import fmt_bytes
 
@@ -149,9 +150,8 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    check_regular(path, "a sweep config")  # a directory, /dev/zero, a FIFO: fails late or reads forever
     try:
-        if path.exists() and not path.is_file():  # a directory, /dev/zero, a FIFO: fails late or reads forever
-            raise GcbenchError(f"sweep config {str(path)!r} is not a regular file")
         with open(path, "rb") as f:
             return tomllib.load(f)
     except OSError as e:

@@ -32,7 +32,8 @@ def check_regular(path: Path, what: str = "results") -> None:
     except OSError:
         return  # absent, or not reachable: opening it says why
     if stat.S_ISDIR(mode):
-        raise GcbenchError(f"{str(path)!r} is a directory; {what} must be a regular file (e.g. {path}/runs.jsonl)")
+        example = f" (e.g. {path}/runs.jsonl)" if what == "results" else ""
+        raise GcbenchError(f"{str(path)!r} is a directory; {what} must be a regular file{example}")
     if not stat.S_ISREG(mode):
         raise GcbenchError(f"{str(path)!r} is not a regular file; {what} must be a regular file")
 

@@ -101,9 +101,7 @@ class Sweep:
         """Run what the plan says must run; return the grid's records in grid order (resumed ones included)."""
         out = self.grid.out
         ensure_writable(out)
-        dropped = drop_truncated_last_line(out)
-        if dropped is not None:
-            self._warn(f"{out}: removed a truncated last line left by an interrupted run ({dropped[:60]!r}...)")
+        self._warn_torn(drop_truncated_last_line(out))
         plan = self.plan()
         if self.unfit:
             first = next(iter(self.unfit.values()))
@@ -122,9 +120,7 @@ class Sweep:
                     if record.get("env") is None:
                         record["env"] = envs.get(config.spec.device) or _host_env()
                     envs[config.spec.device] = record["env"]
-                    dropped = append_record(out, record)
-                    if dropped is not None:  # another writer was killed mid-line meanwhile
-                        self._warn(f"{out}: removed a truncated last line ({dropped[:60]!r}...)")
+                    self._warn_torn(append_record(out, record))  # another writer killed mid-line meanwhile
                     view.finished(record)
                 frontier.add(record)
                 records.append(record)
@@ -162,6 +158,11 @@ class Sweep:
         # config_wall_ms: the whole config as the sweep saw it (child start, build, all steps), in ms.
         return {**record, "sweep_id": self.sweep_id, "isolation": self.grid.isolation, "config_wall_ms": wall_ms,
                 "env": env}
+
+    def _warn_torn(self, dropped: str | None) -> None:
+        if dropped is not None:
+            self._warn(f"{self.grid.out}: removed a truncated last line left by an interrupted run "
+                       f"({dropped[:60]!r}...)")
 
     def _warn(self, message: str) -> None:
         if self.console is not None:
