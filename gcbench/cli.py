@@ -131,7 +131,9 @@ def run(
         values, _ = parse_options(spec_values, fields=tuple(spec_options()))
         spec = RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`"))
         check_appendable(out)  # before measuring: an output that cannot take the record is known now
-        with _step_progress(spec.warmup_steps + spec.measure_steps + 4) as advance:
+        # --steps auto: how many steps is not known in advance; the bar pulses and the text counts them
+        fixed = spec.budget.fixed
+        with _step_progress(spec.warmup_steps + fixed + 4 if fixed else None) as advance:
             record = run_spec(spec, progress=advance, refuse_unfit=True)
         try:
             dropped = append_record(out, record, written=lambda: written.append(True))
@@ -148,7 +150,7 @@ def run(
 
 
 @contextmanager
-def _step_progress(total: int):
+def _step_progress(total: int | None):
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     # Not on a pipe or a log file: a bar there is noise, and its last refresh leaves an empty line.
     with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
@@ -231,6 +233,9 @@ def compare(
     fail: Annotated[str | None, typer.Option(help="regression thresholds, e.g. peak:5%,time:10%,tokens:10%; a "
                                                   "config past one (or one that no longer runs) exits with 1")]
     = None,
+    strict: Annotated[bool, typer.Option("--strict", help="with --fail: a time or tokens/s change inside the noise "
+                                                         "of either run fails too (default: listed, not failed)")]
+    = False,
 ) -> None:
     """Changes in peak memory, step time and tokens/s between two results, matched config by config."""
     from gcbench.compare import compare_results, comparison_tables, parse_thresholds
@@ -244,8 +249,8 @@ def compare(
             for note in notes:
                 typer.echo(f"gcbench: warning: {note}", err=True)
             frames.append(results_frame(df))
-        result = compare_results(*frames, thresholds)
-    for table in comparison_tables(result, thresholds):
+        result = compare_results(*frames, thresholds, strict=strict)
+    for table in comparison_tables(result, thresholds, console.width):
         console.print(table)
     for title, specs in (("only in OLD (not compared)", result.only_old), ("only in NEW (not compared)",
                                                                            result.only_new)):
@@ -253,6 +258,11 @@ def compare(
             console.print(f"[bold]{title}:[/] {len(specs)}")
             for spec in specs:
                 console.print(f"  {spec}")
+    if result.within_noise:
+        console.print(f"[yellow]{len(result.within_noise)} change(s) past --fail {fail} but inside the noise of a run "
+                      "(not failed; --strict fails them):[/]")
+        for line in result.within_noise:
+            console.print(f"  {line}")
     if result.regressions:
         console.print(f"[bold red]{len(result.regressions)} regression(s) past --fail {fail}:[/]")
         for line in result.regressions:
@@ -282,6 +292,9 @@ def sweep(
                                                                      "is an error, a timeout, or an oom not run for "
                                                                      "want of free memory (other ooms stay: they "
                                                                      "are results)")] = False,
+    no_paired: Annotated[bool, typer.Option("--no-paired", help="do not time the policies of one seq x batch "
+                                                               "interleaved in one process after they ran (time "
+                                                               "ratios then come from separate runs)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and its size; run nothing")] = False,
 ) -> None:
     """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result.
@@ -290,7 +303,8 @@ def sweep(
     """
     from gcbench.grid import DEFAULT_OUT as DEFAULT_SWEEP_OUT, SweepSpec
 
-    options = {**spec_values, "out": out, "timeout": timeout, "isolation": isolation}
+    options = {**spec_values, "out": out, "timeout": timeout, "isolation": isolation,
+               "paired": False if no_paired else None}
     results = out or DEFAULT_SWEEP_OUT
     with domain_errors(lambda: f"interrupted; finished configs are in {results}, run the same command again to "
                                "resume"):
@@ -305,7 +319,7 @@ def sweep(
             console.print(grid_table(plan, grid.out, grid.shared_options()))
             return
         records = job.run()
-    console.print(summary_table(records))
+    console.print(summary_table(records, console.width))
     fits = largest_fit_table(records, console.width)
     if fits is not None:
         console.print(fits)

@@ -33,9 +33,9 @@ def git_sha() -> str | None:
     return sha
 
 
-def capture_env(device: str) -> dict:
+def capture_env(device: str, threads: int | None = None) -> dict:
     """Versions, device, and the numeric settings that change results (TF32, matmul precision). `device`: a
-    resolved device ("cpu", "cuda:N")."""
+    resolved device ("cpu", "cuda:N"); `threads`: the run's torch threads (None: this process's now)."""
     env = {
         "gcbench": gcbench.__version__,
         "git_sha": git_sha(),
@@ -45,7 +45,7 @@ def capture_env(device: str) -> dict:
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads if threads is not None else torch.get_num_threads(),
         "cuda": torch.version.cuda,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,

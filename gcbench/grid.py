@@ -44,6 +44,14 @@ def _isolation(value: Any) -> str:
     return value
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise GcbenchError(f"expected true or false, got {value!r}")
+
+
 def _path(value: Any) -> Path:
     if not isinstance(value, (str, Path)) or not str(value):
         raise GcbenchError(f"expected a file path, got {value!r}")
@@ -55,6 +63,7 @@ RUN_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "out": ("out", _path),
     "timeout": ("timeout_s", _seconds),
     "isolation": ("isolation", _isolation),
+    "paired": ("paired", _bool),
 }
 
 
@@ -66,6 +75,9 @@ class SweepSpec:
     out: Path = DEFAULT_OUT  # JSON Lines file; records are appended (only a half-written last line is ever cut)
     timeout_s: float = DEFAULT_TIMEOUT_S  # wall-clock limit per config, child start included
     isolation: str = "process"  # process: fresh child per config | none: in this process (faster start, less safe)
+    # Time the policies of one model/seq/batch interleaved in one process after each has run (paired.py), so that
+    # their time ratio does not drift with the machine: a few seconds more per configuration.
+    paired: bool = True
 
     def __post_init__(self) -> None:
         values = {"policy": DEFAULT_POLICIES, **self.values}
@@ -112,8 +124,15 @@ class SweepSpec:
         get = lambda name: one.get(name, defaults[name])  # noqa: E731
         cap = fmt_bytes(get("memory_cap_bytes")) if get("memory_cap_bytes") else "none"
         return (f"layers {get('layers') or 'all'} · precision {get('precision') or 'auto'} · {get('optimizer')} · "
-                f"device {get('device')} · warm-up {get('warmup_steps')} + {get('measure_steps')} timed steps · "
-                f"memory cap {cap} · timeout {self.timeout_s:g} s · isolation {self.isolation}")
+                f"device {get('device')} · threads {get('threads') or 'auto'} · warm-up {get('warmup_steps')} + "
+                f"{_steps_text(get)} · memory cap {cap} · timeout {self.timeout_s:g} s · "
+                f"isolation {self.isolation}" + ("" if self.paired else " · not paired"))
+
+
+def _steps_text(get: Callable[[str], Any]) -> str:
+    if get("measure_steps") != "auto":
+        return f"{get('measure_steps')} timed steps"
+    return f"timed steps until +-2% (at most {get('max_steps')} steps or {get('max_time_s'):g} s)"
 
 
 def parse_options(options: Mapping[str, Any], where: str | None = None,

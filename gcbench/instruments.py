@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import psutil
 import torch
 
-from gcbench.measure import LiveTensorTracker, Stats, peak_flops
+from gcbench.measure import LiveTensorTracker, peak_flops
+from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
 
 
 Progress = Callable[[str], None]  # called once per step with a short description of what runs next
@@ -35,11 +36,6 @@ class Step(Protocol):
     def optimizer_step(self) -> None: ...
 
     def static_tensors(self) -> list[torch.Tensor]: ...
-
-
-def step_time_fields(step_ms: list[float]) -> dict[str, Any]:
-    stats = Stats.of(step_ms)
-    return {"step_ms": step_ms, "step_ms_median": stats.median, "step_ms_iqr": stats.iqr}
 
 
 def warm_up(step: Step, n: int, progress: Progress) -> None:
@@ -68,7 +64,37 @@ def free_without_context(device: str) -> int | None:
 
 
 def _nvml_free_bytes(cuda_index: int) -> int | None:
-    """Free memory of CUDA device `cuda_index` through NVML (nvidia-ml-py), which creates no CUDA context. CUDA and
+    """Free memory of CUDA device `cuda_index` through NVML (nvidia-ml-py), which creates no CUDA context."""
+    return _with_nvml_device(cuda_index, lambda pynvml, h: int(pynvml.nvmlDeviceGetMemoryInfo(h).free))
+
+
+def gpu_state(cuda_index: int) -> dict[str, Any] | None:
+    """Clocks (MHz), power (W), temperature (C) and NVML's clock-event reasons (a bitmask: power cap, thermal, ...)
+    of CUDA device `cuda_index` now, read through NVML, so that an outlier step time can be explained; a value NVML
+    cannot read is None, and the whole is None without NVML."""
+    def read(pynvml, handle) -> dict[str, Any]:
+        def get(fn: Callable[[], Any], scale: float = 1.0) -> Any:
+            try:
+                value = fn()
+            except (pynvml.NVMLError, AttributeError):
+                return None
+            return value / scale if scale != 1.0 else value
+
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        return {
+            "sm_clock_mhz": get(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            "mem_clock_mhz": get(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)),
+            "power_w": get(lambda: pynvml.nvmlDeviceGetPowerUsage(handle), 1000.0),
+            "temperature_c": get(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+            "clock_event_reasons": get(lambda: reasons(handle)) if reasons else None,
+        }
+
+    return _with_nvml_device(cuda_index, read)
+
+
+def _with_nvml_device(cuda_index: int, read: Callable[[Any, Any], Any]) -> Any:
+    """`read(pynvml, handle)` for CUDA device `cuda_index`, or None where NVML cannot tell which GPU that is. CUDA and
     NVML number GPUs differently: follow CUDA_VISIBLE_DEVICES (indices or GPU- UUIDs), and without it trust NVML's
     order only where CUDA's order equals it (CUDA_DEVICE_ORDER=PCI_BUS_ID, or all GPUs of one model)."""
     import os
@@ -100,7 +126,7 @@ def _nvml_free_bytes(cuda_index: int) -> int | None:
                 return None
         except pynvml.NVMLError:
             pass  # no MIG on this GPU
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+        return read(pynvml, handle)
     except pynvml.NVMLError:
         return None
     finally:
@@ -127,9 +153,11 @@ class Instrument:
 
     memory_cap_kind: str  # what --memory-cap limits on this device
 
-    def __init__(self, device: str | torch.device, memory_cap_bytes: int | None = None):
+    def __init__(self, device: str | torch.device, memory_cap_bytes: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.device = torch.device(device)
         self.memory_cap_bytes = memory_cap_bytes
+        self.clock = clock  # seconds; the host's clock for budgets (CUDA steps are timed with events)
 
     def free_bytes(self) -> int:
         """The device's free memory now (the memory cap is checked beside it: runner.check_fits)."""
@@ -170,14 +198,17 @@ class CpuInstrument(Instrument):
         with self._tracker(step) if self.memory_cap_bytes else nullcontext():
             warm_up(step, n, progress)
 
-    def time_steps(self, step: Step, n: int, progress: Progress) -> dict[str, Any]:
-        step_ms = []
-        for i in range(n):
-            progress(f"measuring {i + 1}/{n}")
-            t0 = time.perf_counter()
-            step()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        return step_time_fields(step_ms)
+    def timed(self, step: Step) -> float:
+        """One whole step, in ms."""
+        t0 = self.clock()
+        step()
+        return (self.clock() - t0) * 1e3
+
+    def time_steps(self, step: Step, budget: StepBudget, progress: Progress) -> dict[str, Any]:
+        """Steps timed as the budget says, with the host's load around them."""
+        with HostLoad(self.clock) as load:
+            step_ms, stop = measure_until(budget, lambda: self.timed(step), self.clock, progress)
+        return {**step_time_fields(step_ms, stop), **load.fields(torch.get_num_threads())}
 
     def peak_fields(self, step: Step, progress: Progress) -> dict[str, Any]:
         """One untimed step under the live-tensor tracker: peak of live tensor bytes, whole step and fwd+bwd."""
@@ -207,8 +238,9 @@ class CudaInstrument(Instrument):
     kind = "cuda"
     memory_cap_kind = "reserved"  # what --memory-cap limits: the caching allocator's reserved bytes
 
-    def __init__(self, device: str | torch.device, memory_cap_bytes: int | None = None):
-        super().__init__(device, memory_cap_bytes)
+    def __init__(self, device: str | torch.device, memory_cap_bytes: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        super().__init__(device, memory_cap_bytes, clock)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"CudaInstrument needs an explicit device such as cuda:0, got {str(device)!r}")
 
@@ -253,17 +285,26 @@ class CudaInstrument(Instrument):
     def warm_up(self, step: Step, n: int, progress: Progress) -> None:
         warm_up(step, n, progress)
 
-    def time_steps(self, step: Step, n: int, progress: Progress) -> dict[str, Any]:
+    def timed(self, step: Step) -> float:
+        """One whole step between CUDA events, in ms (synchronized before and after)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize(self.device)
+        return start.elapsed_time(end)
+
+    def time_steps(self, step: Step, budget: StepBudget, progress: Progress) -> dict[str, Any]:
         """Per step: synchronize, reset peaks, baseline, event, forward+backward, read the fwd+bwd peak, optimizer
         step, event, synchronize, read the step's peaks. Peaks are reset every step, so each is read every step and
-        the maximum reported; allocation retries are counted over the measured steps only."""
+        the maximum reported; allocation retries are counted over the measured steps only. The GPU's clocks, power
+        and temperature are read before and after the measured steps (NVML)."""
         dev = self.device
-        step_ms, wall_ms, peaks, fwd_bwd_peaks, reserved_peaks, baselines = [], [], [], [], [], []
+        wall_ms, peaks, fwd_bwd_peaks, reserved_peaks, baselines = [], [], [], [], []
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(dev)
-        retries_before = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
-        for i in range(n):
-            progress(f"measuring {i + 1}/{n}")
+
+        def timed_step() -> float:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
             baselines.append(torch.cuda.memory_allocated(dev))
@@ -276,13 +317,24 @@ class CudaInstrument(Instrument):
             end.record()
             torch.cuda.synchronize(dev)
             wall_ms.append((time.perf_counter() - t0) * 1e3)
-            step_ms.append(start.elapsed_time(end))
+            elapsed_ms = start.elapsed_time(end)
             peaks.append(torch.cuda.max_memory_allocated(dev))
             reserved_peaks.append(torch.cuda.max_memory_reserved(dev))
+            return elapsed_ms
+
+        torch.cuda.synchronize(dev)
+        retries_before = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
+        state_start = gpu_state(dev.index)
+        with HostLoad(self.clock) as load:
+            step_ms, stop = measure_until(budget, timed_step, self.clock, progress)
+        state_end = gpu_state(dev.index)
         retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - retries_before
         baseline = max(baselines)
         return {
-            **step_time_fields(step_ms),
+            **step_time_fields(step_ms, stop),
+            **load.fields(torch.get_num_threads()),
+            "gpu_state_start": state_start,
+            "gpu_state_end": state_end,
             "wall_ms": wall_ms,
             "peak_allocated_bytes": max(peaks),
             "fwd_bwd_peak_bytes": max(fwd_bwd_peaks),

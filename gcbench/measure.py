@@ -1,14 +1,12 @@
-"""Device-independent counters: step statistics, storage bytes, the CPU live-tensor tracker, saved-activation
+"""Device-independent counters: storage bytes, the CPU live-tensor tracker, saved-activation
 bytes, FLOPs with recompute, and the devices' peak FLOP/s. The CPU and CUDA instruments (instruments.py) use them."""
 
 from __future__ import annotations
 
-import statistics
 import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -31,30 +29,6 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     def _sdpa_cpu_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
                                 **kwargs) -> int:
         return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-
-@dataclass(frozen=True)
-class Stats:
-    """Summary of raw samples (e.g. per-step milliseconds): the one place medians and IQRs are computed."""
-
-    median: float
-    q1: float
-    q3: float
-    min: float
-    max: float
-    n: int
-
-    @classmethod
-    def of(cls, samples: Iterable[float]) -> Stats:
-        xs = sorted(samples)
-        if not xs:
-            raise ValueError("no samples")
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
-        return cls(statistics.median(xs), q1, q3, xs[0], xs[-1], len(xs))
-
-    @property
-    def iqr(self) -> float:
-        return self.q3 - self.q1
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], granularity_bytes: int = 1) -> int:

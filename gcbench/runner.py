@@ -5,18 +5,22 @@ The fixed sequence (DESIGN.md, "Measurement protocol"); what differs between dev
   build on the device -> wrap blocks with the policy -> a compiling policy: its first step timed against the next
   -> a policy hidden from dispatch modes: one untimed forward+backward counting its saved-activation bytes
   -> warm-up steps (optimizer state exists after step 1)
-  -> timed steps (CUDA: synchronize, reset peaks, baseline, events around the step; CPU: perf_counter)
+  -> timed steps, as many as the spec's budget says (CUDA: synchronize, reset peaks, baseline, events around the
+     step; CPU: perf_counter), with the host's load around them and the stability rule applied (timing.py)
   -> CPU only: one untimed step under the live-tensor tracker
   -> one untimed forward+backward counting saved-activation bytes and FLOPs with recompute (both kept only for a
      policy not hidden from dispatch modes) and the bytes an offloading policy moved to the host
   -> one untimed forward+backward without the policy: model FLOPs (the MFU numerator).
-The step itself (model, optimizer, batch) is step.TrainingStep.
+The step itself (model, optimizer, batch) is step.TrainingStep. Every run sets torch's threads to the spec's
+(--threads) for its duration. Timing several policies interleaved is paired.py.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +36,7 @@ from gcbench.models import build_meta_model, build_model, count_params, find_blo
 from gcbench.results.schema import new_record
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes
+from gcbench.timing import timing_verdict
 from gcbench.units import fmt_bytes
 
 # What the CPU instrument reads under its live-tensor tracker, a dispatch mode (Policy.hidden_from_dispatch_modes).
@@ -118,7 +123,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     record.update(predict_for_run(spec))
     instrument = instrument_for(spec.device, spec.memory_cap_bytes)
     try:
-        with instrument.session():
+        with torch_threads(spec.threads), instrument.session():
             check_fits(spec, model_size(spec), instrument.free_bytes(), record["predicted_peak_bytes"],
                        record["prediction_method"])
             record.update(_measure(spec, instrument, progress or (lambda _: None)))
@@ -128,7 +133,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
         record.update(status="oom", error=f"not run: {e}", oom_predicted=True, oom_limit=e.limit)
     except torch.OutOfMemoryError as e:
         record.update(status="oom", error=str(e).strip().splitlines()[0][:500])
-    record["env"] = capture_env(spec.device)
+    record["env"] = capture_env(spec.device, spec.threads)
     return record
 
 
@@ -157,7 +162,8 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     out["param_bytes"] = storage_bytes(step.params())
     out["grad_bytes"] = storage_bytes(step.grads())
     out["optimizer_bytes"] = storage_bytes(step.optimizer_state())
-    out.update(instrument.time_steps(step, spec.measure_steps, progress))
+    out.update(instrument.time_steps(step, spec.budget, progress))
+    out["timing_stable"], out["timing_notes"] = timing_verdict(out, instrument.kind)
     out.update(instrument.peak_fields(step, progress))
     if hidden and instrument.kind == "cpu":
         out.update(dict.fromkeys(TRACKED_PEAK_FIELDS, None))
@@ -185,6 +191,17 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     if offloaded is not None:
         out["offloaded_bytes"] = offloaded
     return out
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block (a run's --threads), then back: in-process runs follow."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _saved_bytes(step: TrainingStep) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gcbench.errors import GcbenchError
+from gcbench.timing import DEFAULT_MAX_STEPS, DEFAULT_MAX_TIME_S, StepBudget, default_threads
 from gcbench.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -33,7 +34,9 @@ OPTIMIZERS = ("adamw", "sgd", "none")
 # The integer fields' ranges. Above them: sizes no machine holds (int64 overflows in torch), step counts that would
 # run for days, seeds torch.manual_seed refuses.
 LIMITS = {"seq_len": (1, 2**31 - 1), "batch_size": (1, 2**31 - 1), "layers": (1, 1_000),
-          "warmup_steps": (1, 1_000_000), "measure_steps": (1, 1_000_000), "seed": (0, 2**63 - 1)}
+          "warmup_steps": (1, 1_000_000), "measure_steps": (1, 1_000_000), "max_steps": (1, 1_000_000),
+          "seed": (0, 2**63 - 1), "threads": (1, 4096)}
+AUTO = "auto"  # --steps auto, --threads auto
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 
 
@@ -45,6 +48,26 @@ def parse_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"\s*-?[0-9]+\s*", str(value)):
         raise GcbenchError(f"{value!r} is not an integer")
     return int(value)
+
+
+def parse_int_or_auto(value: Any) -> int | str:
+    """An integer, or "auto" (the field's default rule decides)."""
+    if isinstance(value, str) and value.strip() == AUTO:
+        return AUTO
+    try:
+        return parse_int(value)
+    except GcbenchError:
+        raise GcbenchError(f"{value!r} is neither an integer nor 'auto'") from None
+
+
+def parse_seconds(value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise GcbenchError(f"expected seconds, got {value!r}") from None
+    if isinstance(value, bool) or not 0 < seconds <= 86_400:
+        raise GcbenchError(f"must be a number of seconds above 0 and at most a day (86400), got {value!r}")
+    return seconds
 
 
 def parse_name(value: Any) -> str:
@@ -146,7 +169,14 @@ class RunSpec:
                               parse=parse_name, metavar="NAME")
     warmup_steps: int = option("warmup", "untimed warm-up steps, at least 1: step 1 creates gradients and "
                                "optimizer state", 3)
-    measure_steps: int = option("steps", "timed steps; the median is reported", 10)
+    measure_steps: int | str = option("steps", "timed steps: auto (until the median's 95% interval is within "
+                                      "+-2%: at least 6 steps, at most --max-steps or --max-time) or a number",
+                                      AUTO, parse=parse_int_or_auto, metavar="N|auto")
+    max_steps: int = option("max-steps", "with --steps auto: the most timed steps", DEFAULT_MAX_STEPS)
+    max_time_s: float = option("max-time", "with --steps auto: seconds of timed steps after which it stops (at "
+                               "least 6 steps run)", DEFAULT_MAX_TIME_S, parse=parse_seconds, metavar="SECONDS")
+    threads: int | None = option("threads", "torch CPU threads: auto (CPU: the available cores but one; CUDA: "
+                                 "torch's default) or a number", None, parse=parse_int_or_auto, metavar="N|auto")
     seed: int = option("seed", "seed for weights, batch and dropout", 0)
     # Records say which limit applies in `memory_cap_kind`.
     memory_cap_bytes: int | None = option("memory-cap", "memory limit, e.g. 2GiB (CPU: live tensor bytes; CUDA: "
@@ -161,14 +191,20 @@ class RunSpec:
         if self.warmup_steps == 0:
             raise GcbenchError("--warmup must be at least 1, got 0: the first step creates gradients and optimizer "
                                "state, so it cannot be a measured one")
+        set_("device", resolve_device(self.device))
+        if self.threads in (None, AUTO):
+            set_("threads", default_threads() if self.device == "cpu" else _torch_default_threads())
         for name, (lo, hi) in LIMITS.items():
             value = getattr(self, name)
-            if name == "layers" and value is None:
-                continue  # all of the model's blocks
+            if (name == "layers" and value is None) or (name == "measure_steps" and value == AUTO):
+                continue  # all of the model's blocks; steps until the interval is narrow
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise GcbenchError(f"--{spec_options()[name].flag} must be an integer from {lo} to {hi:,}, got "
-                                   f"{value!r}")
-        set_("device", resolve_device(self.device))
+                raise GcbenchError(f"--{spec_options()[name].flag} must be an integer from {lo} to {hi:,}"
+                                   + (" or auto" if name == "measure_steps" else "") + f", got {value!r}")
+        if isinstance(self.max_time_s, bool) or not isinstance(self.max_time_s, (int, float)) \
+                or not 0 < self.max_time_s <= 86_400:
+            raise GcbenchError(f"--max-time must be a number of seconds above 0 and at most 86400, got "
+                               f"{self.max_time_s!r}")
         if not self.precision:
             set_("precision", "bf16" if self.device.startswith("cuda") else "fp32")
         if self.precision not in PRECISIONS:
@@ -190,6 +226,12 @@ class RunSpec:
 
         config, family = load_config(self.model)
         return prepare_config(config, family, layers=self.layers, seq_len=self.seq_len, attn=self.attn), family
+
+    @property
+    def budget(self) -> StepBudget:
+        """How many steps to time (timing.StepBudget)."""
+        fixed = None if self.measure_steps == AUTO else self.measure_steps
+        return StepBudget(fixed, self.max_steps, float(self.max_time_s))
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -234,6 +276,12 @@ class RunSpec:
 def spec_options() -> dict[str, Option]:
     """RunSpec field name -> its Option, in declaration order."""
     return {f.name: f.metadata["option"] for f in dataclasses.fields(RunSpec)}
+
+
+def _torch_default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def resolve_device(device: str) -> str:

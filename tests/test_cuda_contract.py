@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.instruments import CudaInstrument
+from gcbench.timing import StepBudget
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec, resolve_device
 from gcbench.runner import run
@@ -187,7 +188,7 @@ class ScriptedStep:
 def test_peak_reserved_is_the_maximum_over_the_measured_steps(fake_cuda):
     instrument = CudaInstrument("cuda:0")
     with instrument.session():
-        out = instrument.time_steps(ScriptedStep([8 * MiB, 64 * MiB, 8 * MiB]), 3, lambda _: None)
+        out = instrument.time_steps(ScriptedStep([8 * MiB, 64 * MiB, 8 * MiB]), StepBudget(fixed=3), lambda _: None)
     assert out["peak_reserved_bytes"] == 64 * MiB  # not the last step's 8 MiB
     assert out["peak_allocated_bytes"] == out["fwd_bwd_peak_bytes"] == 64 * MiB
 
@@ -199,7 +200,7 @@ def test_alloc_retries_count_the_measured_steps_only(fake_cuda):
     step = ScriptedStep([32 * MiB] * 5)
     with instrument.session():
         instrument.warm_up(step, 2, lambda _: None)
-        out = instrument.time_steps(step, 3, lambda _: None)
+        out = instrument.time_steps(step, StepBudget(fixed=3), lambda _: None)
     assert fake_cuda.num_alloc_retries == 5 + 2 + 3
     assert out["num_alloc_retries"] == 3
 
@@ -267,7 +268,9 @@ def test_sweep_measures_cuda_configs_in_child_processes(tmp_path):
     calls = read_log(log)
     assert_every_device_explicit([c for c in calls if c.caller.startswith("gcbench")])
     measuring = Counter(c.pid for c in calls if c.name == "set_device")
-    assert len(measuring) == 4 and set(measuring.values()) == {1}  # one child per config, each sets its device
+    # one child per config and one timing batch 1's two policies paired; each sets its device once
+    assert len(measuring) == 5 and set(measuring.values()) == {1}
+    assert all("time_ratio" in r for r in records[:2]) and records[1]["time_ratio_vs"] == "none"
     parent = {c.pid for c in calls if c.caller == "gcbench.spec"} - set(measuring)
     assert len(parent) == 1 and not parent & set(measuring)
     assert any(c.name == "pin_memory" and c.pid in measuring for c in calls)

@@ -19,13 +19,13 @@ LAYERS = [
     ("cli", "__main__"),
     ("sweeps",),
     ("grid",),
-    ("runner",),
+    ("runner", "paired"),
     ("estimators",),
     ("env",),
     ("spec",),
     ("step", "policies", "models"),
     ("instruments",),
-    ("measure",),
+    ("measure", "timing"),
     ("results", "units", "errors", "__init__"),
 ]
 # Readers of results: they import results and the small helpers beside it, nothing that measures.

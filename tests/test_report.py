@@ -349,3 +349,93 @@ def test_terminal_tables_come_without_matplotlib():
     readers may import at all: tests/test_layout.py.)"""
     code = "import sys, gcbench.report.tables, gcbench.report.sweep_tables; print('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------------------------------- timing trust
+
+def paired(records, ratio=1.3, ci=(1.28, 1.32), vs="none", stable=True):
+    """The records as a paired sweep writes them: full's time relative to none, measured interleaved."""
+    out = copy.deepcopy(records)
+    for r in out:
+        if r["status"] == "ok":
+            mine = 1.0 if r["policy"] == vs else ratio
+            r.update(timing_stable=stable, timing_notes=[] if stable else ["step times spread 31% of the median "
+                                                                           "(IQR), above 10%"],
+                     time_ratio=mine, time_ratio_ci=[mine, mine] if r["policy"] == vs else list(ci),
+                     time_ratio_vs=vs)
+    return out
+
+
+def test_the_report_uses_paired_ratios_and_marks_untrusted_timings(tmp_path, records):
+    from gcbench.report.grids import results_grid
+
+    frame = results_frame(gcbench.load(write(tmp_path / "p.jsonl", paired(records))))
+    grid = results_grid(frame)
+    col = grid.headers.index("time x none")
+    full = [row for row in grid.rows if row[2] == "full"]
+    assert {row[col] for row in full} == {"1.30x"}  # the paired ratio, not the ratio of the two medians
+    assert "paired, the median of per-round ratios" in grid.caption and "~step ms" not in grid.caption
+
+    shaky = paired(records, ci=(1.0, 1.7), stable=False)
+    grid = results_grid(results_frame(gcbench.load(write(tmp_path / "s.jsonl", shaky))))
+    step = grid.headers.index("step ms")
+    assert all(row[step].startswith("~") for row in grid.rows if row[3] == "ok")
+    assert {row[col] for row in grid.rows if row[2] == "full"} == {"~1.30x"}  # interval past +-10%
+    assert "timing not trusted (4 of 4 configs: steps spread past the limit (4)" in grid.caption
+    assert "~ratio = not trusted" in grid.caption
+
+
+def test_a_ratio_against_another_baseline_says_which(tmp_path, records):
+    from gcbench.report.grids import results_grid
+
+    frame = results_frame(gcbench.load(write(tmp_path / "p.jsonl", paired(records, vs="full", ratio=0.8,
+                                                                           ci=(0.79, 0.81)))))
+    grid = results_grid(frame)
+    col = grid.headers.index("time x none")
+    assert {row[col] for row in grid.rows if row[2] == "none" and row[3] == "ok"} == {"0.80x†"}
+    assert {row[col] for row in grid.rows if row[2] == "full" and row[3] == "ok"} == {"1.00x†"}
+    assert "† = where none did not fit: relative to the cheapest policy that ran" in grid.caption
+
+
+def test_the_relative_cost_figure_shows_paired_intervals_and_untrusted_bars(tmp_path, records):
+    from matplotlib.container import ErrorbarContainer
+
+    from gcbench.report.figure_layout import policy_colors
+    from gcbench.report.figures import relative_cost
+
+    frame = results_frame(gcbench.load(write(tmp_path / "p.jsonl", paired(records, ci=(1.0, 1.7)))))
+    fig, caption = relative_cost(frame, policy_colors(frame["policy_label"]))
+    assert "interleaved in one process" in caption and "95% interval as error bars" in caption
+    ax = fig.axes[0]
+    assert any(isinstance(c, ErrorbarContainer) for c in ax.containers)
+    assert any(p.get_hatch() == "xx" for p in ax.patches)  # the wide interval: drawn as not trusted
+    assert "~ timing not trusted (noisy steps or a busy machine)" in [t.get_text() for t in fig.legends[0].texts]
+
+
+def test_compare_does_not_fail_on_a_change_inside_the_noise_unless_strict(tmp_path, records):
+    old, new = scaled(records), scaled(records, step=1.2)
+    for r in old:
+        if r["status"] == "ok":
+            r["step_ms_ci"] = [r["step_ms_median"] * 0.7, r["step_ms_median"] * 1.3]  # +-30%: a noisy run
+    a, b = write(tmp_path / "a.jsonl", old), write(tmp_path / "b.jsonl", new)
+    result = runner.invoke(app, ["compare", str(a), str(b), "--fail", "time:10%,tokens:10%"])
+    assert result.exit_code == 0, result.output
+    assert "8 change(s) past --fail time:10%,tokens:10% but inside the noise" in result.stdout
+    assert "+20.0%~" in result.stdout  # marked as noise in the table
+    strict = runner.invoke(app, ["compare", str(a), str(b), "--fail", "time:10%", "--strict"])
+    assert strict.exit_code == 1 and "4 regression(s)" in strict.stdout
+    for r in old:  # narrow intervals: the same +20% is a regression
+        if r["status"] == "ok":
+            r["step_ms_ci"] = [r["step_ms_median"] * 0.99, r["step_ms_median"] * 1.01]
+    a = write(tmp_path / "a2.jsonl", old)
+    assert runner.invoke(app, ["compare", str(a), str(b), "--fail", "time:10%"]).exit_code == 1
+
+
+def test_compare_across_thread_counts_names_that_difference(tmp_path, records):
+    more = copy.deepcopy(records)
+    for r in more:
+        r["threads"] = 2
+    a, b = write(tmp_path / "a.jsonl", records), write(tmp_path / "b.jsonl", more)
+    result = runner.invoke(app, ["compare", str(a), str(b)])
+    assert result.exit_code == 2
+    assert "differ in torch threads (OLD 1, NEW 2)" in result.stderr and "--threads" in result.stderr

@@ -121,11 +121,15 @@ sweep "$large-${layers}layers" "$long_seqs" "$long_batches" none,full,every-k:k=
   --model "$large" --layers "$layers" --steps 5
 sweep "$small" "$small_seq" "$small_batch" none,full,every-k:k=2,segments:k=4,sqrtn --model "$small"
 # Where the whole 7B model stops fitting: OOMs are results, and larger configs after one are skipped.
-sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 \
+# Not paired: this line is about where memory runs out, and pairing would build the 7B model once more per shape.
+sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 --no-paired \
   ${line_cap[@]+"${line_cap[@]}"}
 
 once "harness overhead" "$dir/overhead.txt" "$python" benchmarks/overhead.py --model "$small" --seq "$small_seq" \
   --batch "$small_batch" --policy full --rounds "$rounds"
+
+# Step-time stability (CV of the measured steps, GPU clocks at the start and end): the target is CV <= 2%.
+once "timing stability" "$dir/timing-cv.md" "$python" benchmarks/gpu/timing_cv.py "$dir"
 
 # A resumed sweep does not run its `error` configs again: count them in every call, not only the first.
 if [ "$dry_run" = 0 ]; then

@@ -86,7 +86,12 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
 
 
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    return _md_text(text).replace("|", "\\|")
+
+
+def _md_text(text: str) -> str:
+    # A single ~ is strikethrough in GitHub's Markdown: "~56.7 ... ~1.30x" would strike everything between.
+    return text.replace("~", "\\~")
 
 
 def render_markdown(blocks: list[Block]) -> str:
@@ -103,7 +108,7 @@ def render_markdown(blocks: list[Block]) -> str:
                 lines.append("|" + "|".join("---:" if i in b.numeric else "---" for i in range(len(b.headers))) + "|")
                 lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
                 if b.caption:
-                    lines.append(f"\n*{b.caption}*")
+                    lines.append(f"\n*{_md_text(b.caption)}*")
                 out.append("\n".join(lines))
             case Image():
                 out.append(f"![{b.title}]({b.png})\n\n*{b.caption}* ([SVG]({b.svg}))")

@@ -16,6 +16,7 @@ import matplotlib as mpl
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from gcbench.report.analysis import pareto_front
 from gcbench.report.figure_layout import (OOM_MARK, STYLE, figure_legend, largest_panels, log2_axis, oom_handle,
@@ -122,15 +123,34 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 lw=1, zorder=2, label="Pareto frontier (no policy both smaller and faster)")
         for policy, p in sorted(g.groupby("policy_label"), key=lambda kv: policy_rank(kv[0])):
             on_front = p.index.isin(front.index)
-            ax.scatter(p["peak_bytes"] / scale, p["step_ms_median"], color=colors[policy], s=46, zorder=4,
-                       edgecolors=["black" if f else "none" for f in on_front], linewidths=1.2, label=policy)
+            trusted = p["timing_trusted"].to_numpy(dtype=bool)
+            ax.scatter([], [], color=colors[policy], s=46, label=policy)  # the legend's mark: always solid
+            ax.scatter(p["peak_bytes"] / scale, p["step_ms_median"], s=46, zorder=4, linewidths=1.2,
+                       facecolors=[colors[policy] if t else _pale(colors[policy]) for t in trusted],
+                       edgecolors=["black" if f else colors[policy] if not t else "none"
+                                   for f, t in zip(on_front, trusted)])
         ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
         ax.set_xlabel(f"peak memory ({unit}) — {dev['peak_label'].iloc[0]}")
         ax.set_ylabel("step time, median (ms)")
         ax.margins(0.15)
-    figure_legend(fig, axes, policies=colors)
+    untrusted = not all(g["timing_trusted"].all() for _, g in groups)
+    figure_legend(fig, axes, [(_pale_handle(), UNTRUSTED_LABEL)] if untrusted else [], colors)
     return fig, ("One point per policy; points ringed in black are on the Pareto frontier (lower-left is better)."
-                 + note)
+                 + (" A pale point's step time is not trusted (noisy steps or a busy machine)." if untrusted
+                    else "") + note)
+
+
+UNTRUSTED_LABEL = "pale: timing not trusted"
+
+
+def _pale(color: str) -> tuple[float, float, float, float]:
+    """A policy's colour, faded: the fill of a point whose timing is not trusted (its edge keeps the colour)."""
+    return mpl.colors.to_rgba(color, 0.3)
+
+
+def _pale_handle() -> Line2D:
+    return Line2D([], [], ls="", marker="o", markersize=7, markerfacecolor=_pale("#404040"),
+                  markeredgecolor="#404040")
 
 
 def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
@@ -145,22 +165,43 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         return "no seq x batch with a successful `none` baseline and another policy to compare with it"
     fig, axes = panel_figure(len(panels), "Relative cost of each checkpoint policy vs no checkpointing (none)",
                              dev["device_label"].iloc[0])
+    ok = dev[dev["status"] == "ok"]
+    paired = ok["time_x_paired"].all() if len(ok) else False
+    how = "paired" if paired else "unpaired" if not ok["time_x_paired"].any() else "paired where marked"
     bars = [("peak memory saved", "#55a868", lambda r: (1 - r["peak_x_none"]) * 100),
-            ("step time added (measured)", "#dd8452", lambda r: (r["step_x_none"] - 1) * 100),
+            (f"step time added ({how})", "#dd8452", lambda r: (r["time_x"] - 1) * 100),
             ("FLOPs added by recompute", "#8c8c8c", lambda r: r["recompute_flops_ratio"] * 100)]
+    untrusted_seen = False
     for ax, (setup, (seq, batch), g) in zip(axes, panels):
         g = g.assign(_rank=g["policy_label"].map(policy_rank)).sort_values("_rank")
         policies = list(g["policy_label"])
         width = 0.26
         for j, (label, color, value) in enumerate(bars):
-            xs, ys = [], []
+            xs, ys, records = [], [], []
             for i, r in enumerate(g.to_dict("records")):
-                if r["status"] == "ok":
+                # A time ratio against another baseline than none would be a different bar: left out.
+                if r["status"] == "ok" and (j != 1 or r["time_x_vs"] == "none"):
                     xs.append(i + (j - 1) * width)
                     ys.append(value(r))
+                    records.append(r)
+            yerr = _ratio_errors(records) if j == 1 else None
             drawn = ax.bar(xs, ys, width, color=color, label=label, hatch="//" if j == 2 else None,
-                           edgecolor="white" if j != 2 else "#555555", linewidth=0.5)
-            ax.bar_label(drawn, fmt="%.0f%%", fontsize=7, padding=1)
+                           edgecolor="white" if j != 2 else "#555555", linewidth=0.5, yerr=yerr,
+                           error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "#333333"})
+            trusted = [bool(r["ratio_trusted"]) if j == 1 else True for r in records]
+            for patch, ok_ in zip(drawn.patches, trusted):
+                if not ok_:
+                    patch.set_hatch("xx")
+                    patch.set_alpha(0.45)
+                    untrusted_seen = True
+            labels = [("" if t else "~") + f"{y:.0f}%" for y, t in zip(ys, trusted)]
+            if yerr is None:
+                ax.bar_label(drawn, labels=labels, fontsize=7, padding=1)
+            else:  # above the error bar, not on it
+                for x, y, low, high, text in zip(xs, ys, *yerr, labels):
+                    ax.annotate(text, (x, y + high if y >= 0 else y - low), textcoords="offset points",
+                                xytext=(0, 2 if y >= 0 else -2), ha="center", va="bottom" if y >= 0 else "top",
+                                fontsize=7)
         for i, r in enumerate(g.to_dict("records")):
             if r["status"] != "ok":
                 ax.text(i, 0, FAILED_TEXT.get(r["status"], r["status"]), ha="center", va="bottom", color="#b00020",
@@ -171,9 +212,25 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_ylabel("% of the value under policy none")
         ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
         ax.margins(y=0.15)
-    figure_legend(fig, axes, policies=colors)
+    extra = [(Patch(facecolor="#dd8452", alpha=0.45, hatch="xx", edgecolor="white"),
+              "~ timing not trusted (noisy steps or a busy machine)")] if untrusted_seen else []
+    figure_legend(fig, axes, extra, policies=colors)
     return fig, ("Per model setup, the seq x batch where the most policies ran. Memory saved: 1 - peak / none's "
-                 "peak. Time added: median step time / none's - 1. FLOPs added: recomputed FLOPs / none's FLOPs.")
+                 "peak. Time added: " + ("the median of per-round step-time ratios to none, measured interleaved in "
+                                         "one process, with its 95% interval as error bars" if paired else
+                                         "median step time / none's - 1 (separate runs; paired where the bar has "
+                                         "error bars)") + ". FLOPs added: recomputed FLOPs / none's FLOPs.")
+
+
+def _ratio_errors(records: list[dict]) -> list[list[float]] | None:
+    """Error bars (percentage points below, above) of paired ratios from their 95% intervals; 0 where unpaired."""
+    lows, highs = [], []
+    for r in records:
+        ci = r.get("time_ratio_ci")
+        paired = bool(r["time_x_paired"]) and isinstance(ci, list)
+        lows.append((r["time_x"] - ci[0]) * 100 if paired else 0.0)
+        highs.append((ci[1] - r["time_x"]) * 100 if paired else 0.0)
+    return [lows, highs] if any(lows) or any(highs) else None
 
 
 FAILED_TEXT = {"oom": "OOM", "timeout": "timeout", "error": "error"}
@@ -227,12 +284,19 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     groups, note = largest_panels(groups)
     fig, axes = panel_figure(len(groups), "Throughput vs batch size, per checkpoint policy",
                              dev["device_label"].iloc[0])
-    oom_seen = False
+    oom_seen = untrusted = False
     for ax, ((setup, seq), g) in zip(axes, groups):
         ranked = sorted(g.loc[g["status"] == "oom", "policy_label"].unique(), key=policy_rank)
         for policy, p in sorted(g.groupby("policy_label"), key=lambda kv: policy_rank(kv[0])):
             ok = p[p["status"] == "ok"].sort_values("batch_size")
             ax.plot(ok["batch_size"], ok["tokens_per_s"], marker="o", ms=4, color=colors[policy], label=policy)
+            shaky = ok[~ok["timing_trusted"]]
+            if len(shaky):
+                untrusted = True
+                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], s=30, facecolors="white",
+                           edgecolors="none", zorder=5)  # the line's own marker shows through faded
+                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], s=30, facecolors=_pale(colors[policy]),
+                           edgecolors=colors[policy], zorder=6)
             oom = p[p["status"] == "oom"]
             if len(oom):
                 oom_seen = True
@@ -245,6 +309,7 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_xlabel("batch size (samples per step)")
         ax.set_ylabel("throughput (tokens/s)")
     extra = [(oom_handle(), "OOM: did not fit (drawn at 0)")] if oom_seen else []
+    extra += [(_pale_handle(), UNTRUSTED_LABEL)] if untrusted else []
     figure_legend(fig, axes, extra, colors)
     skipped = f" Not drawn, nothing ran: {', '.join(nothing_ran)}." if nothing_ran else ""
     return fig, "Tokens per second = batch x seq / median step time; higher is better." + note + skipped

@@ -50,6 +50,17 @@ def results_grid(part: pd.DataFrame) -> Grid:
             return "-"
         return f"{v:.2f}x" if given(v) else "n/a"
 
+    mixed = part["time_x_paired"].any() and not part.loc[part["status"] == "ok", "time_x_paired"].all()
+
+    def time_ratio(r: dict) -> str:
+        if r["status"] != "ok":
+            return "-"
+        if not given(r["time_x"]):
+            return "n/a"
+        vs = r["time_x_vs"]
+        return (("" if r["ratio_trusted"] else "~") + f"{r['time_x']:.2f}x" + ("" if vs == "none" else OTHER_BASELINE)
+                + (" u" if mixed and not r["time_x_paired"] else ""))
+
     rows, ends = [], set()
     records = part.to_dict("records")
     for i, r in enumerate(records):
@@ -57,8 +68,8 @@ def results_grid(part: pd.DataFrame) -> Grid:
         status = FAILED.get(r["status"], r["status"]) + ("*" if r.get("oom_predicted") is True else "")
         row = [str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], status,
                size(r["peak_bytes"]), ratio(r["peak_x_none"], r), size(r["activation_peak_bytes"]),
-               f"{r['step_ms_median']:,.1f}" if ok else "-", f"{r['step_ms_iqr']:,.1f}" if ok else "-",
-               ratio(r["step_x_none"], r),
+               (("" if r["timing_trusted"] else "~") + f"{r['step_ms_median']:,.1f}") if ok else "-",
+               f"{r['step_ms_iqr']:,.1f}" if ok else "-", time_ratio(r),
                f"{r['tokens_per_s']:,.0f}" if ok else "-",
                f"+{r['recompute_flops_ratio']:.1%}" if ok and given(r["recompute_flops_ratio"]) else "-"]
         if predicted:
@@ -69,9 +80,9 @@ def results_grid(part: pd.DataFrame) -> Grid:
         if nxt is None or (nxt["seq_len"], nxt["batch_size"]) != (r["seq_len"], r["batch_size"]):
             ends.add(i)
     caption = (f"peak = {part['peak_label'].iloc[0]}; act. = activations, the fwd+bwd peak above model state; "
-               f"step ms = median step time; "
-               f"x none = ratio to the `none` policy at the same seq and batch; IQR = spread of the measured step "
-               f"times (a time ratio within it is noise); FLOPs include recompute.")
+               f"step ms = median step time; IQR = spread of the measured step times; "
+               f"x none = ratio to the `none` policy at the same seq and batch; FLOPs include recompute. "
+               + time_caption(part))
     if ((part["status"] == "ok") & ~part["has_baseline"]).any():
         caption += (" n/a: no successful `none` run at that seq and batch, so the ratio is unavailable "
                     "(absolute numbers shown).")
@@ -84,6 +95,47 @@ def results_grid(part: pd.DataFrame) -> Grid:
                                            "recompute FLOPs") if h in headers]
     return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,
                 numeric=set(range(4, len(headers))) | {0, 1}, section_ends=ends, optional=optional)
+
+
+OTHER_BASELINE = "†"  # a time ratio relative to another policy than none (none did not fit)
+
+# The stability rule's notes (timing.timing_verdict), by kind: how the report names them.
+NOTE_KINDS = {"only ": "too few steps to judge", "step times spread": "steps spread past the limit",
+              "step times of 0": "steps of 0 ms", "other processes": "other processes busy",
+              "1-minute load": "host loaded before the run"}
+
+
+def note_kinds(notes: Any) -> list[str]:
+    """A record's timing_notes as their kinds (without the record's own numbers), in order."""
+    return [next((v for k, v in NOTE_KINDS.items() if note.startswith(k)), note)
+            for note in (notes if isinstance(notes, list) else [])]
+
+
+def time_caption(part: pd.DataFrame) -> str:
+    """What the time columns mean for these rows: paired or not, and why a `~` marks a number."""
+    ok = part[part["status"] == "ok"]
+    paired = ok["time_x_paired"].any()
+    text = ("time x none: paired, the median of per-round ratios of steps run interleaved in one process. "
+            if paired else "time x none: the ratio of two separate runs' median step times (not paired). ")
+    if (ok["time_x_vs"].notna() & (ok["time_x_vs"] != "none")).any():
+        text += (f"{OTHER_BASELINE} = where none did not fit: relative to the cheapest policy that ran, the one at "
+                 f"1.00x{OTHER_BASELINE} (each record's time_ratio_vs names it). ")
+    if paired and not ok["time_x_paired"].all():
+        text += ("u = not paired (the ratio of two runs' medians; the record's paired_error says why, e.g. a "
+                 "compiling policy). ")
+    untrusted = ok[~ok["timing_trusted"]]
+    if len(untrusted):
+        kinds: dict[str, int] = {}
+        for notes in untrusted["timing_notes"]:
+            for kind in note_kinds(notes):
+                kinds[kind] = kinds.get(kind, 0) + 1
+        why = ", ".join(f"{k} ({n})" for k, n in kinds.items())
+        text += (f"~step ms = timing not trusted ({len(untrusted)} of {len(ok)} configs: {why}; each record's "
+                 "timing_notes says why). ")
+    if (~ok["ratio_trusted"] & ok["time_x"].notna()).any():
+        text += ("~ratio = not trusted: a paired ratio whose 95% interval is wider than +-10%, or an unpaired one "
+                 "with a timing not trusted.")
+    return text.strip()
 
 
 def largest_fit_grid(dev: pd.DataFrame) -> Grid:

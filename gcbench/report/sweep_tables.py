@@ -10,12 +10,13 @@ from typing import Any
 
 import pandas as pd
 from rich import box
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gcbench.report.grids import largest_fit_grid
+from gcbench.report.grids import OTHER_BASELINE, largest_fit_grid, note_kinds
 from gcbench.report.tables import rich_table
-from gcbench.results.frame import results_frame
+from gcbench.results.frame import RATIO_HALF_WIDTH_LIMIT, given, results_frame
 from gcbench.results.schema import STATUSES, peak_bytes, policy_label
 from gcbench.units import fmt_bytes
 
@@ -45,48 +46,99 @@ def summary_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
         "model": r["model"], "seq_len": r["seq_len"], "batch_size": r["batch_size"], "policy": policy_label(r),
         "status": r["status"], "step_ms_median": r.get("step_ms_median"), "peak_bytes": peak_bytes(r),
         "activation_peak_bytes": r.get("activation_peak_bytes"), "tokens_per_s": r.get("tokens_per_s"),
-        "note": r.get("error"),
+        "timing_stable": r.get("timing_stable"), "time_ratio": r.get("time_ratio"),
+        "time_ratio_vs": r.get("time_ratio_vs"), "time_ratio_ci": r.get("time_ratio_ci"),
+        "note": r.get("error") if r["status"] != "ok" else _ok_note(r),
     } for r in records])
 
 
-def summary_table(records: list[dict[str, Any]]) -> Table:
+def _ok_note(record: dict[str, Any]) -> str | None:
+    """Why a config that ran is not trusted or not paired, in words shared by every config alike (one footnote for
+    all the configs with the same reasons; each record's timing_notes has its own numbers)."""
+    parts = []
+    if record.get("timing_stable") is False:
+        parts.append("timing not trusted: " + ", ".join(note_kinds(record.get("timing_notes"))))
+    if record.get("paired_error"):
+        parts.append(record["paired_error"])
+    return "; ".join(parts) or None
+
+
+def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Table:
     """The table a sweep prints at the end: every config of the grid with its status and headline numbers. Why a
-    config did not run is a numbered note under the table (each distinct reason once, at full width), so that the
-    table keeps to 80 columns however long the reasons are."""
+    config did not run, or why its timing is not trusted, is a numbered note under the table (each distinct reason
+    once, at full width). Given a terminal `width`, `act. peak` and then `tokens/s` are left out where the table
+    would not fit otherwise."""
     frame = summary_frame(records)
     counts = Counter(frame["status"]) if len(frame) else Counter()
     title = f"{len(frame)} configs: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
     models = sorted(set(frame["model"])) if len(frame) else []
     if len(models) == 1:  # one model: name it once in the title, keep the table within 80 columns
         title = f"{models[0]} · {title}"
-    columns = ["model", "seq", "batch", "policy", "status", "step ms", "peak", "act. peak", "tokens/s"]
-    if len(models) == 1:
-        columns.remove("model")
+    paired = len(frame) > 0 and frame["time_ratio"].notna().any()
+    columns = ["model", "seq", "batch", "policy", "status", "step ms", "time x", "peak", "act. peak", "tokens/s",
+               "note"]
     notes: dict[str, int] = {}  # reason -> its number, in order of first appearance
     rows = []
     for row in frame.itertuples(index=False):
         ok = row.status == "ok"
-        note = "" if ok or not row.note else f"({notes.setdefault(str(row.note), len(notes) + 1)})"
-        rows.append([*([] if len(models) == 1 else [row.model]), str(row.seq_len), str(row.batch_size), row.policy,
-                     row.status, f"{row.step_ms_median:.1f}" if ok else "-",
+        # A failure's reason, or why a timing is not trusted (each distinct text once, numbered under the table).
+        note = "" if not given(row.note) else f"({notes.setdefault(str(row.note), len(notes) + 1)})"
+        unstable = "~" if ok and _false(row.timing_stable) else ""
+        rows.append([row.model, str(row.seq_len), str(row.batch_size), row.policy, row.status,
+                     f"{unstable}{row.step_ms_median:.1f}" if ok else "-", _time_ratio(row),
                      fmt_bytes(row.peak_bytes) if ok else "-", fmt_bytes(row.activation_peak_bytes) if ok else "-",
                      f"{row.tokens_per_s:,.0f}" if ok else "-", note])
-    caption = ["peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak; act. peak: fwd+bwd peak "
-               "above model state"] + [f"({n}) {escape(text)}" for text, n in notes.items()]
+    caption = []
+    if paired:
+        caption.append("time x: step time relative to none, paired: the policies of one seq x batch run interleaved "
+                       "in one process; ~ = its 95% interval is wider than +-10%")
+        if (frame["time_ratio_vs"].notna() & (frame["time_ratio_vs"] != "none")).any():
+            caption.append(f"{OTHER_BASELINE} = none did not fit: relative to the cheapest policy that ran, the one "
+                           f"at 1.00x{OTHER_BASELINE}")
+    if len(frame) and frame["timing_stable"].map(_false).any():
+        caption.append("~step ms = timing not trusted (the note says why; each record's timing_notes has the numbers)")
+    caption += [f"({n}) {escape(text)}" for text, n in notes.items()]
+    dropped = {c for c, keep in (("model", len(models) > 1), ("time x", paired), ("note", bool(notes))) if not keep}
+    for optional in (None, "act. peak", "tokens/s"):
+        dropped |= {optional} - {None}
+        peaks = "peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak" + (
+            "" if "act. peak" in dropped else "; act. peak: fwd+bwd peak above model state")
+        table = _summary(title, [peaks, *caption], [c for c in columns if c not in dropped], columns, rows)
+        if width is None or Console(width=100_000).measure(table).maximum <= width:
+            break
+    return table
+
+
+def _summary(title: str, caption: list[str], shown: list[str], columns: list[str], rows: list[list[str]]) -> Table:
     # A light box (no vertical rules) so that the config and its numbers fit an 80-column terminal.
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                   caption="\n".join(caption), caption_justify="left")
-    if notes:
-        columns.append("note")
-    for i, col in enumerate(columns):
+    index = [columns.index(c) for c in shown]
+    for col, i in zip(shown, index):
         table.add_column(col, justify="left" if col in ("model", "policy", "status") else "right", no_wrap=True,
                          min_width=max(len(r[i]) for r in rows) if rows else None)
-    status = columns.index("status")
-    for cells in rows:
-        cells = cells[:len(columns)]
-        cells[status] = f"[{STATUS_STYLE[cells[status]]}]{cells[status]}[/]"
+    for row in rows:
+        cells = [row[i] for i in index]
+        if "status" in shown:
+            at = shown.index("status")
+            cells[at] = f"[{STATUS_STYLE[cells[at]]}]{cells[at]}[/]"
         table.add_row(*cells)
     return table
+
+
+def _false(value: Any) -> bool:
+    """A given false (timing_stable False), not a missing one (None, or NaN in a DataFrame)."""
+    return given(value) and not value
+
+
+def _time_ratio(row) -> str:
+    """A paired time ratio as the summary shows it; ~ when its 95% interval is wider than +-10%."""
+    ratio = row.time_ratio
+    if row.status != "ok" or ratio is None or ratio != ratio:
+        return "-"
+    ci = row.time_ratio_ci if isinstance(row.time_ratio_ci, list) else None
+    wide = ci is None or max(ratio - ci[0], ci[1] - ratio) / ratio > RATIO_HALF_WIDTH_LIMIT
+    return ("~" if wide else "") + f"{ratio:.2f}x" + ("" if row.time_ratio_vs == "none" else OTHER_BASELINE)
 
 
 def largest_fit_table(records: list[dict[str, Any]], width: int | None = None) -> Table | None:

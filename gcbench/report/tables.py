@@ -22,7 +22,8 @@ def run_table(record: dict[str, Any]) -> Table:
     """The one-run table `gcbench run` prints: memory, breakdown, time, throughput, recompute cost."""
     cuda = str(record["device"]).startswith("cuda")
     env = record.get("env") or {}
-    where = env.get("gpu_name") or f"CPU ({env.get('torch_threads')} threads)"
+    threads = record.get("threads") or env.get("torch_threads")
+    where = env.get("gpu_name") or f"CPU ({threads} thread{'s' if threads != 1 else ''})"
     blocks = record.get("n_layers") or record.get("layers")
     title = (f"{record['model']}{f' ({blocks} blocks)' if blocks else ''} · seq {record['seq_len']} · batch "
              f"{record['batch_size']} · {policy_label(record)} · {record['precision']} · {where}")
@@ -59,8 +60,11 @@ def run_table(record: dict[str, Any]) -> Table:
     table.add_row("model state", fmt_bytes(state),
                   f"params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
                   f"+ {record['optimizer']} {fmt_bytes(record['optimizer_bytes'])}")
-    table.add_row("step time (median)", f"{record['step_ms_median']:.1f} ms",
-                  f"IQR {record['step_ms_iqr']:.1f} ms over {len(record['step_ms'])} steps")
+    table.add_row("step time (median)", f"{record['step_ms_median']:.1f} ms", _step_time_text(record))
+    if "timing_stable" in record:
+        stable = record["timing_stable"]
+        table.add_row("timing", "[green]stable[/]" if stable else "[bold yellow]not trusted[/]",
+                      escape("; ".join(record["timing_notes"])) if not stable else _host_text(record))
     table.add_row("throughput", f"{record['tokens_per_s']:,.0f} tokens/s", "batch x seq / median step")
     ratio = record.get("recompute_flops_ratio")
     table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
@@ -68,6 +72,37 @@ def run_table(record: dict[str, Any]) -> Table:
     if record.get("mfu") is not None:
         table.add_row("MFU", f"{record['mfu']:.1%}", "model FLOPs / step time / dense bf16 peak")
     return table
+
+
+STOPS = {"max-steps": "--max-steps reached", "max-time": "--max-time reached"}  # "ci" and "fixed" need no words
+
+
+def _step_time_text(record: dict[str, Any]) -> str:
+    """IQR, steps, the median's interval and why measuring stopped."""
+    n, iqr = len(record["step_ms"]), record["step_ms_iqr"]
+    text = f"IQR {iqr:.1f} ms"
+    if record.get("step_ms_rel_iqr") is not None:
+        text += f" ({record['step_ms_rel_iqr']:.1%})"
+    text += f" over {n} step{'s' if n != 1 else ''}"
+    ci = record.get("step_ms_ci")
+    if ci:
+        half = max(record["step_ms_median"] - ci[0], ci[1] - record["step_ms_median"]) / record["step_ms_median"]
+        text += f"; median +-{half:.1%} (95%)"
+    if record.get("steps_stop") in STOPS:
+        text += f"; {STOPS[record['steps_stop']]}"
+    return text
+
+
+def _host_text(record: dict[str, Any]) -> str:
+    cores = len(record["cpu_affinity"]) if record.get("cpu_affinity") else record.get("cpus_logical")
+    others = record.get("other_cpu_cores")
+    load = record.get("load_1m_before")
+    text = "spread within the limit"
+    if others is not None:
+        text += f"; {others:.1f} of {cores} cores busy elsewhere"
+    if load is not None:
+        text += f"; load {load:.1f}"
+    return text
 
 
 def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) -> Table:
@@ -105,20 +140,23 @@ def rich_table(grid: Grid, width: int | None = None) -> Table:
     """The grid as a rich Table. Given a terminal `width`, the grid's optional columns are left out (least useful
     first) until the table fits without breaking numbers apart; report.md and report.html keep every column."""
     hidden: list[int] = []
+    # The natural (unwrapped) width: measured on an unbounded console, since a bounded one clamps to its width.
+    fits = lambda t: width is None or Console(width=100_000).measure(t).maximum <= width  # noqa: E731
     while True:
         table = _rich_table(grid, hidden)
-        if width is None or len(hidden) == len(grid.optional):
+        if fits(table):
             return table
-        # The natural (unwrapped) width: measured on an unbounded console, since a bounded one clamps to its width.
-        if Console(width=100_000).measure(table).maximum <= width:
-            return table
+        if len(hidden) == len(grid.optional):
+            # The essential columns alone are still too wide: drop the vertical rules (as the sweep summary does).
+            return _rich_table(grid, hidden, compact=True)
         hidden.append(grid.optional[len(hidden)])
 
 
-def _rich_table(grid: Grid, hidden: list[int]) -> Table:
+def _rich_table(grid: Grid, hidden: list[int], compact: bool = False) -> Table:
     shown = [i for i in range(len(grid.headers)) if i not in hidden]
+    light = {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True} if compact else {}
     table = Table(title=grid.title or None, caption=grid.caption or None, header_style="bold",
-                  caption_justify="left")
+                  caption_justify="left", **light)
     for i in shown:
         numeric = i in grid.numeric
         # Numbers never wrap; their headers break after the first word instead ("peak\nx none").

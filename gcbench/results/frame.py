@@ -26,7 +26,9 @@ EXPECTED = ["peak_allocated_bytes", "peak_tracked_bytes", "activation_peak_bytes
             "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr", "tokens_per_s",
             "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
             "predicted_peak_bytes_analytic", "layers", "attn", "memory_cap_bytes", "seed", "error",
-            "env.gpu_name", "env.gpu_memory_bytes", "env.cpu", "env.cpu_count", "env.torch_threads", "env.gcbench"]
+            "env.gpu_name", "env.gpu_memory_bytes", "env.cpu", "env.cpu_count", "env.torch_threads", "env.gcbench",
+            "threads", "timing_stable", "timing_notes", "step_ms_ci", "step_ms_rel_iqr", "time_ratio", "time_ratio_ci",
+            "time_ratio_vs", "paired_error"]
 FAILED = {"oom": "OOM", "timeout": "timeout", "error": "error", "skipped": "skipped"}  # status -> how it is shown
 
 
@@ -73,7 +75,9 @@ def device_label(row: dict[str, Any]) -> str:
         return str(row["env.gpu_name"]) if given(row.get("env.gpu_name")) else str(row["device"])
     cpu = row.get("env.cpu") if given(row.get("env.cpu")) else ""
     cores = f" · {as_int(row['env.cpu_count'])} cores" if given(row.get("env.cpu_count")) else ""
-    n = as_int(row["env.torch_threads"]) if given(row.get("env.torch_threads")) else None
+    # The run's own threads (--threads); records from before it existed carry the process's in env.
+    n = as_int(row["threads"]) if given(row.get("threads")) else \
+        as_int(row["env.torch_threads"]) if given(row.get("env.torch_threads")) else None
     threads = f" · {n} torch thread{'s' if n != 1 else ''}" if n is not None else ""
     return f"CPU {cpu}{cores}{threads}".replace("  ", " ")
 
@@ -96,6 +100,39 @@ def setup_label(row: dict[str, Any]) -> str:
 def policy_rank(label: str) -> tuple[int, str]:
     """Sort key: none first (the baseline), full next, the rest by name."""
     return ({"none": 0, "full": 1}.get(label, 2), label)
+
+
+# A paired ratio is trusted when its 95% interval is within this of it (the ratio, not each policy's own time).
+RATIO_HALF_WIDTH_LIMIT = 0.10
+
+
+def _time_ratios(frame: pd.DataFrame) -> pd.DataFrame:
+    """The time ratio every reader shows (`time_x`, relative to `time_x_vs`): the paired one where the record has
+    it (time_ratio, measured interleaved in one process), else the ratio of two separate runs' medians to `none`.
+    `timing_trusted`: the record's own stability verdict (True for records from before it existed);
+    `ratio_trusted`: a paired ratio whose interval is within RATIO_HALF_WIDTH_LIMIT, or an unpaired one of two
+    trusted timings."""
+    paired = frame["time_ratio"].notna()
+    frame["time_x"] = frame["time_ratio"].where(paired, frame["step_x_none"]).astype(float)
+    frame["time_x_vs"] = frame["time_ratio_vs"].where(paired, frame["has_baseline"].map({True: "none",
+                                                                                        False: None}))
+    frame["time_x_paired"] = paired
+    frame["timing_trusted"] = frame["timing_stable"].map(lambda v: not (given(v) and not v)).astype(bool)
+    trusted_none = frame.set_index(GROUP_KEYS).loc[lambda f: (f["policy"] == "none") & (f["status"] == "ok"),
+                                                   "timing_trusted"]
+    none_ok = frame.join(trusted_none.rename("_none_trusted"), on=GROUP_KEYS)["_none_trusted"]
+    frame["ratio_trusted"] = [
+        (_half_width(ci, ratio) <= RATIO_HALF_WIDTH_LIMIT) if is_paired else (bool(own) and none_ok_ == True)  # noqa: E712
+        for is_paired, ci, ratio, own, none_ok_ in zip(paired, frame["time_ratio_ci"], frame["time_x"],
+                                                      frame["timing_trusted"], none_ok)]
+    return frame
+
+
+def _half_width(ci: Any, value: float) -> float:
+    """An interval's larger distance from its value, relative to it; infinite without an interval."""
+    if not isinstance(ci, list) or len(ci) != 2 or not value:
+        return float("inf")
+    return max(value - ci[0], ci[1] - value) / abs(value)
 
 
 def results_frame(df: pd.DataFrame) -> pd.DataFrame:
@@ -124,6 +161,7 @@ def results_frame(df: pd.DataFrame) -> pd.DataFrame:
     frame["has_baseline"] = frame["peak_bytes_none"].notna()
     frame["peak_x_none"] = frame["peak_bytes"] / frame["peak_bytes_none"]
     frame["step_x_none"] = frame["step_ms_median"] / frame["step_ms_median_none"]
+    frame = _time_ratios(frame)
     frame["prediction_error"] = frame["predicted_peak_bytes"] / frame["peak_bytes"] - 1
 
     frame = frame.assign(_rank=frame["policy_label"].map(policy_rank))

@@ -30,7 +30,10 @@ class SpecFields(TypedDict):
     device: str  # resolved: "cpu" or "cuda:N"
     attn: str | None
     warmup_steps: int
-    measure_steps: int
+    measure_steps: int | str  # a number, or "auto": until the median's 95% interval is within +-2% (or a budget)
+    max_steps: int  # with "auto": the most timed steps
+    max_time_s: float  # with "auto": seconds of timed steps after which it stops
+    threads: int  # torch intra-op threads of the run (--threads, resolved)
     seed: int
     memory_cap_bytes: int | None
     memory_cap_kind: str | None  # derived from device: "tracked" (CPU) | "reserved" (CUDA) | None (no cap)
@@ -63,6 +66,28 @@ class Record(SpecFields, total=False):
     step_ms: list[float]  # every measured step, in order
     step_ms_median: float
     step_ms_iqr: float
+    step_ms_rel_iqr: float  # IQR / median
+    step_ms_ci: list[float] | None  # 95% interval of the median (order statistics); None below 6 steps
+    steps_stop: str  # why measuring stopped: fixed | ci (interval within +-2%) | max-steps | max-time
+    timing_stable: bool  # the stability rule (timing.timing_verdict, docs/methodology.md)
+    timing_notes: list[str]  # why the timing is not trusted; empty when stable
+    # the host around the timed steps
+    load_1m_before: float | None  # 1-minute load average
+    load_1m_after: float | None
+    cpus_logical: int
+    cpu_affinity: list[int] | None  # CPUs the process may run on
+    torch_threads: int
+    other_cpu_cores: float | None  # cores other processes kept busy during the timed steps, on average
+    gpu_state_start: dict[str, Any] | None  # CUDA: NVML clocks (MHz), power (W), temperature (C), clock-event reasons
+    gpu_state_end: dict[str, Any] | None
+    # paired timing (a sweep's policies of one model/seq/batch interleaved in one process; paired.py)
+    time_ratio: float  # median over rounds of this policy's step time / the baseline's in the same round
+    time_ratio_ci: list[float] | None  # its 95% interval
+    time_ratio_vs: str  # the baseline policy: none, or the cheapest that ran when none did not
+    paired_step_ms: list[float]  # this policy's step times in the rounds
+    paired_rounds: int
+    paired_stop: str  # as steps_stop
+    paired_error: str  # why a policy that ran was not paired
     wall_ms: float  # CUDA: host wall time of the measured steps, synchronized
     compile_ms: float  # budget policy: first step minus a compiled step
     # peaks, bytes
@@ -91,7 +116,7 @@ class Record(SpecFields, total=False):
 # The fields that make two records the same configuration (memory_cap_kind is derived from device).
 IDENTITY_KEYS = tuple(k for k in SpecFields.__annotations__ if k != "memory_cap_kind")
 # Fields that say how long to measure, not what: two runs differing only in these measure the same configuration.
-RUN_LENGTH_KEYS = ("warmup_steps", "measure_steps")
+RUN_LENGTH_KEYS = ("warmup_steps", "measure_steps", "max_steps", "max_time_s")
 
 
 def new_record(spec_fields: Mapping[str, Any], status: str = "ok", error: str | None = None,
@@ -117,13 +142,21 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
                 else f"no {name!r} field"
     if record["status"] not in STATUSES:
         return f"unknown status {record['status']!r} (one of {', '.join(STATUSES)})"
-    for name in ("policy_options", "env"):
+    for name in ("policy_options", "env", "gpu_state_start", "gpu_state_end"):
         if not isinstance(record.get(name) or {}, dict):
             return f"{name} is {record[name]!r}, not an object"
     for name, value in record.items():
-        measured = name.endswith(("_bytes", "_ms_median", "_ms_iqr", "_per_s", "_flops", "_ratio")) or name == "mfu"
+        measured = name.endswith(("_bytes", "_ms_median", "_ms_iqr", "_per_s", "_flops", "_ratio", "_rel_iqr")) \
+            or name == "mfu"
         if measured and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"{name} is {value!r}, not a number"
+    for name in ("step_ms_ci", "time_ratio_ci"):
+        value = record.get(name)
+        if value is not None and (not isinstance(value, list) or len(value) != 2 or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            return f"{name} is {value!r}, not a [low, high] pair of numbers"
+    if record.get("timing_stable") is not None and not isinstance(record["timing_stable"], bool):
+        return f"timing_stable is {record['timing_stable']!r}, not true or false"
     return None
 
 

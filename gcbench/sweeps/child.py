@@ -5,7 +5,9 @@ Children are forked from a multiprocessing fork server that imported torch, tran
 spends on imports. The fork server never touches CUDA: every child still creates its own CUDA context and
 allocator, and an OOM, a sticky CUDA error or a segfault dies with it.
 
-Messages to the parent, in order: ("env", capture_env dict), ("progress", text)..., ("record", record dict).
+A child runs one task: {"spec": a RunSpec as a record} (-> its record), or {"paired": [RunSpecs as records],
+"baseline": policy label} (-> {policy label: paired-timing fields}, paired.run_paired).
+Messages to the parent, in order: ("env", capture_env dict), ("progress", text)..., ("record", the result).
 A child that raises prints the error on its stderr and exits non-zero without a record; the parent then writes
 an `error` record holding the last lines of that stderr.
 """
@@ -24,6 +26,7 @@ from gcbench import env
 from gcbench.errors import GcbenchError
 from gcbench.models import MODELS, build_meta_model, load_config
 from gcbench.spec import RunSpec
+from gcbench.paired import run_paired
 from gcbench.runner import run
 
 
@@ -41,10 +44,10 @@ def _warm_up_fork_server() -> None:
 _warm_up_fork_server()
 
 
-def run_child(spec_record: dict[str, Any], conn: Connection, lifeline: Connection, log_path: str,
+def run_child(task: dict[str, Any], conn: Connection, lifeline: Connection, log_path: str,
               cwd: str | None = None) -> None:
-    """Entry point of one child: measure the spec (relative paths from `cwd`, the sweep's), stream progress, send
-    the record."""
+    """Entry point of one child: run the task (relative paths from `cwd`, the sweep's), stream progress, send the
+    result."""
     threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
     if cwd is not None:
         os.chdir(cwd)
@@ -56,9 +59,10 @@ def run_child(spec_record: dict[str, Any], conn: Connection, lifeline: Connectio
         os._exit(70)
     faulthandler.enable()  # a segfault leaves a Python traceback in the log the parent reads
     try:
-        spec = RunSpec.from_record(spec_record)
-        conn.send(("env", env.capture_env(spec.device)))
-        record = run(spec, progress=lambda text: conn.send(("progress", text)))
+        specs = [RunSpec.from_record(r) for r in task.get("paired", [task.get("spec")])]
+        conn.send(("env", env.capture_env(specs[0].device, specs[0].threads)))
+        progress = lambda text: conn.send(("progress", text))  # noqa: E731
+        record = run_paired(specs, task["baseline"], progress) if "paired" in task else run(specs[0], progress)
     except GcbenchError as e:
         print(f"gcbench: error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

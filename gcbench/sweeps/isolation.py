@@ -42,14 +42,33 @@ class ProcessRunner:
         self._ctx = _child_context()
 
     def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:
+        """The config's record: measured by a child, or a failure record when the child died or ran out of time."""
+        result, failure = self._run_task({"spec": spec.as_record()}, f"gcbench {config_label(spec.as_record())}",
+                                         on_phase)
+        if failure is not None:
+            status, error, env, tail = failure
+            return failure_record(spec, status, error, env, stderr_tail=tail)
+        return result
+
+    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any]:
+        """paired.run_paired in a child: {policy label: paired fields}, or {"error": why} when the child failed.
+        Its timeout is one config's per policy: it warms up and times each of them."""
+        result, failure = self._run_task({"paired": [s.as_record() for s in specs], "baseline": baseline},
+                                         f"gcbench paired {config_label(specs[0].as_record())}", on_phase,
+                                         self.timeout_s * len(specs))
+        return {"error": failure[1]} if failure is not None else result
+
+    def _run_task(self, task: dict[str, Any], name: str, on_phase: OnPhase,
+                  timeout_s: float | None = None) -> tuple[Any, tuple | None]:
+        """(the child's result, None), or (None, (status, error, env, stderr tail)) for a child that died or ran
+        out of time."""
         fd, log_path = tempfile.mkstemp(prefix="gcbench-child-", suffix=".log")
         os.close(fd)
         results, results_w = self._ctx.Pipe(duplex=False)
         lifeline_r, lifeline = self._ctx.Pipe(duplex=False)
         # The cwd: the fork server keeps the one it started in, but relative paths (a config.json) are the caller's.
-        proc = self._ctx.Process(target=self._target, args=(spec.as_record(), results_w, lifeline_r, log_path,
-                                                            os.getcwd()),
-                                 name=f"gcbench {config_label(spec.as_record())}", daemon=True)
+        proc = self._ctx.Process(target=self._target, args=(task, results_w, lifeline_r, log_path, os.getcwd()),
+                                 name=name, daemon=True)
         finished = started = False
         try:
             with _signals_deferred(), _main_module_hidden():
@@ -58,8 +77,9 @@ class ProcessRunner:
             # The child holds these now; our copies would keep the pipes open after it died.
             results_w.close()
             lifeline_r.close()
-            record, finished = self._wait(spec, proc, results, on_phase, log_path)
-            return record
+            result, failure = self._wait(proc, results, on_phase, log_path, timeout_s or self.timeout_s)
+            finished = failure is None
+            return result, failure
         finally:
             if started:
                 _stop(proc, grace_s=10.0 if finished else 0.0)
@@ -67,8 +87,8 @@ class ProcessRunner:
                 conn.close()
             os.unlink(log_path)
 
-    def _wait(self, spec: RunSpec, proc, results, on_phase: OnPhase, log_path: str) -> tuple[dict, bool]:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait(self, proc, results, on_phase: OnPhase, log_path: str, timeout_s: float) -> tuple[Any, tuple | None]:
+        deadline = time.monotonic() + timeout_s
         env, phase = None, "starting"
         while (left := deadline - time.monotonic()) > 0:
             if not results.poll(min(left, 0.25)):
@@ -83,19 +103,17 @@ class ProcessRunner:
             if msg is None:
                 proc.join(5)
                 tail = _tail(log_path)
-                return failure_record(spec, "error", _death_message(proc.exitcode, tail), env,
-                                      stderr_tail=tail), False
+                return None, ("error", _death_message(proc.exitcode, tail), env, tail)
             kind, payload = msg
             if kind == "record":
                 on_phase("child exiting")  # the next config waits for it: its memory must be released first
-                return payload, True
+                return payload, None
             if kind == "env":
                 env = payload
             elif kind == "progress":
                 phase = payload
                 on_phase(payload)
-        return failure_record(spec, "timeout", f"no result within {self.timeout_s:g} s (was: {phase})", env,
-                              stderr_tail=_tail(log_path)), False
+        return None, ("timeout", f"no result within {timeout_s:g} s (was: {phase})", env, _tail(log_path))
 
 
 class InProcessRunner:
@@ -116,6 +134,14 @@ class InProcessRunner:
         except Exception as e:  # failure is data: the sweep goes on
             tail = "\n".join(traceback.format_exc().splitlines()[-STDERR_TAIL_LINES:])
             return failure_record(spec, "error", f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
+
+    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any]:
+        from gcbench.paired import run_paired
+
+        try:
+            return run_paired(specs, baseline, on_phase)
+        except Exception as e:  # noqa: BLE001 - a pairing that fails leaves the configs' own timings
+            return {"error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def _child_context():

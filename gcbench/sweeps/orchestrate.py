@@ -1,8 +1,10 @@
-"""Running a grid: resume from the output file, skip configs larger than one that ran out of memory, one record
-appended per config as it ends, Ctrl-C and SIGTERM stop the running child and keep what is written."""
+"""Running a grid: resume from the output file, skip configs larger than one that ran out of memory, the policies of
+one configuration timed paired after each has run, their records appended together, Ctrl-C and SIGTERM stop the
+running child and keep what is measured."""
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import signal
 import threading
@@ -19,7 +21,8 @@ from rich.console import Console
 from gcbench.grid import SweepSpec
 from gcbench.errors import GcbenchError, WontFit, raise_interrupt
 from gcbench.instruments import free_without_context
-from gcbench.results.schema import STATUSES, config_key
+from gcbench.paired import choose_baseline, pairable
+from gcbench.results.schema import STATUSES, config_key, policy_label
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.spec import RunSpec
@@ -62,7 +65,8 @@ class PlannedConfig:
 
 
 class Sweep:
-    """Runs a grid: resume from the output file, skip after OOMs, one record appended per config as it ends.
+    """Runs a grid: resume from the output file, skip after OOMs, the policies of one configuration (same model, seq,
+    batch, options) timed paired once each has run (unless `paired` is off), and their records appended together.
 
     Everything is validated when the Sweep is made (every RunSpec, the output file's schema), before anything
     runs or is written. Ctrl-C and SIGTERM stop the running child and raise KeyboardInterrupt after it: the
@@ -113,18 +117,60 @@ class Sweep:
         records: list[dict[str, Any]] = []
         to_run = sum(p.done is None for p in plan)
         with _sigterm_raises_interrupt(), SweepProgress(self.console, to_run, len(plan) - to_run) as view:
-            for config in plan:
-                record = config.done
-                if record is None:
-                    record = self._run_one(config.spec, runner, frontier, view, self.unfit.get(config.spec))
-                    if record.get("env") is None:
-                        record["env"] = envs.get(config.spec.device) or _host_env()
-                    envs[config.spec.device] = record["env"]
-                    self._warn_torn(append_record(out, record))  # another writer killed mid-line meanwhile
-                    view.finished(record)
-                frontier.add(record)
-                records.append(record)
+            for _, group in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec)):
+                # Held until the group's paired timing ends, then appended together; whatever stops the sweep
+                # first (Ctrl-C, an error), what was measured is written unpaired.
+                pending: list[tuple[RunSpec, dict[str, Any]]] = []
+                earlier: list[tuple[RunSpec, dict[str, Any]]] = []  # in the file already (a resumed sweep)
+                try:
+                    for config in group:
+                        record = config.done
+                        if record is not None:
+                            earlier.append((config.spec, record))
+                        else:
+                            record = self._run_one(config.spec, runner, frontier, view, self.unfit.get(config.spec))
+                            if record.get("env") is None:
+                                record["env"] = envs.get(config.spec.device) or _host_env(config.spec)
+                            envs[config.spec.device] = record["env"]
+                            view.finished(record)
+                            pending.append((config.spec, record))
+                        frontier.add(record)
+                        records.append(record)
+                    if self.grid.paired:
+                        self._pair(pending, earlier, runner, view)
+                finally:
+                    for _, record in pending:
+                        self._warn_torn(append_record(out, record))  # another writer killed mid-line meanwhile
         return records
+
+    def _pair(self, pending: list[tuple[RunSpec, dict[str, Any]]], earlier: list[tuple[RunSpec, dict[str, Any]]],
+              runner, view: SweepProgress) -> None:
+        """Time the group's policies that ran interleaved in one process (paired.run_paired) and add each one's
+        time_ratio to the records about to be written; with fewer than two such policies there is nothing to pair.
+        Policies that ran in an earlier, interrupted sweep take part (so that `none` stays the baseline), but their
+        records in the file stay as they are."""
+        if not any(r["status"] == "ok" for _, r in pending):
+            return
+        ran = [(spec, r) for spec, r in earlier + pending if r["status"] == "ok"]
+        if len(ran) < 2:
+            return
+        writing = {id(r) for _, r in pending}
+        for spec, r in ran:
+            if not pairable(spec) and id(r) in writing:
+                r["paired_error"] = "not paired: a compiling policy is timed in its own run only"
+        ran = [(spec, r) for spec, r in ran if pairable(spec)]
+        if len(ran) < 2:
+            return
+        baseline = choose_baseline([r for _, r in ran])
+        view.pairing([spec for spec, _ in ran])
+        result = runner.paired([spec for spec, _ in ran], baseline, view.phase)
+        for spec, r in ran:
+            if id(r) not in writing:
+                continue
+            if "error" in result:
+                r["paired_error"] = f"paired timing failed: {result['error']}"
+            else:
+                r.update(result[policy_label(r)])
 
     def _unfit(self, specs: list[RunSpec]) -> dict[RunSpec, WontFit]:
         """The configs that cannot fit at all (their model state alone is too large for the memory cap or the free
@@ -171,6 +217,11 @@ class Sweep:
             warnings.warn(message, stacklevel=3)
 
 
+def _policy_free_key(spec: RunSpec) -> str:
+    """What the configs of one paired group share: everything but the policy."""
+    return config_key(spec.as_record(), ignore=("policy", "policy_options"))
+
+
 def _existing_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Records already in the output file (GcbenchError for another schema_version) and warnings about it."""
     try:
@@ -184,12 +235,12 @@ def _existing_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return records, [str(w.message) for w in caught]
 
 
-def _host_env() -> dict:
+def _host_env(spec: RunSpec) -> dict:
     # For records no child produced (skipped, or a child that died before reporting): the sweep process must not
     # create a CUDA context of its own (it would hold device memory during every config), so no GPU fields here.
     from gcbench.env import capture_env
 
-    return capture_env("cpu")
+    return capture_env("cpu", spec.threads)
 
 
 @contextmanager

@@ -49,6 +49,12 @@ class SweepProgress:
         self._label = config_label(spec.as_record())
         self._bar.update(self._task, description=f"{self._label} · starting")
 
+    def pairing(self, specs: list[RunSpec]) -> None:
+        first = specs[0].as_record()
+        self._label = (f"{first['model']} seq {first['seq_len']} batch {first['batch_size']} · timing "
+                       f"{len(specs)} policies paired")
+        self._bar.update(self._task, description=f"{self._label} · starting")
+
     def phase(self, text: str) -> None:
         self._bar.update(self._task, description=f"{self._label} · {text}")
 

@@ -1,0 +1,85 @@
+"""Policies timed paired: the step times of several policies of one configuration (same model, seq, batch, and every
+other option) measured interleaved in one process, so that their ratio is not the ratio of two runs minutes apart
+on a drifting machine.
+
+One model is built (the same weights, optimizer and batch for every policy); a round runs one step of every
+policy, each applied to the blocks before its step and removed after it (outside the timing), the order rotated by
+one each round (timing.paired_rounds). Memory is not measured here: each policy's own run did that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from gcbench.instruments import Progress, instrument_for
+from gcbench.models import build_model, find_blocks
+from gcbench.results.schema import policy_label
+from gcbench.runner import torch_threads
+from gcbench.spec import RunSpec
+from gcbench.step import TrainingStep, make_batch, make_optimizer
+from gcbench.timing import paired_fields, paired_rounds
+
+
+def pairable(spec: RunSpec) -> bool:
+    """Whether a policy can be timed paired. A compiling policy cannot: applying it resets Dynamo (which does not
+    guard on its options), so every round would compile again; its ratio stays the unpaired one."""
+    return not spec.policy.compiles
+
+
+def choose_baseline(records: Sequence[dict[str, Any]]) -> str:
+    """The policy the others' times are relative to: `none` when it ran, else the cheapest that ran (the fewest
+    FLOPs with recompute, then the fastest step), so that a ratio still reads as "what the extra recompute costs"."""
+    labels = {policy_label(r): r for r in records}
+    if "none" in labels:
+        return "none"
+    inf = float("inf")
+    return min(labels, key=lambda label: (labels[label].get("flops") or inf, labels[label]["step_ms_median"]))
+
+
+def run_paired(specs: Sequence[RunSpec], baseline: str, progress: Progress | None = None) -> dict[str, dict[str, Any]]:
+    """Time `specs` (one configuration under several policies) interleaved; per policy label its paired fields
+    (timing.paired_fields: time_ratio to `baseline`, its interval, the step times) and how the rounds stopped.
+    torch.OutOfMemoryError propagates: the caller records why nothing was paired."""
+    progress = progress or (lambda _: None)
+    first = specs[0]
+    labels = [policy_label(s.as_record()) for s in specs]
+    if baseline not in labels or len(set(labels)) < 2:
+        raise ValueError(f"paired timing needs two policies or more, the baseline {baseline!r} among them")
+    config, family = first.model_config()
+    instrument = instrument_for(first.device, first.memory_cap_bytes)
+    with torch_threads(first.threads), instrument.session():
+        progress("building model")
+        torch.manual_seed(first.seed)
+        model = build_model(config, family, first.device, first.param_dtype)
+        blocks = find_blocks(model)
+        step = TrainingStep(model, make_optimizer(first.optimizer, model), make_batch(first, config, first.device),
+                            first)
+        by_label = dict(zip(labels, specs))
+
+        @contextmanager
+        def policy(label: str) -> Iterator[None]:
+            # Applied and removed around every step, outside its timing: a policy may change more than the block
+            # list (`attn` switches the attention modules' config), and removing it restores everything.
+            spec = by_label[label]
+            undo = spec.policy.apply(blocks)
+            spec.policy.prepare(step)
+            try:
+                yield
+            finally:
+                undo()
+
+        def timed(label: str) -> float:
+            with policy(label):
+                return instrument.timed(step)
+
+        for label in labels:
+            with policy(label):
+                instrument.warm_up(step, first.warmup_steps, lambda text, label=label: progress(f"{label}: {text}"))
+        times, stop = paired_rounds({label: (lambda label=label: timed(label)) for label in labels}, baseline,
+                                    first.budget, instrument.clock, progress)
+    return {label: {**paired_fields(times, label, baseline), "paired_rounds": len(times[label]), "paired_stop": stop}
+            for label in labels}

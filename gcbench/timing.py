@@ -1,0 +1,278 @@
+"""Step times and whether to trust them: the statistics of raw samples, how many steps to measure, the host's load
+while measuring, the stability rule, and policies timed paired (interleaved rounds in one process).
+
+Nothing here reads a clock of its own: every duration comes from the caller's timer and every deadline from the
+caller's clock, so the rules are tested with fake clocks. No torch here; psutil reads the host.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+CONFIDENCE = 0.95
+# --steps auto: measure until the median's 95% interval is within +-2% of it (the issue's target; pyperf and
+# pytest-benchmark also calibrate by time, not by a fixed count), with a minimum and two budgets.
+TARGET_HALF_WIDTH = 0.02
+MIN_STEPS = 6  # the fewest samples whose min..max brackets the median with >= 95% confidence (1 - 2 * 0.5**6)
+DEFAULT_MAX_STEPS = 100
+DEFAULT_MAX_TIME_S = 10.0
+# The stability rule (docs/methodology.md, "When a step time is trusted"). torch.utils.benchmark warns at an IQR of
+# 10% of the median; GPU kernels repeat far better than a CPU shared with the OS, so CUDA gets 5%.
+REL_IQR_LIMIT = {"cuda": 0.05, "cpu": 0.10}
+MIN_STEPS_TO_JUDGE = 5  # fewer samples say nothing about their spread
+SPARE_CORE_SLACK = 0.25  # cores other processes may use beyond those the run leaves free (the OS, a sweep parent)
+# The 1-minute load average before the steps includes the run's own threads (its warm-up): it may exceed the cores
+# by this much before the host counts as loaded.
+LOAD_SLACK = 0.5
+EXACT_INTERVAL_UP_TO = 1000  # samples; beyond, the normal approximation of the binomial (exact to a rank or so)
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of raw samples (e.g. per-step milliseconds): the one place medians, IQRs and intervals are computed."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    n: int
+    ci: tuple[float, float] | None  # 95% interval of the median (order statistics); None below MIN_STEPS samples
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Stats:
+        xs = sorted(samples)
+        if not xs:
+            raise ValueError("no samples")
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
+        return cls(statistics.median(xs), q1, q3, xs[0], xs[-1], len(xs), median_interval(xs))
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    @property
+    def rel_iqr(self) -> float:
+        return self.iqr / self.median if self.median else math.inf
+
+    @property
+    def ci_half_width(self) -> float | None:
+        """The interval's larger distance from the median, relative to it (0.02 = +-2%); None without an interval."""
+        if self.ci is None or not self.median:
+            return None
+        return max(self.median - self.ci[0], self.ci[1] - self.median) / abs(self.median)
+
+
+def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free interval of the median: the order statistics x(k) and x(n+1-k) with the largest k for
+    which the median lies between them with probability >= `confidence` (binomial, p = 1/2). No assumption of
+    normality: step times are skewed (a descheduled step is slow, never fast). None when n is too small."""
+    xs = sorted(samples)
+    n = len(xs)
+    alpha = 1 - confidence
+    if n > EXACT_INTERVAL_UP_TO:
+        z = statistics.NormalDist().inv_cdf(1 - alpha / 2)
+        k = max(1, math.floor(n / 2 - z * math.sqrt(n) / 2))
+        return xs[k - 1], xs[n - k]
+    below = 0.0  # P(Binomial(n, 1/2) <= k - 1): the median is below x(k)
+    term = 0.5 ** n  # P(Binomial(n, 1/2) = k), updated term by term
+    k = 0
+    while k < n // 2:
+        if 2 * (below + term) > alpha:
+            break
+        below += term
+        term *= (n - k) / (k + 1)
+        k += 1
+    return None if k == 0 else (xs[k - 1], xs[n - k])
+
+
+# ---------------------------------------------------------------------------------------------------- how long
+
+@dataclass(frozen=True)
+class StepBudget:
+    """How many steps to measure: a fixed count, or (auto) until the median's interval is within
+    `target` of it, at least MIN_STEPS, at most `max_steps` or `max_time_s` of measuring."""
+
+    fixed: int | None = None  # --steps N; None: auto
+    max_steps: int = DEFAULT_MAX_STEPS
+    max_time_s: float = DEFAULT_MAX_TIME_S
+    target: float = TARGET_HALF_WIDTH
+
+    @property
+    def most(self) -> int:
+        return self.fixed if self.fixed is not None else self.max_steps
+
+    def stop_reason(self, series: Sequence[Sequence[float]], elapsed_s: float) -> str | None:
+        """Why to stop now ("fixed", "ci", "max-steps", "max-time"), or None to measure another step. `series`: one
+        list of step times, or for paired rounds the per-round ratios of each policy (all must reach the target)."""
+        n = min(len(s) for s in series)
+        if self.fixed is not None:
+            return "fixed" if n >= self.fixed else None
+        if n >= MIN_STEPS and all(_within(Stats.of(s).ci_half_width, self.target) for s in series):
+            return "ci"
+        if n >= self.max_steps:
+            return "max-steps"
+        if n >= min(MIN_STEPS, self.max_steps) and elapsed_s >= self.max_time_s:
+            return "max-time"
+        return None
+
+
+def _within(half_width: float | None, target: float) -> bool:
+    return half_width is not None and half_width <= target
+
+
+def measure_until(budget: StepBudget, timed_step: Callable[[], float], clock: Callable[[], float],
+                  progress: Callable[[str], None]) -> tuple[list[float], str]:
+    """Step times (whatever `timed_step` returns, ms) until `budget` says stop, and why it stopped. `clock`:
+    seconds, for the time budget. Stopping at the first step whose interval is narrow enough makes the 95% nominal
+    (a sequential test covers a little less); the minimum of 6 steps keeps that small."""
+    samples: list[float] = []
+    t0 = clock()
+    while (reason := budget.stop_reason([samples], clock() - t0)) is None:
+        progress(f"measuring step {len(samples) + 1}" + (f"/{budget.fixed}" if budget.fixed else _ci_text(samples)))
+        samples.append(timed_step())
+    return samples, reason
+
+
+def _ci_text(samples: Sequence[float]) -> str:
+    half = Stats.of(samples).ci_half_width if samples else None
+    return f" (median +-{half:.1%})" if half is not None else ""
+
+
+def step_time_fields(step_ms: list[float], stop: str) -> dict[str, Any]:
+    """The record's time fields from the raw samples (ms)."""
+    stats = Stats.of(step_ms)
+    return {"step_ms": step_ms, "step_ms_median": stats.median, "step_ms_iqr": stats.iqr,
+            "step_ms_rel_iqr": stats.rel_iqr if math.isfinite(stats.rel_iqr) else None, "step_ms_ci": list(stats.ci) if stats.ci else None, "steps_stop": stop}
+
+
+# ---------------------------------------------------------------------------------------------------- the host
+
+def cores_available() -> int:
+    """CPUs this process may run on: its affinity set (taskset, cgroup cpusets), or the logical CPUs."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """--threads auto on CPU: every available core but one, left to the OS, a sweep's parent and the machine's other
+    work, so that an OpenMP thread is less often descheduled (which stalls every parallel region)."""
+    return max(1, cores_available() - 1)
+
+
+def _busy_s(times) -> float:
+    # guest time is inside user already; steal is time a hypervisor gave to other machines: contention too
+    return sum(getattr(times, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+class HostLoad:
+    """How busy the host was around the measured steps: the 1-minute load average before and after, and the cores
+    other processes kept busy meanwhile (host CPU time minus this process's, over the wall time)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self._process = psutil.Process()
+
+    def __enter__(self) -> HostLoad:
+        self.load_before = _load_1m()
+        self._t0, self._host0, self._own0 = self._clock(), _busy_s(psutil.cpu_times()), self._own_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = self._clock() - self._t0
+        others = (_busy_s(psutil.cpu_times()) - self._host0) - (self._own_s() - self._own0)
+        self.other_cores = max(0.0, others / wall) if wall > 0 else None
+        self.load_after = _load_1m()
+
+    def _own_s(self) -> float:
+        t = self._process.cpu_times()
+        return t.user + t.system
+
+    def fields(self, threads: int) -> dict[str, Any]:
+        try:
+            affinity = sorted(os.sched_getaffinity(0))
+        except AttributeError:
+            affinity = None
+        return {"load_1m_before": self.load_before, "load_1m_after": self.load_after,
+                "cpus_logical": os.cpu_count(), "cpu_affinity": affinity, "torch_threads": threads,
+                "other_cpu_cores": self.other_cores}
+
+
+def _load_1m() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available (Windows)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- the rule
+
+def timing_verdict(record: Mapping[str, Any], device_kind: str) -> tuple[bool, list[str]]:
+    """The stability rule: (timing_stable, why not). Trusted when at least MIN_STEPS_TO_JUDGE steps were measured,
+    their IQR is within REL_IQR_LIMIT of the median, other processes (or a hypervisor) kept no more cores busy than
+    the run left free (plus SPARE_CORE_SLACK), and the 1-minute load average before the steps, which includes the
+    run's own threads, was not more than LOAD_SLACK above the available cores."""
+    notes = []
+    n, limit = len(record["step_ms"]), REL_IQR_LIMIT[device_kind]
+    if n < MIN_STEPS_TO_JUDGE:
+        notes.append(f"only {n} measured step{'s' if n != 1 else ''}: too few to judge the spread")
+    elif record["step_ms_rel_iqr"] is None or record["step_ms_rel_iqr"] > limit:
+        spread = record["step_ms_rel_iqr"]
+        notes.append(f"step times spread {spread:.0%} of the median (IQR), above {limit:.0%}" if spread is not None
+                     else "step times of 0 ms: no spread to judge")
+    cores = len(record["cpu_affinity"]) if record.get("cpu_affinity") else record.get("cpus_logical") or 1
+    used = min(record["torch_threads"], cores) if device_kind == "cpu" else 1  # a CUDA run: the launching thread
+    others = record.get("other_cpu_cores")
+    if others is not None and others > cores - used + SPARE_CORE_SLACK:
+        notes.append(f"other processes kept {others:.1f} of {cores} cores busy while it ran on {used}")
+    load = record.get("load_1m_before")
+    if load is not None and load > cores + LOAD_SLACK:
+        notes.append(f"1-minute load average {load:.1f} before it ran, above the {cores} cores available")
+    return not notes, notes
+
+
+# ---------------------------------------------------------------------------------------------------- paired
+
+def paired_rounds(steps: Mapping[str, Callable[[], float]], baseline: str, budget: StepBudget,
+                  clock: Callable[[], float], progress: Callable[[str], None]) -> tuple[dict[str, list[float]], str]:
+    """Time several policies interleaved: each round runs one step of every policy (`steps`: label -> a timed step,
+    returning ms), the order rotated by one each round so that no policy always follows the same one. Stops when
+    every policy's per-round ratio to `baseline` has its interval within the budget's target, or at its limits
+    (max_time_s counts per policy: a round of k policies takes k steps). Returns the step times per label and why it
+    stopped."""
+    labels = list(steps)
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    others = [label for label in labels if label != baseline]
+    per_policy = StepBudget(budget.fixed, budget.max_steps, budget.max_time_s * len(labels), budget.target)
+    t0 = clock()
+    while (reason := per_policy.stop_reason([ratios(times, label, baseline) for label in others],
+                                            clock() - t0)) is None:
+        r = len(times[baseline])
+        progress(f"paired round {r + 1}" + (f"/{budget.fixed}" if budget.fixed else ""))
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            times[label].append(steps[label]())
+    return times, reason
+
+
+def ratios(times: Mapping[str, Sequence[float]], label: str, baseline: str) -> list[float]:
+    """Per-round ratios of a policy's step time to the baseline's in the same round."""
+    return [t / b for t, b in zip(times[label], times[baseline])]
+
+
+def paired_fields(times: Mapping[str, Sequence[float]], label: str, baseline: str) -> dict[str, Any]:
+    """A policy's paired-timing fields: its own step times in the rounds, and the median per-round ratio to the
+    baseline with its 95% interval (the baseline's own ratio is 1 exactly)."""
+    stats = Stats.of(ratios(times, label, baseline))
+    return {"paired_step_ms": list(times[label]), "time_ratio": stats.median,
+            "time_ratio_ci": list(stats.ci) if stats.ci else None, "time_ratio_vs": baseline}
