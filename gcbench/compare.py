@@ -21,6 +21,7 @@ from rich.text import Text
 
 from gcbench.errors import GcbenchError
 from gcbench.results.frame import FAILED, GROUP_KEYS, policy_rank
+from gcbench.results.schema import half_width
 from gcbench.units import byte_unit
 
 # --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
@@ -108,8 +109,8 @@ def _noise_ms(matched: pd.DataFrame, side: str) -> pd.Series:
     """One side's noise in ms: the larger distance from its median to its 95% interval, or its IQR where the record
     has no interval (fewer than 6 steps, or written before intervals were)."""
     median = matched[f"step_ms_median_{side}"]
-    ci = matched[f"step_ms_ci_{side}"]
-    half = [max(m - c[0], c[1] - m) if isinstance(c, list) else float("nan") for m, c in zip(median, ci)]
+    relative = [half_width(m, ci) for m, ci in zip(median, matched[f"step_ms_ci_{side}"])]
+    half = [m * r if r is not None else float("nan") for m, r in zip(median, relative)]
     return pd.Series(half, index=matched.index).fillna(matched[f"step_ms_iqr_{side}"])
 
 

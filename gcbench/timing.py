@@ -16,6 +16,8 @@ from typing import Any
 
 import psutil
 
+from gcbench.results.schema import half_width
+
 CONFIDENCE = 0.95
 # --steps auto: measure until the median's 95% interval is within +-2% of it (the issue's target; pyperf and
 # pytest-benchmark also calibrate by time, not by a fixed count), with a minimum and two budgets.
@@ -67,9 +69,7 @@ class Stats:
     @property
     def ci_half_width(self) -> float | None:
         """The interval's larger distance from the median, relative to it (0.02 = +-2%); None without an interval."""
-        if self.ci is None or not self.median:
-            return None
-        return max(self.median - self.ci[0], self.ci[1] - self.median) / abs(self.median)
+        return half_width(self.median, self.ci)
 
 
 def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:

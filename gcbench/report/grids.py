@@ -57,9 +57,8 @@ def results_grid(part: pd.DataFrame) -> Grid:
             return "-"
         if not given(r["time_x"]):
             return "n/a"
-        vs = r["time_x_vs"]
-        return (("" if r["ratio_trusted"] else "~") + f"{r['time_x']:.2f}x" + ("" if vs == "none" else OTHER_BASELINE)
-                + (" u" if mixed and not r["time_x_paired"] else ""))
+        return time_ratio_text(r["time_x"], r["time_x_vs"], r["ratio_trusted"],
+                               unpaired=mixed and not r["time_x_paired"])
 
     rows, ends = [], set()
     records = part.to_dict("records")
@@ -103,6 +102,13 @@ OTHER_BASELINE = "†"  # a time ratio relative to another policy than none (non
 NOTE_KINDS = {"only ": "too few steps to judge", "step times spread": "steps spread past the limit",
               "step times of 0": "steps of 0 ms", "other processes": "other processes busy",
               "1-minute load": "host loaded before the run"}
+
+
+def time_ratio_text(ratio: float, vs: str, trusted: bool, unpaired: bool = False) -> str:
+    """A time ratio as tables show it: `1.49x`, `~1.49x` (not trusted), `1.08x†` (relative to another policy than
+    none), `1.52x u` (not paired, in a table that has paired ratios)."""
+    return (("" if trusted else "~") + f"{ratio:.2f}x" + ("" if vs == "none" else OTHER_BASELINE)
+            + (" u" if unpaired else ""))
 
 
 def note_kinds(notes: Any) -> list[str]:

@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gcbench.report.grids import OTHER_BASELINE, largest_fit_grid, note_kinds
+from gcbench.report.grids import OTHER_BASELINE, largest_fit_grid, note_kinds, time_ratio_text
 from gcbench.report.tables import rich_table
-from gcbench.results.frame import RATIO_HALF_WIDTH_LIMIT, given, results_frame
+from gcbench.results.frame import given, paired_ratio_trusted, results_frame
 from gcbench.results.schema import STATUSES, peak_bytes, policy_label
 from gcbench.units import fmt_bytes
 
@@ -136,9 +136,7 @@ def _time_ratio(row) -> str:
     ratio = row.time_ratio
     if row.status != "ok" or ratio is None or ratio != ratio:
         return "-"
-    ci = row.time_ratio_ci if isinstance(row.time_ratio_ci, list) else None
-    wide = ci is None or max(ratio - ci[0], ci[1] - ratio) / ratio > RATIO_HALF_WIDTH_LIMIT
-    return ("~" if wide else "") + f"{ratio:.2f}x" + ("" if row.time_ratio_vs == "none" else OTHER_BASELINE)
+    return time_ratio_text(ratio, row.time_ratio_vs, paired_ratio_trusted(ratio, row.time_ratio_ci))
 
 
 def largest_fit_table(records: list[dict[str, Any]], width: int | None = None) -> Table | None:

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from gcbench.report.grids import Grid, largest_fit_grid, prediction_grid, results_grid
 from gcbench.results.frame import FAILED
-from gcbench.results.schema import peak_bytes, policy_label
+from gcbench.results.schema import half_width, peak_bytes, policy_label
 from gcbench.units import byte_unit, fmt_bytes, human_count
 
 
@@ -84,9 +84,8 @@ def _step_time_text(record: dict[str, Any]) -> str:
     if record.get("step_ms_rel_iqr") is not None:
         text += f" ({record['step_ms_rel_iqr']:.1%})"
     text += f" over {n} step{'s' if n != 1 else ''}"
-    ci = record.get("step_ms_ci")
-    if ci:
-        half = max(record["step_ms_median"] - ci[0], ci[1] - record["step_ms_median"]) / record["step_ms_median"]
+    half = half_width(record["step_ms_median"], record.get("step_ms_ci"))
+    if half is not None:
         text += f"; median +-{half:.1%} (95%)"
     if record.get("steps_stop") in STOPS:
         text += f"; {STOPS[record['steps_stop']]}"

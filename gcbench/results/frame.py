@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import policy_label, record_problem
+from gcbench.results.schema import half_width, policy_label, record_problem
 from gcbench.results.store import read_records, result_files
 from gcbench.units import fmt_bytes
 
@@ -122,17 +122,16 @@ def _time_ratios(frame: pd.DataFrame) -> pd.DataFrame:
                                                    "timing_trusted"]
     none_ok = frame.join(trusted_none.rename("_none_trusted"), on=GROUP_KEYS)["_none_trusted"]
     frame["ratio_trusted"] = [
-        (_half_width(ci, ratio) <= RATIO_HALF_WIDTH_LIMIT) if is_paired else (bool(own) and none_ok_ == True)  # noqa: E712
+        paired_ratio_trusted(ratio, ci) if is_paired else (bool(own) and none_ok_ == True)  # noqa: E712
         for is_paired, ci, ratio, own, none_ok_ in zip(paired, frame["time_ratio_ci"], frame["time_x"],
                                                       frame["timing_trusted"], none_ok)]
     return frame
 
 
-def _half_width(ci: Any, value: float) -> float:
-    """An interval's larger distance from its value, relative to it; infinite without an interval."""
-    if not isinstance(ci, list) or len(ci) != 2 or not value:
-        return float("inf")
-    return max(value - ci[0], ci[1] - value) / abs(value)
+def paired_ratio_trusted(ratio: float, interval: Any) -> bool:
+    """A paired time ratio is trusted when its 95% interval is within RATIO_HALF_WIDTH_LIMIT of it."""
+    half = half_width(ratio, interval)
+    return half is not None and half <= RATIO_HALF_WIDTH_LIMIT
 
 
 def results_frame(df: pd.DataFrame) -> pd.DataFrame:

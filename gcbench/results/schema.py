@@ -160,6 +160,14 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
     return None
 
 
+def half_width(value: float, interval: Any) -> float | None:
+    """How far a [low, high] interval reaches from its value, on the wider side, relative to the value (0.02 =
+    +-2%); None without an interval (fewer than 6 steps, an older record) or a value of 0."""
+    if not isinstance(interval, (list, tuple)) or len(interval) != 2 or not value:
+        return None
+    return max(value - interval[0], interval[1] - value) / abs(value)
+
+
 def config_key(record: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> str:
     """A configuration's identity: its spec fields (minus `ignore`) as canonical JSON. A sweep resumes by it, the
     OOM skip rule ignores seq_len and batch_size, compare ignores the device index and the run length."""
