@@ -4,6 +4,7 @@ and policies timed paired. Every duration here comes from a fake clock: no test 
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import sys
 from types import SimpleNamespace
@@ -172,6 +173,8 @@ def test_threads_default_to_all_cores_but_one_and_are_recorded(tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     [record] = read_records(out)
     assert record["threads"] == record["torch_threads"] == record["env"]["torch_threads"] == 1
+    # two steps cannot be judged: the table marks the step time and says why
+    assert re.search(r"step time \(median\)\s*│\s*~\d", result.output) and "not trusted" in result.output
     assert torch.get_num_threads() == before  # set for the run only
 
 

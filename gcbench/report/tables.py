@@ -60,7 +60,8 @@ def run_table(record: dict[str, Any]) -> Table:
     table.add_row("model state", fmt_bytes(state),
                   f"params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
                   f"+ {record['optimizer']} {fmt_bytes(record['optimizer_bytes'])}")
-    table.add_row("step time (median)", f"{record['step_ms_median']:.1f} ms", _step_time_text(record))
+    shaky = "~" if record.get("timing_stable") is False else ""
+    table.add_row("step time (median)", f"{shaky}{record['step_ms_median']:.1f} ms", _step_time_text(record))
     if "timing_stable" in record:
         stable = record["timing_stable"]
         table.add_row("timing", "[green]stable[/]" if stable else "[bold yellow]not trusted[/]",
@@ -97,8 +98,9 @@ def _host_text(record: dict[str, Any]) -> str:
     others = record.get("other_cpu_cores")
     load = record.get("load_1m_before")
     text = "spread within the limit"
-    if others is not None:
-        text += f"; {others:.1f} of {cores} cores busy elsewhere"
+    if others is not None and cores:
+        used = min(record.get("threads") or 1, cores) if not str(record["device"]).startswith("cuda") else 1
+        text += f"; others used {others:.1f} core{'s' if others >= 1.05 else ''}, the run left {cores - used} of {cores} free"
     if load is not None:
         text += f"; load {load:.1f}"
     return text
