@@ -41,9 +41,9 @@ def main() -> None:
 
 
 def measure(spec: RunSpec, instrument, rounds: int) -> None:
-    config, family = spec.model_config()
+    config, _ = spec.model_config()
     torch.manual_seed(spec.seed)
-    model = build_model(config, family, spec.device, spec.param_dtype)
+    model = build_model(config, spec.device, spec.param_dtype)
     spec.policy.apply(find_blocks(model))
     optimizer = make_optimizer(spec.optimizer, model)
     batch = make_batch(spec, config, spec.device)

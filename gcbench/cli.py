@@ -33,8 +33,29 @@ err_console = Console(stderr=True)
 DEFAULT_OUT = Path("results/runs.jsonl")
 
 
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import gcbench
+
+    def installed(name: str) -> str:  # read from the package metadata: importing torch would take seconds
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    typer.echo(f"gcbench {gcbench.__version__} (torch {installed('torch')}, transformers {installed('transformers')}, "
+               f"python {platform.python_version()})")
+    raise typer.Exit(0)
+
+
 @app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context) -> None:
+def _root(ctx: typer.Context, _version: Annotated[
+        bool, typer.Option("--version", help="print the versions of gcbench, torch and transformers and exit",
+                           callback=_print_version, is_eager=True)] = False) -> None:
     # Help for a bare `gcbench` (instead of no_args_is_help, whose help-as-error would be squeezed into one line).
     if ctx.invoked_subcommand is None:
         typer.echo(ctx.get_help())
@@ -164,22 +185,24 @@ def _step_progress(total: int | None):
 
 @app.command()
 def models() -> None:
-    """List the model presets."""
+    """List the model presets. Any other model: --model path/to/config.json, or a Hub id (owner/name)."""
     from rich import box
 
     from gcbench.models import MODELS, describe
 
-    wide = console.width >= 110  # the one-line summaries only where they need not wrap
-    table = Table(title="model presets (random weights, built from transformers configs)", box=box.SIMPLE_HEAD,
-                  caption=None if wide else "(summaries in a terminal of 110 columns or more)")
-    for col in ("name", "family", "params", "layers", "hidden", "heads", "max seq", *(["summary"] if wide else [])):
-        table.add_column(col, justify="right" if col in ("params", "layers", "hidden", "max seq") else "left",
-                         no_wrap=col != "summary")
+    wide = console.width >= 120  # the one-line summaries only where they need not wrap
+    table = Table(title="model presets (random weights, built from their config.json)", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True,
+                  caption="heads: query/key-value heads · sources of the values: docs/models.md"
+                  + ("" if wide else "\n(summaries in a terminal of 120 columns or more)"), caption_justify="left")
+    numbers = ("params", "layers", "hidden", "heads", "vocab", "max seq")
+    for col in ("name", "family", *numbers, *(["summary"] if wide else [])):
+        table.add_column(col, justify="right" if col in numbers else "left", no_wrap=col != "summary")
     for name in MODELS:
         row = describe(name)
-        heads = f"{row['heads']}" + (f" ({row['kv_heads']} kv)" if row["kv_heads"] != row["heads"] else "")
         params = f"{row['params'] / 1e9:.2f} B" if row["params"] >= 1e9 else f"{row['params'] / 1e6:.1f} M"
-        cells = [name, row["family"], params, str(row["layers"]), str(row["hidden"]), heads, str(row["max_seq"])]
+        cells = [name, row["family"], params, str(row["layers"]), str(row["hidden"]),
+                 f"{row['heads']}/{row['kv_heads']}", str(row["vocab"]), str(row["max_seq"] or "-")]
         table.add_row(*cells, *([row["summary"]] if wide else []))
     console.print(table)
 

@@ -14,6 +14,9 @@ import transformers
 import gcbench
 from gcbench.instruments import CudaInstrument
 
+# The models a sweep runs, one per line, for its fork server to warm up (sweeps/child.py); set by the sweep.
+WARM_MODELS_ENV = "GCBENCH_WARM_MODELS"
+
 
 def _run(*cmd: str) -> str | None:
     try:

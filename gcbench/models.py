@@ -1,103 +1,64 @@
-"""Model presets: transformers config classes with random weights; nothing is ever downloaded."""
+"""Models from their config: a preset name, a local config.json or a Hugging Face Hub id (its config.json only).
+
+Any transformers family builds through the Auto classes, random weights, nothing downloaded but a config.json:
+a causal LM for decoders, a masked LM for encoders. The transformer blocks are found by one rule for every family
+(find_blocks), and the longest sequence by another (max_positions); nothing here is a table per family.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-# Presets are built from configs only; this makes any accidental hub access fail fast instead of hanging.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+import transformers
+from torch import nn
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
+from gcbench.errors import GcbenchError
+from gcbench.presets import MODELS, Preset
 
-from gcbench.errors import GcbenchError  # noqa: E402
+__all__ = ["MODELS", "Preset", "build_meta_model", "build_model", "count_params", "describe", "find_blocks",
+           "load_config", "max_positions", "prepare_config"]
 
 transformers.logging.set_verbosity_error()  # config-validation chatter about random-init presets is noise here
 
-
-@dataclass(frozen=True)
-class Family:
-    """How to build and train one architecture family."""
-
-    config_cls: type[transformers.PretrainedConfig]
-    auto_model: type  # the Auto* class with a training head (labels -> loss)
-    learned_positions: bool  # a learned position table caps seq_len; RoPE models can be stretched
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(transformers.LlamaConfig, transformers.AutoModelForCausalLM, learned_positions=False),
-    "mistral": Family(transformers.MistralConfig, transformers.AutoModelForCausalLM, learned_positions=False),
-    "gpt2": Family(transformers.GPT2Config, transformers.AutoModelForCausalLM, learned_positions=True),
-    "bert": Family(transformers.BertConfig, transformers.AutoModelForMaskedLM, learned_positions=True),
-}
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    family: str
-    summary: str
-    make_config: Callable[[], transformers.PretrainedConfig]
-
-
-MODELS: dict[str, Preset] = {}
-
-
-def preset(name: str, family: str, summary: str, **config) -> None:
-    """Register a preset: `config` are the keyword arguments of the family's config class."""
-    cls = FAMILIES[family].config_cls
-    MODELS[name] = Preset(name, family, summary, lambda: cls(**config))
-
-
-_LLAMA = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
-preset("llama-7b", "llama", "Llama-2 7B: 32 x 4096, MHA 32 heads, SwiGLU 11008",
-       hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, **_LLAMA)
-preset("llama-13b", "llama", "Llama-2 13B: 40 x 5120, MHA 40 heads, SwiGLU 13824",
-       hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, **_LLAMA)
-preset("mistral-7b", "mistral", "Mistral 7B v0.1: 32 x 4096, GQA 32 query / 8 kv heads, SwiGLU 14336",
-       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096)
-preset("gpt2", "gpt2", "GPT-2 124M: 12 x 768, 12 heads, learned positions (<= 1024), dropout 0.1",
-       n_embd=768, n_layer=12, n_head=12)
-preset("gpt2-medium", "gpt2", "GPT-2 355M: 24 x 1024, 16 heads", n_embd=1024, n_layer=24, n_head=16)
-preset("gpt2-xl", "gpt2", "GPT-2 1.5B: 48 x 1600, 25 heads", n_embd=1600, n_layer=48, n_head=25)
-preset("bert-base", "bert", "BERT base (MLM): 12 x 768, 12 heads, <= 512 positions, dropout 0.1",
-       hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
-preset("bert-large", "bert", "BERT large (MLM): 24 x 1024, 16 heads",
-       hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
-# Tiny presets for CI: a few blocks, hidden <= 128, dropout on so that RNG replay in recompute is exercised.
-preset("tiny-llama", "llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1",
-       hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-       vocab_size=512, max_position_embeddings=2048, attention_dropout=0.1, tie_word_embeddings=False)
-preset("tiny-gpt2", "gpt2", "CI: 4 x 64, 4 heads, dropout 0.1 everywhere",
-       n_embd=64, n_layer=4, n_head=4, vocab_size=512, n_positions=2048, bos_token_id=0, eos_token_id=0,
-       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-preset("tiny-bert", "bert", "CI: 4 x 64, 4 heads, dropout 0.1 (MLM head)",
-       hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=512,
-       max_position_embeddings=2048)
+# A Hub model id: owner/name (letters, digits, - _ .), optionally @revision (a branch, tag or commit)
+_HUB_ID = re.compile(r"[\w][\w.-]*/[\w][\w.-]*(@[\w./-]+)?")
 
 
 def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
-    """The config of a preset name or of a local Hugging Face config.json; returns (config, family).
+    """(config, family) of a preset name, a local config.json (or a directory holding one), or a Hugging Face Hub
+    id `owner/name[@revision]`, of which only config.json is fetched (hub.py). family is the config's model_type.
 
     A config.json is checked as a whole before it is used: the values transformers refuses, sizes that are not
     positive integers, heads that do not divide, and a model that cannot be built from it are each one
     GcbenchError naming the file, the field and the rule."""
     if model in MODELS:
-        p = MODELS[model]
-        return p.make_config(), p.family
+        return config_from_dict(MODELS[model].config, model, check=False)
     path = Path(model)
     try:
         if path.is_dir():
             path = path / "config.json"
-        if not path.suffix == ".json":
-            raise GcbenchError(f"unknown model {model!r}; presets: {', '.join(MODELS)} (or a path to a config.json)")
+        local = path.suffix == ".json" or path.exists()
+    except OSError as e:
+        raise GcbenchError(f"cannot read model config {model[:200]!r}: {e.strerror or e}") from None
+    if not local:
+        if not _HUB_ID.fullmatch(model):
+            raise GcbenchError(f"unknown model {model!r}: not a preset ({', '.join(MODELS)}), a path to a "
+                               "config.json, or a Hugging Face Hub id such as Qwen/Qwen3-8B")
+        from gcbench.hub import hub_config_file
+
+        path = hub_config_file(model)
+    return config_from_dict(read_config_json(path), str(path) if local else model)
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """The JSON object of a config.json; a file that cannot be read or is not one JSON object is a GcbenchError."""
+    try:
         if path.exists() and not path.is_file():
             raise OSError(f"{str(path)!r} is not a regular file")
         data = json.loads(path.read_bytes())
@@ -107,21 +68,39 @@ def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
         raise GcbenchError(f"{str(path)!r} is not a JSON config: {_one_line(e)}") from None
     if not isinstance(data, dict):
         raise GcbenchError(f"{str(path)!r}: a config.json holds one JSON object, not a {type(data).__name__}")
+    return data
+
+
+def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> tuple[transformers.PretrainedConfig,
+                                                                                     str]:
+    """(config, family) from config.json fields; `origin` names them in errors (a path, a Hub id, a preset).
+
+    A multimodal config (a text model beside a vision tower) becomes its text model's config: that is the stack
+    of blocks gcbench trains. `auto_map` is dropped: the model is always transformers' own class for its
+    model_type, never code from the Hub."""
+    data = {k: v for k, v in data.items() if k != "auto_map"}
     family = data.pop("model_type", None)
-    if not isinstance(family, str) or family not in FAMILIES:
-        raise GcbenchError(f"{str(path)!r}: model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
-    cls = FAMILIES[family].config_cls
+    if not isinstance(family, str):
+        raise GcbenchError(f"{origin}: no model_type: a config.json names its transformers family (model_type)")
+    if family not in transformers.CONFIG_MAPPING:
+        raise GcbenchError(f"{origin}: model_type {family!r} is not a family transformers {transformers.__version__} "
+                           "has; gcbench never runs a model's own code from the Hub (trust_remote_code)")
+    cls = transformers.CONFIG_MAPPING[family]
     sizes = {*_SIZES, *(cls.attribute_map[k] for k in _SIZES if k in cls.attribute_map)}  # gpt2: n_embd, ...
     for key, value in data.items():
         if key in sizes and value is not None and not _positive_int(value):
-            raise GcbenchError(f"{path}: {key} must be a positive integer, got {value!r}")
+            raise GcbenchError(f"{origin}: {key} must be a positive integer, got {value!r}")
     try:
         config = cls(**data)
+        text = config.get_text_config(decoder=True)
     except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
-        raise GcbenchError(f"{path}: transformers refuses this config: {_validation_message(e)}") from None
-    key = (str(path), json.dumps(data, sort_keys=True, default=str))
-    if key not in _CHECKED:  # a sweep makes a RunSpec per config, each loading the config again
-        _check_config(config, family, path)
+        raise GcbenchError(f"{origin}: transformers refuses this config: {_validation_message(e)}") from None
+    if text is not config:
+        config = text
+        family = config.model_type
+    key = (origin, json.dumps(data, sort_keys=True, default=str))
+    if check and key not in _CHECKED:  # a sweep makes a RunSpec per config, each loading the config again
+        _check_config(config, origin)
         _CHECKED.add(key)
     return config, family
 
@@ -131,33 +110,38 @@ _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
           "vocab_size", "max_position_embeddings", "n_positions", "head_dim", "n_inner")
 
 
-_CHECKED: set[tuple[str, str]] = set()  # (path, config text) already checked
+_CHECKED: set[tuple[str, str]] = set()  # (origin, config text) already checked
 MAX_LAYERS = 1_000  # blocks; the deepest published models have about 130
 
 
-def _check_config(config: transformers.PretrainedConfig, family: str, path: Path) -> None:
+def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     """The rules a config must obey to be built and trained."""
     for name in _SIZES:
         value = getattr(config, name, None)
         if value is not None and not _positive_int(value):
-            raise GcbenchError(f"{path}: {name} must be a positive integer, got {value!r}")
+            raise GcbenchError(f"{origin}: {name} must be a positive integer, got {value!r}")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if getattr(config, name, None) is None:
+            raise GcbenchError(f"{origin}: {name} is missing: gcbench trains transformer language models")
     if config.num_hidden_layers > MAX_LAYERS:  # a meta build of millions of blocks would take the machine down
-        raise GcbenchError(f"{path}: num_hidden_layers must be at most {MAX_LAYERS:,}, got {config.num_hidden_layers:,}")
-    scaling = getattr(config, "rope_scaling", None) or {}
-    factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else 1.0
+        raise GcbenchError(f"{origin}: num_hidden_layers must be at most {MAX_LAYERS:,}, got "
+                           f"{config.num_hidden_layers:,}")
+    factor = (_rope(config) or {}).get("factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1e6:
-        raise GcbenchError(f"{path}: rope_scaling's factor must be a number from 1 to 1e6, got {factor!r}")
+        raise GcbenchError(f"{origin}: rope_scaling's factor must be a number from 1 to 1e6, got {factor!r}")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % kv:
-        raise GcbenchError(f"{path}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
+        raise GcbenchError(f"{origin}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
-        raise GcbenchError(f"{path}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
+        raise GcbenchError(f"{origin}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
                            f"({heads})")
+    head = auto_class(config, origin)
     try:
-        build_meta_model(config, family)  # no memory, no init: whatever else transformers refuses, say it now
+        model = _meta_build(head, config)  # no memory, no init: whatever else transformers refuses, say it now
     except Exception as e:  # noqa: BLE001
-        raise GcbenchError(f"{path}: transformers cannot build a model from this config: {_one_line(e)}") from None
+        raise GcbenchError(f"{origin}: transformers cannot build a model from this config: {_one_line(e)}") from None
+    find_blocks(model, origin)
 
 
 def _positive_int(value: object) -> bool:
@@ -176,6 +160,22 @@ def _validation_message(e: BaseException) -> str:
     return re.sub(r"^Class validation error for validator '\w+': \w+: ", "", text)
 
 
+def auto_class(config: transformers.PretrainedConfig, origin: str | None = None) -> type:
+    """The Auto class with a training head (labels -> loss): a masked LM for an encoder (a family transformers has
+    a masked-LM head for, not configured as a decoder), a causal LM otherwise."""
+    family = config.model_type
+    where = f"{origin}: " if origin else ""
+    if getattr(config, "is_encoder_decoder", False):
+        raise GcbenchError(f"{where}{family} is an encoder-decoder model; gcbench trains one stack of blocks (a "
+                           "decoder or an encoder)")
+    if family in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return transformers.AutoModelForMaskedLM
+    if family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    raise GcbenchError(f"{where}{family} models have no causal-LM or masked-LM head in transformers "
+                       f"{transformers.__version__}; gcbench trains language models")
+
+
 def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
                    attn: str | None) -> transformers.PretrainedConfig:
     """Apply the run's shape to a config: truncate blocks, check positions, training-only settings."""
@@ -183,71 +183,112 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     if layers is not None:
         if not 1 <= layers <= n:
             raise GcbenchError(f"--layers {layers} is out of range: the model has {n} blocks")
+        for key, value in vars(config).items():
+            # per-block lists (layer_types: Gemma's local/global pattern, Qwen's sliding layers) keep the first N
+            if isinstance(value, list) and len(value) == n and not key.endswith(("token_id", "token_ids")):
+                setattr(config, key, value[:layers])
         config.num_hidden_layers = layers
-    max_pos = _max_positions(config)
-    if seq_len > max_pos:
-        if FAMILIES[family].learned_positions:
-            raise GcbenchError(f"--seq {seq_len} exceeds the {max_pos} learned positions of this {family} model")
-        raise GcbenchError(f"--seq {seq_len} exceeds the {max_pos} positions this {family} model is made for "
+    limit, learned = max_positions(config)
+    if limit is not None and seq_len > limit:
+        if learned:
+            raise GcbenchError(f"--seq {seq_len} exceeds the {limit} learned positions of this {family} model")
+        raise GcbenchError(f"--seq {seq_len} exceeds the {limit} positions this {family} model is made for "
                            "(max_position_embeddings, with rope_scaling's factor); for longer sequences use a "
                            "config.json that allows them")
     config.use_cache = False
-    if attn is not None:
-        config._attn_implementation = attn
+    sdpa = auto_class(config)._model_mapping[type(config)]._supports_sdpa
+    if attn == "sdpa" and not sdpa:
+        raise GcbenchError(f"{family} models have no SDPA attention in transformers {transformers.__version__}; "
+                           "use --attn eager")
+    # Set here, so that every reader (the step, the estimators, the record) sees the one the model runs.
+    config._attn_implementation = attn or ("sdpa" if sdpa else "eager")
     return config
 
 
-def _max_positions(config) -> int:
-    """The longest sequence the model is made for: its learned position table, or (RoPE) max_position_embeddings
-    times the factor of a linear or dynamic rope_scaling, which transformers does not fold into it."""
-    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
-    scaling = getattr(config, "rope_scaling", None) or {}
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("linear", "dynamic"):
-        positions = int(positions * float(scaling.get("factor", 1.0)))
-    return positions
+def _rope(config) -> dict | None:
+    """The rotary embedding's parameters (transformers 5: rope_parameters; older: rope_scaling), None without RoPE."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return rope if isinstance(rope, dict) else None
 
 
-def build_model(config, family: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+_POSITION_TABLES: dict[str, int | None] = {}  # config text -> the usable rows of its learned position table
+
+
+def max_positions(config) -> tuple[int | None, bool]:
+    """(the longest sequence the model is made for, whether that is a learned position table's size).
+
+    With RoPE: max_position_embeddings, times the factor of a linear or dynamic rope_scaling, which transformers
+    does not fold into it; a longer sequence would run, outside what the model was made for. Otherwise the learned
+    position table (an embedding, not the token embedding, of max_position_embeddings rows), less the rows below
+    its padding index that RoBERTa-style models skip; without one, max_position_embeddings if the config has it."""
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    rope = _rope(config)
+    if rope is not None:
+        if positions is not None and rope.get("rope_type", rope.get("type")) in ("linear", "dynamic"):
+            positions = int(positions * float(rope.get("factor", 1.0)))
+        return positions, False
+    key = config.to_json_string(use_diff=False)
+    if key not in _POSITION_TABLES:
+        model = build_meta_model(config)
+        tokens = model.get_input_embeddings()
+        tables = [m for m in model.modules() if isinstance(m, nn.Embedding) and m is not tokens
+                  and m.num_embeddings == positions]
+        _POSITION_TABLES[key] = None if not tables else \
+            tables[0].num_embeddings - (0 if tables[0].padding_idx is None else tables[0].padding_idx + 1)
+    table = _POSITION_TABLES[key]
+    return (table, True) if table is not None else (positions, False)
+
+
+def build_model(config, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """Random-init the model directly on `device` in `dtype` (a 7B model is never materialised on the host)."""
-    attn = getattr(config, "_attn_implementation", None) or "sdpa"
     with torch.device(device):
-        model = FAMILIES[family].auto_model.from_config(config, dtype=dtype, attn_implementation=attn)
+        model = auto_class(config).from_config(config, dtype=dtype,
+                                               attn_implementation=getattr(config, "_attn_implementation", None))
     model.train()
     return model
 
 
-def build_meta_model(config, family: str) -> nn.Module:
+def build_meta_model(config) -> nn.Module:
     """The model on the meta device: shapes and parameter counts, no memory, no init time."""
+    return _meta_build(auto_class(config), config)
+
+
+def _meta_build(head: type, config) -> nn.Module:
     with torch.device("meta"):
-        return FAMILIES[family].auto_model.from_config(config)
+        return head.from_config(config)
 
 
-def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer block list: the ModuleList holding `num_hidden_layers` modules of one class."""
+def find_blocks(model: nn.Module, origin: str | None = None) -> nn.ModuleList:
+    """The transformer block list, by one rule for every family: the first (outermost) nn.ModuleList holding
+    `num_hidden_layers` modules of one class (model.layers, transformer.h, encoder.layer, gpt_neox.layers, ...)."""
     n = model.config.num_hidden_layers
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == n and len({type(m) for m in module}) == 1:
             return module
-    raise GcbenchError(f"cannot find the {n} transformer blocks of {type(model).__name__}")
+    raise GcbenchError(f"{origin or model.config.model_type}: {type(model).__name__} has no nn.ModuleList of its "
+                       f"{n} blocks (num_hidden_layers) of one class, so gcbench cannot find the blocks to "
+                       "checkpoint")
 
 
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def describe(name: str) -> dict:
-    """One row of `gcbench models`: name, family, params, layers, hidden, heads and kv heads, summary."""
+def describe(name: str) -> dict[str, Any]:
+    """One row of `gcbench models`: name, family, params, layers, hidden, heads and kv heads, vocab, max seq."""
     p = MODELS[name]
-    config = p.make_config()
+    config, family = load_config(name)
     heads = config.num_attention_heads
     return {
         "name": name,
-        "family": p.family,
-        "params": count_params(build_meta_model(config, p.family)),
+        "family": family,
+        "params": count_params(build_meta_model(config)),
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
         "heads": heads,
         "kv_heads": getattr(config, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
-        "max_seq": _max_positions(config),  # the longest --seq it takes
+        "vocab": config.vocab_size,
+        "max_seq": max_positions(config)[0],  # the longest --seq it takes
         "summary": p.summary,
+        "source": p.source,
     }

@@ -49,12 +49,12 @@ def run_paired(specs: Sequence[RunSpec], baseline: str, progress: Progress | Non
     labels = [policy_label(s.as_record()) for s in specs]
     if baseline not in labels or len(set(labels)) < 2:
         raise ValueError(f"paired timing needs two policies or more, the baseline {baseline!r} among them")
-    config, family = first.model_config()
+    config, _ = first.model_config()
     instrument = instrument_for(first.device, first.memory_cap_bytes)
     with torch_threads(first.threads), instrument.session():
         progress("building model")
         torch.manual_seed(first.seed)
-        model = build_model(config, family, first.device, first.param_dtype)
+        model = build_model(config, first.device, first.param_dtype)
         blocks = find_blocks(model)
         step = TrainingStep(model, make_optimizer(first.optimizer, model), make_batch(first, config, first.device),
                             first)

@@ -75,7 +75,7 @@ def model_size(spec: RunSpec) -> ModelSize:
     config, family = spec.model_config()
     key = f"{family}:{config.to_json_string(use_diff=False)}"
     if key not in _MODEL_SIZES:
-        _MODEL_SIZES[key] = ModelSize.of(build_meta_model(config, family))
+        _MODEL_SIZES[key] = ModelSize.of(build_meta_model(config))
     return _MODEL_SIZES[key]
 
 
@@ -148,7 +148,7 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
 
     progress("building model")
     torch.manual_seed(spec.seed)
-    model = build_model(config, family, spec.device, spec.param_dtype)
+    model = build_model(config, spec.device, spec.param_dtype)
     undo_policy = spec.policy.apply(find_blocks(model))
     step = TrainingStep(model, make_optimizer(spec.optimizer, model), make_batch(spec, config, spec.device), spec)
     spec.policy.prepare(step)

@@ -151,7 +151,8 @@ def option(flag: str, help: str, default: Any = dataclasses.MISSING, **how: Any)
 class RunSpec:
     """One configuration to measure. Made only through validation: every field is concrete and legal."""
 
-    model: str = option("model", "preset name (see `gcbench models`) or path to a config.json", parse=parse_name,
+    model: str = option("model", "preset name (see `gcbench models`), path to a config.json, or a Hugging Face Hub "
+                        "id owner/name[@revision] (its config.json only)", parse=parse_name,
                         metavar="NAME", axis=True)
     seq_len: int = option("seq", "sequence length in tokens", axis=True, ascending=True)
     batch_size: int = option("batch", "samples per step", axis=True, ascending=True)

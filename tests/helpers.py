@@ -20,12 +20,12 @@ def tiny_spec(model="tiny-llama", policy="none", **overrides) -> RunSpec:
     return RunSpec(**(fields | overrides))
 
 
-def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str = "cpu"):
+def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str = "cpu", **overrides):
     """(loss, gradients in parameter order) of one fp32 forward+backward under `policy`."""
-    spec = tiny_spec(model_name, policy, device=device, precision="fp32")
-    config, family = spec.model_config()
+    spec = tiny_spec(model_name, policy, device=device, precision="fp32", **overrides)
+    config, _ = spec.model_config()
     torch.manual_seed(0)
-    model = build_model(config, family, device, torch.float32)
+    model = build_model(config, device, torch.float32)
     params = list(model.parameters())
     spec.policy.apply(find_blocks(model))
     torch.manual_seed(dropout_seed)
@@ -34,10 +34,10 @@ def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str =
     return loss.detach(), [p.grad for p in params]
 
 
-def assert_gradients_equal_none(model_name: str, policy: str, device: str = "cpu") -> None:
+def assert_gradients_equal_none(model_name: str, policy: str, device: str = "cpu", **overrides) -> None:
     """The policy's loss and every parameter's gradient equal those of `none` (same seeds, dropout on)."""
-    loss_ref, ref = gradients(model_name, "none", device=device)
-    loss, got = gradients(model_name, policy, device=device)
+    loss_ref, ref = gradients(model_name, "none", device=device, **overrides)
+    loss, got = gradients(model_name, policy, device=device, **overrides)
     torch.testing.assert_close(loss, loss_ref)
     assert len(got) == len(ref) and all(g is not None for g in got)
     for g, r in zip(got, ref):

@@ -134,7 +134,7 @@ def test_local_config_json(tmp_path):
     assert read_records(out)[0]["n_layers"] == 2
     config.write_text(json.dumps({"model_type": "t5"}))
     bad = runner.invoke(app, [*TINY_RUN[:2], str(config), *TINY_RUN[3:], "--out", str(out)])
-    assert bad.exit_code == 2 and "not supported" in bad.stderr
+    assert bad.exit_code == 2 and "encoder-decoder" in bad.stderr
 
 
 def test_usage_errors_through_the_entry_point_are_one_line():

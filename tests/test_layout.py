@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gcbench.results.schema import IDENTITY_KEYS, SpecFields
 from gcbench.spec import RunSpec
 
@@ -23,7 +25,7 @@ LAYERS = [
     ("estimators",),
     ("env",),
     ("spec",),
-    ("step", "policies", "models"),
+    ("step", "policies", "models", "presets", "hub"),
     ("instruments",),
     ("measure", "timing"),
     ("results", "units", "errors", "__init__"),
@@ -122,13 +124,14 @@ def test_record_schema_names_every_runspec_field():
     assert set(IDENTITY_KEYS) == spec_fields | {"policy_options"}
 
 
-def test_the_command_line_answers_without_torch():
+@pytest.mark.parametrize("flag, says", [("--help", "Usage"), ("--version", "gcbench ")])
+def test_the_command_line_answers_without_torch(flag, says):
     code = ("import sys; import gcbench, gcbench.spec, gcbench.grid\n"
             "from gcbench.cli import main\n"
-            "sys.argv = ['gcbench', '--help']\n"
+            f"sys.argv = ['gcbench', '{flag}']\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'pandas', 'matplotlib') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Usage" in done.stdout
+    assert says in done.stdout

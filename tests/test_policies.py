@@ -5,7 +5,7 @@ import torch
 
 from gcbench.errors import GcbenchError
 from gcbench.models import build_model, find_blocks
-from gcbench.policies import POLICIES, CheckpointedGroup, EveryK, Segments, SqrtN, parse_policy
+from gcbench.policies import POLICIES, CheckpointedGroup, EveryK, GroupArguments, Segments, SqrtN, parse_policy
 from tests.helpers import CLASSIC, TINY, assert_gradients_equal_none, gradients, tiny_spec
 
 
@@ -24,13 +24,17 @@ def test_gradients_equal_none(model_name, policy):
 
 def test_policy_wraps_the_blocks_it_should_and_undo_restores_them():
     spec = tiny_spec("tiny-gpt2", "segments:k=3")
-    config, family = spec.model_config()
-    model = build_model(config, family, "cpu", torch.float32)
+    config, _ = spec.model_config()
+    model = build_model(config, "cpu", torch.float32)
     blocks = find_blocks(model)
-    originals = list(blocks)
+    originals, params = list(blocks), list(model.parameters())
     undo = spec.policy.apply(blocks)
-    assert isinstance(blocks[0], CheckpointedGroup) and len(blocks[0].blocks) == 3
-    assert isinstance(blocks[3], CheckpointedGroup) and len(blocks[3].blocks) == 1
+    # a group stands at its last block; the blocks before it note their own arguments for it
+    assert isinstance(blocks[2], CheckpointedGroup) and list(blocks[2].blocks) == originals[:3]
+    assert all(isinstance(blocks[i], GroupArguments) and blocks[i]._group == [blocks[2]] for i in (0, 1))
+    assert isinstance(blocks[3], CheckpointedGroup) and list(blocks[3].blocks) == originals[3:]
+    # each block registered once, in its place: the optimizer sees the parameters in the same order
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
     undo()
     assert list(blocks) == originals
 

@@ -98,8 +98,8 @@ def test_offload_moves_the_saved_bytes_to_the_host(records, model_name):
 def test_offload_prepare_sets_up_and_runs_nothing():
     """The runner measures: prepare only pins host memory on a CUDA run, the bytes are read after the runner's step."""
     spec = tiny_spec("tiny-gpt2", "offload", seq_len=32)
-    config, family = spec.model_config()
-    model = build_model(config, family, "cpu", torch.float32)
+    config, _ = spec.model_config()
+    model = build_model(config, "cpu", torch.float32)
     spec.policy.apply(find_blocks(model))
 
     def no_step():
@@ -154,8 +154,8 @@ class OpsSeen(TorchDispatchMode):
 def test_sac_save_lists_cover_the_matmuls_each_family_dispatches(model_name, attn):
     """nn.Linear / Conv1D reach the dispatcher as mm or addmm through views: if that changes, sac saves nothing."""
     spec = tiny_spec(model_name, attn=attn, seq_len=32)
-    config, family = spec.model_config()
-    model = build_model(config, family, "cpu", torch.float32)
+    config, _ = spec.model_config()
+    model = build_model(config, "cpu", torch.float32)
     seen = OpsSeen()
     with seen:
         model(**make_batch(spec, config, "cpu"))
@@ -207,9 +207,9 @@ def test_attn_with_eager_attention_drops_the_probabilities(model_name):
 
 def gradients_eager(model_name, policy):
     spec = tiny_spec(model_name, policy, attn="eager")
-    config, family = spec.model_config()
+    config, _ = spec.model_config()
     torch.manual_seed(0)
-    model = build_model(config, family, "cpu", torch.float32)
+    model = build_model(config, "cpu", torch.float32)
     spec.policy.apply(find_blocks(model))
     torch.manual_seed(1)
     loss = model(**make_batch(spec, config, "cpu")).loss
@@ -220,8 +220,8 @@ def gradients_eager(model_name, policy):
 @pytest.mark.parametrize("model_name", TINY)
 def test_attn_reroutes_one_attention_module_per_block_and_undo_restores(model_name):
     spec = tiny_spec(model_name, "attn")
-    config, family = spec.model_config()
-    model = build_model(config, family, "cpu", torch.float32)
+    config, _ = spec.model_config()
+    model = build_model(config, "cpu", torch.float32)
     blocks = find_blocks(model)
     modules = [attention_modules(b) for b in blocks]
     assert all(len(found) == 1 for found in modules)
@@ -235,8 +235,8 @@ def test_attn_reroutes_one_attention_module_per_block_and_undo_restores(model_na
 @pytest.mark.parametrize("policy, wrapper", [("sac", SelectiveCheckpointedBlock), ("offload", OffloadedBlock)])
 def test_block_wrappers_and_undo(policy, wrapper):
     spec = tiny_spec("tiny-gpt2", policy)
-    config, family = spec.model_config()
-    model = build_model(config, family, "cpu", torch.float32)
+    config, _ = spec.model_config()
+    model = build_model(config, "cpu", torch.float32)
     blocks = find_blocks(model)
     originals = list(blocks)
     undo = spec.policy.apply(blocks)
@@ -295,9 +295,9 @@ def test_budget_compiles_and_measures_honestly(model_name):
 def gradients_eval(model_name, policy):
     """Dropout off: inductor draws dropout masks from its own RNG, so only dropout-free gradients can match."""
     spec = tiny_spec(model_name, policy)
-    config, family = spec.model_config()
+    config, _ = spec.model_config()
     torch.manual_seed(0)
-    model = build_model(config, family, "cpu", torch.float32).eval()
+    model = build_model(config, "cpu", torch.float32).eval()
     spec.policy.apply(find_blocks(model))
     loss = model(**make_batch(spec, config, "cpu")).loss
     loss.backward()

@@ -11,15 +11,16 @@ The runner asks for a record's predictions through `predict_for_run`; nothing he
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, simulate
-from gcbench.estimators.prediction import Estimate
+from gcbench.estimators.prediction import Estimate, Unavailable
 from gcbench.spec import RunSpec
 
-__all__ = ["METHODS", "TARGETS", "Estimate", "estimate", "estimate_grid", "predict_for_run"]
+__all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run"]
 
 # By the module, not the function: binding `analytic` here to the function would hide the submodule of that name.
 _PREDICTORS = {"analytic": analytic.analytic, "simulate": simulate.simulate}
@@ -38,11 +39,13 @@ def estimate(spec: RunSpec, method: str = "simulate", target: str = "cuda") -> E
 
 def estimate_grid(models: Iterable[str], seq_lens: Iterable[int], batch_sizes: Iterable[int],
                   policies: Iterable[str], methods: Iterable[str], target: str = "cuda", precision: str = "",
-                  **spec_fields: Any) -> list[tuple[RunSpec, Estimate]]:
-    """Every model x seq x batch x policy, by every method. All specs are validated (and every policy checked
-    against the analytic model) before anything runs, so bad input fails at once and nothing is half done.
-    precision "" = bf16 for a CUDA target, fp32 for CPU, as `gcbench run` picks; spec_fields: layers, optimizer,
-    attn."""
+                  **spec_fields: Any) -> list[tuple[RunSpec, Estimate | Unavailable]]:
+    """Every model x seq x batch x policy, by every method. All specs are validated before anything runs, so bad
+    input fails at once and nothing is half done. A config a method cannot predict is an Unavailable cell (n/a,
+    and why), not an abort; where the analytic model cannot and the simulation was not asked for, the simulation
+    predicts it and says what it stands in for (Estimate.stands_in). Only a grid of which nothing could be
+    predicted is an error. precision "" = bf16 for a CUDA target, fp32 for CPU, as `gcbench run` picks;
+    spec_fields: layers, optimizer, attn."""
     methods = list(methods)
     for method in methods:
         if method not in METHODS:
@@ -53,10 +56,21 @@ def estimate_grid(models: Iterable[str], seq_lens: Iterable[int], batch_sizes: I
     # device="cpu": the spec must be valid on this machine; the target only tells what to predict
     specs = [RunSpec(model=m, seq_len=s, batch_size=b, policy=p, device="cpu", precision=precision, **spec_fields)
              for m in models for s in seq_lens for b in batch_sizes for p in policies]
-    if "analytic" in methods:
-        for spec in specs:
-            analytic.check_understood(spec.policy)
-    return [(spec, estimate(spec, method, target)) for spec in specs for method in methods]
+    cells = [(spec, _predict_cell(spec, method, target, methods)) for spec in specs for method in methods]
+    if all(isinstance(cell, Unavailable) for _, cell in cells):
+        raise GcbenchError(f"nothing in this grid can be predicted: {cells[0][1].reason}")
+    return cells
+
+
+def _predict_cell(spec: RunSpec, method: str, target: str, methods: list[str]) -> Estimate | Unavailable:
+    reason = analytic.unavailable(spec) if method == "analytic" else None
+    if reason is not None and "simulate" in methods:
+        return Unavailable(method, target, reason)
+    try:
+        found = estimate(spec, "simulate" if reason else method, target)
+    except GcbenchError as e:
+        return Unavailable(method, target, f"{reason}, nor can the simulation: {e}" if reason else str(e))
+    return dataclasses.replace(found, stands_in=reason) if reason else found
 
 
 def predict_for_run(spec: RunSpec) -> dict[str, Any]:

@@ -28,8 +28,12 @@ class Estimate:
     peak_phase: str  # "forward/backward" | "optimizer step": where the peak is reached
     attention_kernel: str  # the SDPA kernel the prediction assumes (flash, efficient, math, cpu-flash, eager)
     seconds: float  # how long the prediction took
+    # Set when this prediction stands in for another method's, which could not make it: why that one could not
+    # (the analytic model for a policy or family it has no formulas for, predicted by the simulation instead).
+    stands_in: str | None = None
 
-    def fits(self, memory_bytes: int) -> bool:
+    def fits(self, memory_bytes: int) -> bool | None:
+        """Whether the predicted peak fits in `memory_bytes` (None where there is no prediction)."""
         return self.peak_bytes <= memory_bytes
 
     def as_record(self, spec: RunSpec) -> dict[str, Any]:
@@ -38,3 +42,20 @@ class Estimate:
         Show the policy with results.schema.policy_label(row), as for any record."""
         fields = spec.as_record()
         return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A config a method cannot predict, and why: one cell of an estimate grid shown as n/a, not an abort."""
+
+    method: str
+    target: str
+    reason: str
+
+    def fits(self, memory_bytes: int) -> bool | None:
+        return None
+
+    def as_record(self, spec: RunSpec) -> dict[str, Any]:
+        fields = spec.as_record()
+        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, "method": self.method, "target": self.target,
+                "peak_bytes": None, "not_available": self.reason}

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators.prediction import Estimate
@@ -52,15 +53,16 @@ def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
     # The fakes are CPU tensors whatever the target (autocast, too, must act on CPU tensors); see the module docstring.
     spec = dataclasses.replace(spec, device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
-    config, family = spec.model_config()
+    config, _ = spec.model_config()
     fake = FakeTensorMode()
-    model = build_model(config, family, "meta", spec.param_dtype)
+    model = build_model(config, "meta", spec.param_dtype)
     materialise_as_fakes(model, fake)
     spec.policy.apply(find_blocks(model))
     _refuse_compiled(model, spec.policy)
     tracker = AllocatorModel(cuda)
     try:
-        with fake, _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()), _fake_tensor_quiet():
+        with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()), \
+                _fake_tensor_quiet():
             ids = torch.empty((spec.batch_size, spec.seq_len), dtype=torch.long)
             optimizer = make_optimizer(spec.optimizer, model, foreach=True if cuda else None)
             step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
@@ -133,6 +135,22 @@ def _unpacked_batch() -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+
+
+class GroupedMmShapes(TorchDispatchMode):
+    """Mixture-of-experts layers multiply each expert's tokens with aten._grouped_mm. Its fake (meta) kernel takes
+    bf16 only, while the CPU kernel, and CUDA's under amp, run fp32 as well: this computes the shape on bf16
+    copies and returns a fake of the real dtype. Entered inside the fake mode and below the tracker, which sees
+    the op and its output only, as in a real run."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten._grouped_mm.default or args[0].dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        dtype = kwargs.get("out_dtype") or args[0].dtype
+        low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        out = func(*low, **{**kwargs, "out_dtype": None})
+        return torch.empty_strided(out.shape, out.stride(), dtype=dtype)
 
 
 class AllocatorModel(LiveTensorTracker):

@@ -7,7 +7,7 @@ memory), budget.py (torch.compile's activation memory budget). docs/policies.md 
 A new policy module is imported below, or its policies are never registered.
 """
 
-from gcbench.policies.base import (POLICIES, CheckpointedGroup, Passthrough, Policy, option, parse_policy,
+from gcbench.policies.base import (POLICIES, CheckpointedGroup, GroupArguments, Policy, option, parse_policy,
                                    register)
 from gcbench.policies.classic import EveryK, Full, NoCheckpoint, Segments, SqrtN
 from gcbench.policies.sac import SAC_ATTENTION, SAC_MATMULS, SelectiveCheckpointedBlock, SelectiveOps, sac_policy_fn
@@ -16,7 +16,7 @@ from gcbench.policies.offload import HostOffload, Offload, OffloadedBlock
 from gcbench.policies.budget import CompileBudget, CompiledBlock
 
 __all__ = [
-    "POLICIES", "CheckpointedGroup", "Passthrough", "Policy", "option", "parse_policy", "register",
+    "POLICIES", "CheckpointedGroup", "GroupArguments", "Policy", "option", "parse_policy", "register",
     "EveryK", "Full", "NoCheckpoint", "Segments", "SqrtN",
     "SAC_ATTENTION", "SAC_MATMULS", "SelectiveCheckpointedBlock", "SelectiveOps", "sac_policy_fn",
     "RECOMPUTE_CORE_PREFIX", "AttentionCore", "attention_modules",

@@ -45,25 +45,48 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (), within: tu
 
 
 class CheckpointedGroup(nn.Module):
-    """Runs a contiguous group of blocks as one non-reentrant checkpoint: only the group's inputs are kept."""
+    """Runs a contiguous group of blocks as one non-reentrant checkpoint: only the group's input is kept.
+
+    It stands in the block list at the group's last block. The model calls every block with that block's own
+    arguments (Gemma's local and global layers get different masks and position embeddings), so the blocks before
+    the last are GroupArguments, which note their call's arguments and hand the hidden states on unchanged; the
+    group then runs each block with the arguments the model gave it."""
 
     def __init__(self, blocks: list[nn.Module]):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
+        self.noted: list[tuple[tuple, dict]] = []  # this forward's arguments of the blocks before the last
+        self.first_input: Any = None
 
     def forward(self, hidden_states, *args, **kwargs):
-        return checkpoint(self._run_blocks, hidden_states, *args, use_reentrant=False, **kwargs)
+        calls, first = [*self.noted, (args, kwargs)], self.first_input
+        self.noted, self.first_input = [], None
+        if len(calls) != len(self.blocks) or (first is not None and hidden_states is not first):
+            raise GcbenchError(f"a checkpointed group of {len(self.blocks)} blocks was not called block after block "
+                               "with the hidden states passed on: this model's block loop does more between blocks, "
+                               "so group policies (segments, sqrtn) cannot run it; use full or every-k")
+        return checkpoint(self._run_blocks, hidden_states, calls, use_reentrant=False)
 
-    def _run_blocks(self, hidden_states, *args, **kwargs):
-        for block in self.blocks:
+    def _run_blocks(self, hidden_states, calls):
+        for block, (args, kwargs) in zip(self.blocks, calls):
             hidden_states = block(hidden_states, *args, **kwargs)
         return hidden_states
 
 
-class Passthrough(nn.Module):
-    """Stands in the block list for a block that a preceding CheckpointedGroup already ran."""
+class GroupArguments(nn.Module):
+    """Stands in the block list for a block of a CheckpointedGroup that runs later, at the group's last block:
+    notes the arguments the model calls this block with and returns the hidden states unchanged."""
+
+    def __init__(self, group: CheckpointedGroup, index: int):
+        super().__init__()
+        self._group = [group]  # in a list: the group, and its parameters, are registered once (at its own index)
+        self.index = index
 
     def forward(self, hidden_states, *args, **kwargs):
+        group = self._group[0]
+        if self.index == 0:  # a new forward: forget what a forward that failed half-way noted
+            group.noted, group.first_input = [], hidden_states
+        group.noted.append((args, kwargs))
         return hidden_states
 
 
@@ -109,9 +132,10 @@ class Policy:
         """Wrap `blocks` in place; return a function that restores the original blocks."""
         originals = list(blocks)
         for group in self.groups(len(blocks)):
-            blocks[group.start] = self.wrap_group([originals[i] for i in group])
-            for i in group[1:]:
-                blocks[i] = Passthrough()
+            wrapped = self.wrap_group([originals[i] for i in group])
+            for index, i in enumerate(group[:-1]):
+                blocks[i] = GroupArguments(wrapped, index)
+            blocks[group[-1]] = wrapped
 
         def undo() -> None:
             for i, block in enumerate(originals):
@@ -120,7 +144,8 @@ class Policy:
         return undo
 
     def wrap_group(self, group: list[nn.Module]) -> nn.Module:
-        """The module that stands for one group of blocks: by default one plain checkpoint around them."""
+        """The module that stands for one group of blocks: by default one plain checkpoint around them. A policy
+        whose groups have more than one block returns a CheckpointedGroup."""
         return CheckpointedGroup(group)
 
     def prepare(self, step: TrainingStep) -> None:

@@ -108,25 +108,36 @@ def _host_text(record: dict[str, Any]) -> str:
 
 def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) -> Table:
     """The table `gcbench estimate` prints: one row per config and method (rows are Estimate.as_record()s: `policy`
-    the name with `policy_options` beside it, or, from older code, the whole label in `policy`).
-    Byte columns share one unit, chosen for the largest peak; what all rows share goes into the title."""
-    first = rows[0]
-    scale, unit = byte_unit(max(r["peak_bytes"] for r in rows))
+    the name with `policy_options` beside it, or, from older code, the whole label in `policy`; a cell no method
+    could predict has `peak_bytes` None and why in `not_available`). Byte columns share one unit, chosen for the
+    largest peak; what all rows share goes into the title; the caption says why a cell is n/a or predicted by
+    another method than asked (`stands_in`)."""
+    first, predicted_rows = rows[0], [r for r in rows if r["peak_bytes"] is not None]
+    scale, unit = byte_unit(max((r["peak_bytes"] for r in predicted_rows), default=0))
     models = {r["model"] + (f" ({r['layers']} blocks)" if r.get("layers") else "") for r in rows}
     predicted = "torch.cuda.max_memory_allocated" if first["target"] == "cuda" else "CPU live-tensor peak"
-    kernels = ", ".join(sorted({r["attention_kernel"] for r in rows}))
+    kernels = ", ".join(sorted({r["attention_kernel"] for r in predicted_rows}))
     title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
              f"({predicted}) · {first['precision']} · {first['optimizer']} · attention: {kernels}")
-    caption = (f"{unit}; activ. = everything else at the peak; * = peak in the optimizer step (its temporaries)"
-               + (f"; fits = peak <= {fmt_bytes(memory_bytes)}" if memory_bytes else ""))
-    table = Table(title=title, caption=caption, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    notes = [f"{unit}; activ. = everything else at the peak; * = peak in the optimizer step (its temporaries)"
+             + (f"; fits = peak <= {fmt_bytes(memory_bytes)}" if memory_bytes else "")]
+    stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
+    notes += [f"† simulated instead: {reason}" for reason in stand_ins]
+    notes += [f"n/a: {reason}" for reason in dict.fromkeys(r["not_available"] for r in rows
+                                                           if r["peak_bytes"] is None)]
+    table = Table(title=title, caption="\n".join(notes), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
+                  caption_justify="left")
     columns = (["model"] if len(models) > 1 else []) + ["seq", "batch", "policy", "method", "params", "grads",
                                                         "optim.", "activ.", "peak"]
     for col in columns + (["fits"] if memory_bytes else []) + ["time"]:
         table.add_column(col, justify="left" if col in ("model", "policy", "method", "fits") else "right")
     for r in rows:
         cells = [str(r["model"])] if len(models) > 1 else []
-        cells += [str(r["seq_len"]), str(r["batch_size"]), policy_label(r), r["method"]]
+        cells += [str(r["seq_len"]), str(r["batch_size"]), policy_label(r), r["method"]
+                  + ("†" if r.get("stands_in") else "")]
+        if r["peak_bytes"] is None:
+            table.add_row(*cells, *["[dim]n/a[/]"] * (5 + bool(memory_bytes)), "-")
+            continue
         cells += [f"{r[k] / scale:.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
         cells.append(f"{r['activation_bytes'] / scale:.2f}" + ("*" if r["peak_phase"] == "optimizer step" else ""))
         cells.append(f"[bold]{r['peak_bytes'] / scale:.2f}[/]")

@@ -24,7 +24,7 @@ from typing import Any
 
 from gcbench import env
 from gcbench.errors import GcbenchError
-from gcbench.models import MODELS, build_meta_model, load_config
+from gcbench.models import build_meta_model, load_config
 from gcbench.spec import RunSpec
 from gcbench.paired import run_paired
 from gcbench.runner import run
@@ -35,10 +35,12 @@ def _warm_up_fork_server() -> None:
     # The git sha: two git processes per child otherwise. The server imported the code now, so this sha is it.
     env.git_sha()
     # transformers imports a family's modeling code lazily, at its first model build: ~0.6 s per child on 2 CPU
-    # cores. A meta-device build per family (no memory, no compute, no CUDA) pulls it in here instead.
-    for family in sorted({p.family for p in MODELS.values()}):
-        name = next(p.name for p in MODELS.values() if p.family == family)
-        build_meta_model(*load_config(name))
+    # cores. A meta-device build of each of the sweep's models (no memory, no compute, no CUDA) pulls it in here.
+    for model in filter(None, os.environ.get(env.WARM_MODELS_ENV, "").split("\n")):
+        try:
+            build_meta_model(load_config(model)[0])
+        except GcbenchError:  # the child that runs it reports it
+            pass
 
 
 _warm_up_fork_server()

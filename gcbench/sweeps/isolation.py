@@ -11,10 +11,11 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gcbench.env import WARM_MODELS_ENV
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import config_label, new_record
 from gcbench.spec import RunSpec
@@ -34,7 +35,10 @@ class ProcessRunner:
     gcbench once: a child starts in tens of milliseconds, yet owns its CUDA context and allocator, so an OOM, a
     sticky CUDA error or a segfault cannot touch the next config. `timeout_s` is enforced by killing the child."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, models: Iterable[str] = ()):
+        # The fork server, started with this process's environment, builds each of the sweep's models on the meta
+        # device once (child.py), so that no child imports their modeling code again.
+        os.environ[WARM_MODELS_ENV] = "\n".join(models)
         from gcbench.sweeps.child import run_child  # here, not at import: importing it warms up (git sha, model code)
 
         self.timeout_s = timeout_s
@@ -121,7 +125,7 @@ class InProcessRunner:
     sticky CUDA error ends the whole sweep, and what one config leaves in the CUDA caching allocator or in host
     memory can shift the next one's numbers. For quick CPU checks."""
 
-    def __init__(self, timeout_s: float | None = None):
+    def __init__(self, timeout_s: float | None = None, models: Iterable[str] = ()):
         self.timeout_s = None  # cannot be enforced without a process to kill
 
     def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:

@@ -111,7 +111,8 @@ class Sweep:
             first = next(iter(self.unfit.values()))
             self._warn(f"{len(self.unfit)} of {sum(p.done is None for p in plan)} configs to run cannot fit: each is "
                        f"recorded as oom without running; the first: {first}")
-        runner = (ProcessRunner if self.grid.isolation == "process" else InProcessRunner)(self.grid.timeout_s)
+        runner = (ProcessRunner if self.grid.isolation == "process" else InProcessRunner)(
+            self.grid.timeout_s, models=sorted({p.spec.model for p in plan if p.done is None}))
         frontier = OomFrontier()
         envs: dict[str, dict] = {}
         records: list[dict[str, Any]] = []

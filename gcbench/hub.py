@@ -1,0 +1,71 @@
+"""A Hugging Face Hub id's config.json, and nothing else of the repository: never weights, never code.
+
+The file goes through huggingface_hub, into the cache transformers uses (HF_HOME, HF_HUB_CACHE), so a config read
+once is there offline (HF_HUB_OFFLINE=1) and for every sweep child. A copy in the cache is used as it is; the
+Hub is asked only for an id not yet in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlparse
+
+from gcbench.errors import GcbenchError
+
+LOCAL_HINT = "or pass a local config.json (--model path/to/config.json)"
+
+
+def hub_config_file(model_id: str) -> Path:
+    """The cached path of `owner/name[@revision]`'s config.json, fetched first when it is not in the cache."""
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    repo_id, _, revision = model_id.partition("@")
+    fetch = lambda offline: huggingface_hub.hf_hub_download(  # noqa: E731
+        repo_id, "config.json", revision=revision or None, local_files_only=offline)
+    try:
+        return Path(fetch(offline=True))
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, FileNotFoundError):
+        pass
+    except errors.HFValidationError as e:
+        raise GcbenchError(f"--model {model_id!r} is not a Hub id: {e}") from None
+    if constants.HF_HUB_OFFLINE:
+        raise GcbenchError(f"{model_id}: its config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
+                           f"fetch it once online, {LOCAL_HINT}")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)  # no network fails here at once, not after the client's five retries
+    except OSError:
+        raise GcbenchError(f"{model_id}: the Hugging Face Hub ({host}) cannot be reached and its config.json is not "
+                           f"in the cache; connect once, {LOCAL_HINT}") from None
+    try:
+        with _quiet_hub_client():
+            return Path(fetch(offline=False))
+    except errors.GatedRepoError:
+        raise GcbenchError(f"{model_id} is gated on the Hub: accept its terms there and log in (hf auth login), "
+                           f"{LOCAL_HINT}") from None
+    except errors.RepositoryNotFoundError:
+        raise GcbenchError(f"no model {repo_id!r} on the Hugging Face Hub (or it is private: log in with hf auth "
+                           f"login); check the id, {LOCAL_HINT}") from None
+    except errors.RevisionNotFoundError:
+        raise GcbenchError(f"{repo_id} has no revision {revision!r} on the Hub") from None
+    except (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)):
+        raise GcbenchError(f"{model_id} has no config.json on the Hub; {LOCAL_HINT}") from None
+    except (OSError, errors.HfHubHTTPError) as e:  # connection refused or reset, timeouts, HTTP errors
+        raise GcbenchError(f"{model_id}: cannot fetch its config.json from the Hub ({' '.join(str(e).split())[:200]}"
+                           f"); {LOCAL_HINT}") from None
+
+
+@contextmanager
+def _quiet_hub_client():
+    """huggingface_hub logs each retry as a warning; the one line gcbench prints in the end says it all."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,111 @@
+"""Model presets: a name for the config.json of a published model (or of a tiny model for CI).
+
+Each preset is the subset of its model's published config.json that shapes the model (sizes, heads, positions,
+attention windows, soft-capping, tied embeddings), with the file it comes from beside it; whatever it leaves out
+takes transformers' default for that model_type, as a config.json that omits it would. A preset goes through the
+same loading and checks as a user's config.json (models.load_config). Weights are random: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+HF = "https://huggingface.co"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    summary: str  # one line for `gcbench models`: what the model is, its shape in words
+    source: str  # where the values come from: the published config.json, or "CI" for the tiny ones
+    config: dict[str, Any]  # config.json fields, model_type included
+
+    @property
+    def family(self) -> str:
+        return self.config["model_type"]
+
+
+MODELS: dict[str, Preset] = {}
+
+
+def preset(name: str, summary: str, source: str, model_type: str, **config: Any) -> None:
+    """Register a preset: `config` are fields of a config.json of `model_type`."""
+    MODELS[name] = Preset(name, summary, source, {"model_type": model_type, **config})
+
+
+# Today's models (values from the published config.json named beside each).
+preset("llama-3.1-8b", "Llama 3.1 8B: 32 x 4096, GQA 32/8 heads, SwiGLU 14336, 128k vocab",
+       f"{HF}/meta-llama/Llama-3.1-8B/blob/main/config.json", "llama",
+       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+       vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}, tie_word_embeddings=False)
+preset("llama-3.1-70b", "Llama 3.1 70B: 80 x 8192, GQA 64/8 heads, SwiGLU 28672 (use --layers on one GPU)",
+       f"{HF}/meta-llama/Llama-3.1-70B/blob/main/config.json", "llama",
+       hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+       vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}, tie_word_embeddings=False)
+preset("qwen2.5-7b", "Qwen2.5 7B: 28 x 3584, GQA 28/4 heads, q/k/v bias, SwiGLU 18944, 152k vocab",
+       f"{HF}/Qwen/Qwen2.5-7B/blob/main/config.json", "qwen2",
+       hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+       vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0,
+       use_sliding_window=False, sliding_window=131072, max_window_layers=28, tie_word_embeddings=False)
+preset("qwen3-8b", "Qwen3 8B: 36 x 4096, GQA 32/8 heads of 128, q/k RMSNorm, SwiGLU 12288",
+       f"{HF}/Qwen/Qwen3-8B/blob/main/config.json", "qwen3",
+       hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+       head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+       use_sliding_window=False, sliding_window=None, max_window_layers=36, tie_word_embeddings=False)
+preset("mistral-7b-v0.3", "Mistral 7B v0.3: 32 x 4096, GQA 32/8 heads, SwiGLU 14336, no sliding window",
+       f"{HF}/mistralai/Mistral-7B-v0.3/blob/main/config.json", "mistral",
+       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+       vocab_size=32768, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+       tie_word_embeddings=False)
+preset("gemma-2-9b", "Gemma 2 9B: 42 x 3584, GQA 16/8 heads of 256, local 4096 / global layers, soft-capping, "
+       "tied 256k vocab", f"{HF}/google/gemma-2-9b/blob/main/config.json", "gemma2",
+       hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+       head_dim=256, vocab_size=256000, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+       hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True)
+preset("phi-3-mini", "Phi-3 mini 4k: 32 x 3072, 32 heads, fused qkv and gate/up, sliding window 2047",
+       f"{HF}/microsoft/Phi-3-mini-4k-instruct/blob/main/config.json", "phi3",
+       hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+       vocab_size=32064, max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+       rope_theta=10000.0, sliding_window=2047, tie_word_embeddings=False)
+
+# The models of the first gcbench results (kept so that their records still name a preset).
+_LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+preset("llama-7b", "Llama-2 7B: 32 x 4096, MHA 32 heads, SwiGLU 11008",
+       f"{HF}/meta-llama/Llama-2-7b-hf/blob/main/config.json", "llama",
+       hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, **_LLAMA2)
+preset("llama-13b", "Llama-2 13B: 40 x 5120, MHA 40 heads, SwiGLU 13824",
+       f"{HF}/meta-llama/Llama-2-13b-hf/blob/main/config.json", "llama",
+       hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, **_LLAMA2)
+preset("mistral-7b", "Mistral 7B v0.1: 32 x 4096, GQA 32/8 heads, SwiGLU 14336, sliding window 4096",
+       f"{HF}/mistralai/Mistral-7B-v0.1/blob/main/config.json", "mistral",
+       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+       vocab_size=32000, max_position_embeddings=32768, sliding_window=4096)
+preset("gpt2", "GPT-2 124M: 12 x 768, 12 heads, learned positions (<= 1024), dropout 0.1",
+       f"{HF}/openai-community/gpt2/blob/main/config.json", "gpt2", n_embd=768, n_layer=12, n_head=12)
+preset("gpt2-medium", "GPT-2 355M: 24 x 1024, 16 heads", f"{HF}/openai-community/gpt2-medium/blob/main/config.json",
+       "gpt2", n_embd=1024, n_layer=24, n_head=16)
+preset("gpt2-xl", "GPT-2 1.5B: 48 x 1600, 25 heads", f"{HF}/openai-community/gpt2-xl/blob/main/config.json",
+       "gpt2", n_embd=1600, n_layer=48, n_head=25)
+preset("bert-base", "BERT base (MLM): 12 x 768, 12 heads, <= 512 positions, dropout 0.1",
+       f"{HF}/google-bert/bert-base-uncased/blob/main/config.json", "bert",
+       hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
+preset("bert-large", "BERT large (MLM): 24 x 1024, 16 heads",
+       f"{HF}/google-bert/bert-large-uncased/blob/main/config.json", "bert",
+       hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522)
+
+# Tiny presets for CI: a few blocks, hidden <= 128, dropout on so that RNG replay in recompute is exercised.
+preset("tiny-llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1", "CI", "llama",
+       hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+       vocab_size=512, max_position_embeddings=2048, attention_dropout=0.1, tie_word_embeddings=False)
+preset("tiny-gpt2", "CI: 4 x 64, 4 heads, dropout 0.1 everywhere", "CI", "gpt2",
+       n_embd=64, n_layer=4, n_head=4, vocab_size=512, n_positions=2048, bos_token_id=0, eos_token_id=0,
+       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+preset("tiny-bert", "CI: 4 x 64, 4 heads, dropout 0.1 (MLM head)", "CI", "bert",
+       hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=512,
+       max_position_embeddings=2048)
