@@ -8,6 +8,7 @@ Hub is asked only for an id not yet in it.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,14 +37,19 @@ def hub_config_file(model_id: str) -> Path:
         raise GcbenchError(f"{model_id}: its config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
                            f"fetch it once online, {LOCAL_HINT}")
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
     try:
-        socket.getaddrinfo(host, 443)  # no network fails here at once, not after the client's five retries
+        if not proxied:  # behind a proxy the host need not resolve here
+            socket.getaddrinfo(host, 443)  # no network fails here at once, not after the client's five retries
     except OSError:
         raise GcbenchError(f"{model_id}: the Hugging Face Hub ({host}) cannot be reached and its config.json is not "
                            f"in the cache; connect once, {LOCAL_HINT}") from None
     try:
         with _quiet_hub_client():
             return Path(fetch(offline=False))
+    except errors.LocalEntryNotFoundError:  # the client's name for a timeout, a refused connection, a 5xx
+        raise GcbenchError(f"{model_id}: the Hugging Face Hub ({host}) did not answer and its config.json is not in "
+                           f"the cache; try again, {LOCAL_HINT}") from None
     except errors.GatedRepoError:
         raise GcbenchError(f"{model_id} is gated on the Hub: accept its terms there and log in (hf auth login), "
                            f"{LOCAL_HINT}") from None

@@ -7,6 +7,7 @@ a causal LM for decoders, a masked LM for encoders. The transformer blocks are f
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -37,8 +38,8 @@ def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
     A config.json is checked as a whole before it is used: the values transformers refuses, sizes that are not
     positive integers, heads that do not divide, and a model that cannot be built from it are each one
     GcbenchError naming the file, the field and the rule."""
-    if model in MODELS:
-        return config_from_dict(MODELS[model].config, model, check=False)
+    if model in MODELS:  # a deep copy: transformers writes into the dicts it is given (rope_scaling)
+        return config_from_dict(copy.deepcopy(MODELS[model].config), model, check=False)
     path = Path(model)
     try:
         if path.is_dir():
@@ -52,7 +53,10 @@ def load_config(model: str) -> tuple[transformers.PretrainedConfig, str]:
                                "config.json, or a Hugging Face Hub id such as Qwen/Qwen3-8B")
         from gcbench.hub import hub_config_file
 
-        path = hub_config_file(model)
+        try:
+            path = hub_config_file(model)
+        except GcbenchError as e:
+            raise GcbenchError(f"{e} (no local file or directory is named {model!r} either)") from None
     return config_from_dict(read_config_json(path), str(path) if local else model)
 
 
@@ -78,20 +82,22 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
     A multimodal config (a text model beside a vision tower) becomes its text model's config: that is the stack
     of blocks gcbench trains. `auto_map` is dropped: the model is always transformers' own class for its
     model_type, never code from the Hub."""
-    data = {k: v for k, v in data.items() if k != "auto_map"}
+    data = dict(data)
     family = data.pop("model_type", None)
     if not isinstance(family, str):
         raise GcbenchError(f"{origin}: no model_type: a config.json names its transformers family (model_type)")
     if family not in transformers.CONFIG_MAPPING:
+        own_code = "; gcbench never runs a model's own code (auto_map, trust_remote_code)" if "auto_map" in data \
+            else ""
         raise GcbenchError(f"{origin}: model_type {family!r} is not a family transformers {transformers.__version__} "
-                           "has; gcbench never runs a model's own code from the Hub (trust_remote_code)")
+                           f"has{own_code}")
     cls = transformers.CONFIG_MAPPING[family]
     sizes = {*_SIZES, *(cls.attribute_map[k] for k in _SIZES if k in cls.attribute_map)}  # gpt2: n_embd, ...
     for key, value in data.items():
         if key in sizes and value is not None and not _positive_int(value):
             raise GcbenchError(f"{origin}: {key} must be a positive integer, got {value!r}")
     try:
-        config = cls(**data)
+        config = cls(**{k: v for k, v in data.items() if k != "auto_map"})
         text = config.get_text_config(decoder=True)
     except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
         raise GcbenchError(f"{origin}: transformers refuses this config: {_validation_message(e)}") from None
@@ -126,9 +132,10 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     if config.num_hidden_layers > MAX_LAYERS:  # a meta build of millions of blocks would take the machine down
         raise GcbenchError(f"{origin}: num_hidden_layers must be at most {MAX_LAYERS:,}, got "
                            f"{config.num_hidden_layers:,}")
-    factor = (_rope(config) or {}).get("factor", 1.0)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1e6:
-        raise GcbenchError(f"{origin}: rope_scaling's factor must be a number from 1 to 1e6, got {factor!r}")
+    for rope in _rope_settings(config):
+        factor = rope.get("factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1e6:
+            raise GcbenchError(f"{origin}: rope_scaling's factor must be a number from 1 to 1e6, got {factor!r}")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % kv:
@@ -136,6 +143,9 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
         raise GcbenchError(f"{origin}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
                            f"({heads})")
+    pad = getattr(config, "pad_token_id", None)
+    if _positive_int(pad) and pad >= config.vocab_size:  # transformers' own words name neither field
+        raise GcbenchError(f"{origin}: pad_token_id ({pad}) must be below vocab_size ({config.vocab_size})")
     head = auto_class(config, origin)
     try:
         model = _meta_build(head, config)  # no memory, no init: whatever else transformers refuses, say it now
@@ -192,9 +202,10 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     if limit is not None and seq_len > limit:
         if learned:
             raise GcbenchError(f"--seq {seq_len} exceeds the {limit} learned positions of this {family} model")
+        scaled = limit != getattr(config, "max_position_embeddings", limit)
         raise GcbenchError(f"--seq {seq_len} exceeds the {limit} positions this {family} model is made for "
-                           "(max_position_embeddings, with rope_scaling's factor); for longer sequences use a "
-                           "config.json that allows them")
+                           f"(max_position_embeddings{', times its rope_scaling factor' if scaled else ''}); for "
+                           "longer sequences use a config.json that allows them")
     config.use_cache = False
     sdpa = auto_class(config)._model_mapping[type(config)]._supports_sdpa
     if attn == "sdpa" and not sdpa:
@@ -205,10 +216,14 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     return config
 
 
-def _rope(config) -> dict | None:
-    """The rotary embedding's parameters (transformers 5: rope_parameters; older: rope_scaling), None without RoPE."""
+def _rope_settings(config) -> list[dict]:
+    """The rotary embedding's parameters (transformers 5: rope_parameters; older: rope_scaling): one dict, or one
+    per layer type (Gemma 3: local and global layers); [] without RoPE."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    return rope if isinstance(rope, dict) else None
+    if not isinstance(rope, dict):
+        return []
+    nested = [v for v in rope.values() if isinstance(v, dict)]
+    return nested if nested and len(nested) == len(rope) else [rope]
 
 
 _POSITION_TABLES: dict[str, int | None] = {}  # config text -> the usable rows of its learned position table
@@ -218,15 +233,16 @@ def max_positions(config) -> tuple[int | None, bool]:
     """(the longest sequence the model is made for, whether that is a learned position table's size).
 
     With RoPE: max_position_embeddings, times the factor of a linear or dynamic rope_scaling, which transformers
-    does not fold into it; a longer sequence would run, outside what the model was made for. Otherwise the learned
+    does not fold into it (with settings per layer type, the smallest); a longer sequence would run, outside what
+    the model was made for. Otherwise the learned
     position table (an embedding, not the token embedding, of max_position_embeddings rows), less the rows below
     its padding index that RoBERTa-style models skip; without one, max_position_embeddings if the config has it."""
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    rope = _rope(config)
-    if rope is not None:
-        if positions is not None and rope.get("rope_type", rope.get("type")) in ("linear", "dynamic"):
-            positions = int(positions * float(rope.get("factor", 1.0)))
-        return positions, False
+    if ropes := _rope_settings(config):
+        # per layer type, the smallest factor: every layer must be within what it is made for
+        factor = min(float(r.get("factor", 1.0)) if r.get("rope_type", r.get("type")) in ("linear", "dynamic")
+                     else 1.0 for r in ropes)
+        return (None if positions is None else int(positions * factor)), False
     key = config.to_json_string(use_diff=False)
     if key not in _POSITION_TABLES:
         model = build_meta_model(config)

@@ -58,13 +58,13 @@ class ModelSize:
     """Parameter counts read off a meta-device model: enough to know the model state of any precision/optimizer."""
 
     n_params: int
-    block_params: int  # of one transformer block
+    block_params: int  # of the largest transformer block (MoE models may keep dense blocks too)
     n_blocks: int
 
     @classmethod
     def of(cls, meta_model: nn.Module) -> ModelSize:
         blocks = find_blocks(meta_model)
-        return cls(count_params(meta_model), count_params(blocks[0]), len(blocks))
+        return cls(count_params(meta_model), max(count_params(b) for b in blocks), len(blocks))
 
 
 _MODEL_SIZES: dict[str, ModelSize] = {}  # by config: a sweep asks once per config, a meta build takes ~0.1-1 s

@@ -166,7 +166,8 @@ class RunSpec:
                             "adamw", parse=parse_name, metavar="NAME")
     device: str = option("device", "auto | cpu | cuda[:N]; auto is cuda:0 when there is a GPU", "auto",
                          parse=parse_name, metavar="NAME")  # resolved when made: "cpu" or an explicit "cuda:N"
-    attn: str | None = option("attn", "attention implementation: eager | sdpa (default sdpa)", None,
+    attn: str | None = option("attn", "attention implementation: eager | sdpa (default: sdpa where the model's "
+                              "family has it, else eager)", None,
                               parse=parse_name, metavar="NAME")
     warmup_steps: int = option("warmup", "untimed warm-up steps, at least 1: step 1 creates gradients and "
                                "optimizer state", 3)

@@ -33,6 +33,11 @@ FAMILY_CONFIGS: dict[str, dict] = {
                      rotary_pct=0.25),
     "bert": dict(_ENCODER, max_position_embeddings=512),
     "roberta": dict(_ENCODER, pad_token_id=1),
+    # its block loop reads each layer's attention_type (local or global): wrappers must answer for their block
+    "modernbert": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                       vocab_size=256, max_position_embeddings=512, attention_dropout=0.1, mlp_dropout=0.1,
+                       embedding_dropout=0.1, global_attn_every_n_layers=2, local_attention=16, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2, sep_token_id=3, cls_token_id=4),
     "mixtral": {**_DECODER, "attention_dropout": 0.1, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "router_jitter_noise": 0.1},
     "qwen2_moe": {**_DECODER, "attention_dropout": 0.1, "num_experts": 4, "num_experts_per_tok": 2,

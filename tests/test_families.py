@@ -37,7 +37,7 @@ def family_paths(tmp_path_factory) -> dict[str, str]:
 
 
 def test_the_families_the_issue_names_are_all_tested():
-    wanted = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "bert", "roberta"}
+    wanted = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "bert", "roberta", "modernbert"}
     assert wanted <= set(FAMILIES)
     assert {"gemma2", "gemma3_text"} & set(FAMILIES) and {"mixtral", "qwen2_moe"} & set(FAMILIES)
 
@@ -149,6 +149,7 @@ def test_estimate_with_several_policies_never_aborts_the_grid():
         "--format", "json", "--gpu-memory", "1GiB"]).stdout.splitlines()]
     missing = [r for r in rows if r["peak_bytes"] is None]
     assert len(rows) == 4 and len(missing) == 3 and all(r["not_available"] and r["fits"] is None for r in missing)
+    assert len({frozenset(r) for r in rows}) == 1  # one shape for every row, predicted or not
     nothing = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--policy", "budget", "--method", "simulate"])
     assert nothing.exit_code == 2 and "nothing in this grid can be predicted" in nothing.stderr
 
@@ -202,6 +203,14 @@ def test_a_model_without_a_block_list_is_refused_in_one_line():
         models.find_blocks(model, "my.json")
 
 
+def test_a_pad_token_past_the_vocabulary_names_both_fields(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}))
+    with pytest.raises(GcbenchError, match=r"pad_token_id \(32000\) must be below vocab_size \(256\)"):
+        load_config(str(path))
+
+
 def test_a_multimodal_config_trains_its_text_model(tmp_path):
     if "gemma3" not in __import__("transformers").CONFIG_MAPPING:
         pytest.skip("transformers has no gemma3")
@@ -213,7 +222,34 @@ def test_a_multimodal_config_trains_its_text_model(tmp_path):
     assert family == "gemma3_text" and config.num_hidden_layers == 2
 
 
+def test_rope_settings_per_layer_type_are_checked_and_bound_the_sequence(tmp_path):
+    if "gemma3_text" not in __import__("transformers").CONFIG_MAPPING:
+        pytest.skip("transformers has no gemma3")
+    base = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+            "max_position_embeddings": 1024}
+    path = tmp_path / "config.json"
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    path.write_text(json.dumps({**base, "rope_parameters": {
+        "sliding_attention": local, "full_attention": {"rope_type": "linear", "factor": 1e9, "rope_theta": 1e6}}}))
+    with pytest.raises(GcbenchError, match="factor must be a number from 1 to 1e6"):
+        load_config(str(path))
+    path.write_text(json.dumps({**base, "rope_parameters": {
+        "sliding_attention": local, "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}))
+    tiny_spec(str(path), seq_len=1024)  # the local layers have no factor: 1024 positions, not 8192
+    with pytest.raises(GcbenchError, match="exceeds the 1024 positions"):
+        tiny_spec(str(path), seq_len=1025)
+
+
 # --- presets ---------------------------------------------------------------------------------------------------
+
+def test_loading_a_preset_leaves_it_as_it_was():
+    import copy
+
+    before = copy.deepcopy(MODELS["llama-3.1-8b"].config)
+    load_config("llama-3.1-8b")
+    assert MODELS["llama-3.1-8b"].config == before
+
 
 def test_every_preset_builds_and_cites_its_source():
     for name, preset in MODELS.items():
@@ -303,10 +339,31 @@ def test_a_hub_id_without_a_network_is_one_line_and_quick(hub_cache, monkeypatch
     assert "cannot be reached" in line and "local config.json" in line
 
 
+def test_a_hub_that_does_not_answer_is_not_called_a_missing_file(hub_cache, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [])
+
+    def timed_out(*args, **kwargs):  # what the client raises for a timeout or a refused connection
+        raise errors.LocalEntryNotFoundError("connection timed out")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", timed_out)
+    with pytest.raises(GcbenchError, match="did not answer") as e:
+        load_config("Qwen/Qwen3-8B")
+    assert "no config.json" not in str(e.value) and "no local file or directory" in str(e.value)
+
+
 def test_a_hub_config_needing_its_own_code_is_refused(hub_cache):
     cache_config(hub_cache, "acme/custom", {"model_type": "acme-net", "auto_map": {"AutoConfig": "x.Y"}})
     with pytest.raises(GcbenchError, match="never runs a model's own code"):
         load_config("acme/custom")
+
+
+def test_a_mistyped_local_path_says_it_is_no_local_path_either(hub_cache):
+    with pytest.raises(GcbenchError, match="no local file or directory is named 'myconfigs/llama3' either"):
+        load_config("myconfigs/llama3")
 
 
 def test_an_unknown_name_that_is_no_hub_id_names_the_three_forms():

@@ -328,3 +328,18 @@ def test_sigterm_stops_the_child_and_exits_cleanly(tmp_path):
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert _wait_gone(family) == set()
     assert all(r["status"] == "ok" for r in read_records(out))  # only whole records, no partial or error line
+
+
+@pytest.mark.slow  # a fresh process, so that its fork server starts in the directory under test
+def test_a_folder_named_gcbench_in_the_working_directory_is_not_imported_by_the_children(tmp_path):
+    """The fork server starts as `python -c`, which would put the working directory first on sys.path."""
+    script = Path(sys.executable).parent / "gcbench"  # the installed command: its own directory leads sys.path
+    if not script.exists():
+        pytest.skip("gcbench is not installed beside this python")
+    (tmp_path / "gcbench").mkdir()  # e.g. the parent directory of a clone
+    done = subprocess.run([str(script), "sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", "--policy",
+                           "none", "--steps", "2", "--device", "cpu", "--no-paired", "--out", "s.jsonl"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [record] = read_records(tmp_path / "s.jsonl")
+    assert record["status"] == "ok"

@@ -41,7 +41,7 @@ class Estimate:
 
         Show the policy with results.schema.policy_label(row), as for any record."""
         fields = spec.as_record()
-        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, **dataclasses.asdict(self)}
+        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, **dataclasses.asdict(self), "not_available": None}
 
 
 @dataclass(frozen=True)
@@ -57,5 +57,7 @@ class Unavailable:
 
     def as_record(self, spec: RunSpec) -> dict[str, Any]:
         fields = spec.as_record()
-        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, "method": self.method, "target": self.target,
-                "peak_bytes": None, "not_available": self.reason}
+        # every key an Estimate row has, None where there is no prediction, so that JSON rows share one shape
+        empty = {f.name: None for f in dataclasses.fields(Estimate)}
+        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, **empty, "method": self.method,
+                "target": self.target, "not_available": self.reason}

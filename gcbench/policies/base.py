@@ -44,7 +44,24 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (), within: tu
     return dataclasses.field(default=default, metadata={"help": help, **rule})
 
 
-class CheckpointedGroup(nn.Module):
+class StandsFor(nn.Module):
+    """A module that stands in the block list for a block: an attribute it lacks is the block's. Block loops read
+    them: ModernBERT picks each layer's mask by `layer.attention_type`."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.__dict__["_stands_for"] = block  # a plain reference: the block is registered where it belongs
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_stands_for" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["_stands_for"], name)
+
+
+class CheckpointedGroup(StandsFor):
     """Runs a contiguous group of blocks as one non-reentrant checkpoint: only the group's input is kept.
 
     It stands in the block list at the group's last block. The model calls every block with that block's own
@@ -53,7 +70,7 @@ class CheckpointedGroup(nn.Module):
     group then runs each block with the arguments the model gave it."""
 
     def __init__(self, blocks: list[nn.Module]):
-        super().__init__()
+        super().__init__(blocks[-1])
         self.blocks = nn.ModuleList(blocks)
         self.noted: list[tuple[tuple, dict]] = []  # this forward's arguments of the blocks before the last
         self.first_input: Any = None
@@ -63,8 +80,9 @@ class CheckpointedGroup(nn.Module):
         self.noted, self.first_input = [], None
         if len(calls) != len(self.blocks) or (first is not None and hidden_states is not first):
             raise GcbenchError(f"a checkpointed group of {len(self.blocks)} blocks was not called block after block "
-                               "with the hidden states passed on: this model's block loop does more between blocks, "
-                               "so group policies (segments, sqrtn) cannot run it; use full or every-k")
+                               "with the hidden states passed on: this model's blocks return tuples, or its block "
+                               "loop does more between blocks, so group policies (segments, sqrtn) cannot run it; "
+                               "use full or every-k")
         return checkpoint(self._run_blocks, hidden_states, calls, use_reentrant=False)
 
     def _run_blocks(self, hidden_states, calls):
@@ -73,12 +91,12 @@ class CheckpointedGroup(nn.Module):
         return hidden_states
 
 
-class GroupArguments(nn.Module):
+class GroupArguments(StandsFor):
     """Stands in the block list for a block of a CheckpointedGroup that runs later, at the group's last block:
     notes the arguments the model calls this block with and returns the hidden states unchanged."""
 
     def __init__(self, group: CheckpointedGroup, index: int):
-        super().__init__()
+        super().__init__(group.blocks[index])
         self._group = [group]  # in a list: the group, and its parameters, are registered once (at its own index)
         self.index = index
 

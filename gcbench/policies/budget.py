@@ -9,15 +9,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gcbench.policies.base import Policy, option, register
+from gcbench.policies.base import Policy, StandsFor, option, register
 from gcbench.policies.classic import Full
 
 
-class CompiledBlock(nn.Module):
+class CompiledBlock(StandsFor):
     """One block under torch.compile, compiled with a given activation memory budget."""
 
     def __init__(self, block: nn.Module, budget: float):
-        super().__init__()
+        super().__init__(block)
         self.budget = budget
         self.compiled = torch.compile(block)
 

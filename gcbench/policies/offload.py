@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gcbench.policies.base import Policy, option, register
+from gcbench.policies.base import Policy, StandsFor, option, register
 from gcbench.policies.classic import EveryK
 
 if TYPE_CHECKING:
@@ -43,11 +43,11 @@ class HostOffload(torch.autograd.graph.save_on_cpu):
         self.pack_hook, self.unpack_hook = pack, unpack
 
 
-class OffloadedBlock(nn.Module):
+class OffloadedBlock(StandsFor):
     """One block whose saved tensors go to host memory: its input only (checkpointed) or all it saves."""
 
     def __init__(self, block: nn.Module, checkpointed: bool):
-        super().__init__()
+        super().__init__(block)
         self.block, self.checkpointed = block, checkpointed
         self.offloaded_bytes = 0  # host bytes of the last forward
         # By storage identity (kept while the storage lives), not data pointer: fake tensors all point at 0.

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from gcbench.measure import note_saved
-from gcbench.policies.base import Policy, option, register
+from gcbench.policies.base import Policy, StandsFor, option, register
 from gcbench.policies.classic import Full
 
 
@@ -70,11 +70,11 @@ def sac_policy_fn(mm: str) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-class SelectiveCheckpointedBlock(nn.Module):
+class SelectiveCheckpointedBlock(StandsFor):
     """One block as a non-reentrant checkpoint whose forward caches matmul/attention outputs (op-level SAC)."""
 
     def __init__(self, block: nn.Module, mm: str):
-        super().__init__()
+        super().__init__(block)
         self.block, self.mm = block, mm
 
     def forward(self, hidden_states, *args, **kwargs):

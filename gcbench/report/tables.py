@@ -25,7 +25,10 @@ def run_table(record: dict[str, Any]) -> Table:
     threads = record.get("threads") or env.get("torch_threads")
     where = env.get("gpu_name") or f"CPU ({threads} thread{'s' if threads != 1 else ''})"
     blocks = record.get("n_layers") or record.get("layers")
-    title = (f"{record['model']}{f' ({blocks} blocks)' if blocks else ''} · seq {record['seq_len']} · batch "
+    # the family, where the model's name does not say it (a config.json, a Hub id)
+    shape = ", ".join(([record["family"]] if record.get("family") and record["family"] not in record["model"]
+                       else []) + ([f"{blocks} blocks"] if blocks else []))
+    title = (f"{record['model']}{f' ({shape})' if shape else ''} · seq {record['seq_len']} · batch "
              f"{record['batch_size']} · {policy_label(record)} · {record['precision']} · {where}")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")

@@ -13,6 +13,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from gcbench.env import WARM_MODELS_ENV
@@ -156,6 +157,16 @@ def _child_context():
     # torch.cuda.is_available() in the fork server (transformers calls it) would initialise the CUDA driver there,
     # and a process forked after that cannot use CUDA. NVML answers the same question without touching CUDA.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # The fork server starts as `python -c ...`, which puts the working directory first on sys.path: a folder named
+    # gcbench there (the parent directory of a clone) would be imported instead of this package. Keep the working
+    # directory off the path, and put this package's tree on it where it is a source tree, not site-packages.
+    import gcbench
+
+    os.environ["PYTHONSAFEPATH"] = "1"
+    root = str(Path(gcbench.__file__).resolve().parent.parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if Path(root).name not in ("site-packages", "dist-packages") and root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["gcbench.sweeps.child"])
     return ctx
