@@ -35,18 +35,17 @@ def preset(name: str, summary: str, source: str, model_type: str, **config: Any)
 
 
 # Today's models (values from the published config.json named beside each).
+_LLAMA31 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}, tie_word_embeddings=False)
 preset("llama-3.1-8b", "Llama 3.1 8B: 32 x 4096, GQA 32/8 heads, SwiGLU 14336, 128k vocab",
        f"{HF}/meta-llama/Llama-3.1-8B/blob/main/config.json", "llama",
        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-       vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192}, tie_word_embeddings=False)
+       **_LLAMA31)
 preset("llama-3.1-70b", "Llama 3.1 70B: 80 x 8192, GQA 64/8 heads, SwiGLU 28672 (use --layers on one GPU)",
        f"{HF}/meta-llama/Llama-3.1-70B/blob/main/config.json", "llama",
        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-       vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192}, tie_word_embeddings=False)
+       **_LLAMA31)
 preset("qwen2.5-7b", "Qwen2.5 7B: 28 x 3584, GQA 28/4 heads, q/k/v bias, SwiGLU 18944, 152k vocab",
        f"{HF}/Qwen/Qwen2.5-7B/blob/main/config.json", "qwen2",
        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
