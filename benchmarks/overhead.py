@@ -45,7 +45,7 @@ def measure(spec: RunSpec, instrument, rounds: int) -> None:
     torch.manual_seed(spec.seed)
     model = build_model(config, spec.device, spec.param_dtype)
     spec.policy.apply(find_blocks(model))
-    optimizer = make_optimizer(spec.optimizer, model)
+    optimizer = make_optimizer(spec, model)
     batch = make_batch(spec, config, spec.device)
     step = TrainingStep(model, optimizer, batch, spec)
     cuda = instrument.kind == "cuda"

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from gcbench.errors import GcbenchError
-from gcbench.spec import RunSpec, spec_options
+from gcbench.spec import RunSpec, spec_options, with_bare_switches
 
 app = typer.Typer(
     help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
@@ -77,8 +77,9 @@ def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Ite
 
 
 ALL = "all"
-ESTIMATE_AXES = ("model", "seq_len", "batch_size", "policy")
-ESTIMATE_FIELDS = (*ESTIMATE_AXES, "layers", "precision", "optimizer", "attn")
+ESTIMATE_AXES = ("model", "seq_len", "batch_size", "policy", "precision", "optimizer", "optim_in_backward",
+                 "grad_accum")
+ESTIMATE_FIELDS = (*ESTIMATE_AXES, "layers", "attn")
 
 
 def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
@@ -337,6 +338,8 @@ def sweep(
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
         results = grid.out
         job = Sweep(grid, rerun=rerun, retry_failed=retry_failed, skip_after_oom=not no_skip, console=err_console)
+        if grid.left_out():
+            err_console.print(f"[dim]{grid.left_out()}[/]")
         if dry_run:
             plan = [(p.spec.as_record(), p.done["status"] if p.done else None) for p in job.plan()]
             console.print(grid_table(plan, grid.out, grid.shared_options()))
@@ -386,10 +389,8 @@ def estimate(
         if not methods or len(set(methods)) < len(methods):
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
         with err_console.status("estimating"):
-            results = estimate_grid(grid["model"], grid["seq_len"], grid["batch_size"], grid.get("policy", ("none",)),
-                                    methods, target=device, precision=one.get("precision", ""),
-                                    layers=one.get("layers"), optimizer=one.get("optimizer", "adamw"),
-                                    attn=one.get("attn"))
+            axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
+            results = estimate_grid(axes, methods, target=device, layers=one.get("layers"), attn=one.get("attn"))
     rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             for spec, e in results]
     if output_format == "json":
@@ -406,7 +407,7 @@ def main() -> None:
     try:
         # Without standalone mode, click *returns* the code of a typer.Exit raised in a command (exit 1 on an OOM,
         # 2 on a domain error, 1 on a compare regression) instead of raising it: pass it on, or CI sees success.
-        code = app(standalone_mode=False)
+        code = app(args=with_bare_switches(sys.argv[1:]), standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except typer.Exit as e:
         sys.exit(e.exit_code)

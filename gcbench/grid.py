@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gcbench.errors import GcbenchError
+from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
 from gcbench.spec import RunSpec, spec_options
 from gcbench.units import fmt_bytes
@@ -105,11 +106,14 @@ class SweepSpec:
     def expand(self) -> list[RunSpec]:
         """Every config as a validated RunSpec, in run order: fields in declaration order (model, seq, batch, ...),
         the policy innermost (the policies of one shape run together, and a shape's OOM is known before the next
-        larger shape runs)."""
+        larger shape runs). Combinations that cannot be one config, where the grid crosses several values, are
+        left out (`left_out` says how many and why); given alone, such a combination is an error."""
         names = [n for n in spec_options() if n in self.values and n != "policy"] + ["policy"]
         specs = []
         for combo in itertools.product(*(self.values[n] for n in names)):
             fields = dict(zip(names, combo))
+            if self._crossed_out(fields):
+                continue
             try:
                 specs.append(RunSpec(**fields))
             except GcbenchError as e:
@@ -117,14 +121,32 @@ class SweepSpec:
                                    f"{fields['batch_size']}, {fields['policy']})") from None
         return specs
 
+    def _crossed_out(self, fields: Mapping[str, Any]) -> bool:
+        """The optimizer in backward with accumulation, from a grid that crosses several values of either."""
+        crossed = len(self.values.get("optim_in_backward", ())) > 1 or len(self.values.get("grad_accum", ())) > 1
+        return crossed and bool(fields.get("optim_in_backward")) and fields.get("grad_accum", 1) > 1
+
+    def left_out(self) -> str | None:
+        """What expand() leaves out of the grid, in one line; None when nothing."""
+        names = [n for n in spec_options() if n in self.values]
+        n = sum(self._crossed_out(dict(zip(names, combo)))
+                for combo in itertools.product(*(self.values[k] for k in names)))
+        if not n:
+            return None
+        return (f"{n} config{'s' if n != 1 else ''} left out: --optim-in-backward on cannot accumulate gradients "
+                f"(--grad-accum above 1)")
+
     def shared_options(self) -> str:
         """The options every config shares, as one line for tables."""
         one = {n: v[0] for n, v in self.values.items() if len(v) == 1}
         defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
         get = lambda name: one.get(name, defaults[name])  # noqa: E731
         cap = fmt_bytes(get("memory_cap_bytes")) if get("memory_cap_bytes") else "none"
-        return (f"layers {get('layers') or 'all'} · precision {get('precision') or 'auto'} · {get('optimizer')} · "
-                f"device {get('device')} · threads {get('threads') or 'auto'} · warm-up {get('warmup_steps')} + "
+        varies = lambda name: len(self.values.get(name, ())) > 1  # noqa: E731 - then a column says it per config
+        names = tuple(n for n in LEVER_FIELDS if not varies(n))
+        levers = lever_text({**{n: get(n) for n in names}, "precision": get("precision") or "auto precision"}, names)
+        return (f"layers {get('layers') or 'all'} · " + (f"{levers} · " if levers else "")
+                + f"device {get('device')} · threads {get('threads') or 'auto'} · warm-up {get('warmup_steps')} + "
                 f"{_steps_text(get)} · memory cap {cap} · timeout {self.timeout_s:g} s · "
                 f"isolation {self.isolation}" + ("" if self.paired else " · not paired"))
 

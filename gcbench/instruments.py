@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import psutil
 import torch
 
-from gcbench.measure import LiveTensorTracker, peak_flops
+from gcbench.measure import LiveTensorTracker, PhasePeaks, peak_flops
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
 
 
@@ -29,7 +29,7 @@ class Step(Protocol):
 
     batch: dict[str, torch.Tensor]
 
-    def __call__(self) -> None: ...
+    def __call__(self, mark: Callable[[str], None] = ...) -> None: ...
 
     def forward_backward(self) -> None: ...
 
@@ -211,19 +211,21 @@ class CpuInstrument(Instrument):
         return {**step_time_fields(step_ms, stop), **load.fields(torch.get_num_threads())}
 
     def peak_fields(self, step: Step, progress: Progress) -> dict[str, Any]:
-        """One untimed step under the live-tensor tracker: peak of live tensor bytes, whole step and fwd+bwd."""
+        """One untimed step under the live-tensor tracker: peak of live tensor bytes, whole step, fwd+bwd and per
+        phase (forward, backward, optimizer step)."""
         progress("tracking live tensors")
         tracker = self._tracker(step)
         baseline = tracker.current
+        phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
         with tracker:
-            step.forward_backward()
-            fwd_bwd_peak = tracker.peak
-            step.optimizer_step()
+            step(phases)
+        fwd_bwd_peak = max(phases.peaks["forward"], phases.peaks["backward"])
         return {
-            "peak_tracked_bytes": tracker.peak,
+            "peak_tracked_bytes": max(phases.peaks.values()),
             "fwd_bwd_peak_bytes": fwd_bwd_peak,
             "static_bytes": baseline,
             "activation_peak_bytes": fwd_bwd_peak - baseline,
+            **phases.fields(),
         }
 
 
@@ -345,4 +347,13 @@ class CudaInstrument(Instrument):
         }
 
     def peak_fields(self, step: Step, progress: Progress) -> dict[str, Any]:
-        return {}  # the allocator's peaks come with the timed steps
+        """One untimed step read phase by phase: max_memory_allocated of the forward, the backward and the optimizer
+        step, each after a reset (the whole step's peaks come with the timed steps, which these reads would slow)."""
+        dev = self.device
+        progress("reading per-phase peaks")
+        phases = PhasePeaks(lambda: torch.cuda.max_memory_allocated(dev),
+                            lambda: torch.cuda.reset_peak_memory_stats(dev))
+        torch.cuda.synchronize(dev)
+        step(phases)
+        torch.cuda.synchronize(dev)
+        return phases.fields()

@@ -4,9 +4,10 @@ bytes, FLOPs with recompute, and the devices' peak FLOP/s. The CPU and CUDA inst
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -15,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from gcbench.results.schema import PHASES, peak_phase
 from gcbench.units import round_up
 
 # FlopCounterMode knows the CUDA SDPA kernels but not the CPU flash kernel that SDPA picks on CPU; without these
@@ -88,6 +90,29 @@ class LiveTensorTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage())
         return out
+
+
+class PhasePeaks:
+    """The peak of each phase of a training step, as the step's `mark` (step.TrainingStep): at every phase boundary
+    the counter's peak since its last reset is read into the phase that ended, and the counter reset. Over several
+    steps (or micro-batches) each phase keeps its maximum. `read()` returns the counter's peak; `reset()` sets it to
+    the current value (LiveTensorTracker.reset_peak, torch.cuda.reset_peak_memory_stats)."""
+
+    def __init__(self, read: Callable[[], int], reset: Callable[[], None]):
+        self.read, self.reset = read, reset
+        self.peaks: dict[str, int] = {}
+        self._phase: str | None = None
+
+    def __call__(self, phase: str) -> None:
+        if self._phase is not None:
+            self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), self.read())
+        self._phase = None if phase == "end" else phase
+        if self._phase is not None:
+            self.reset()
+
+    def fields(self) -> dict[str, Any]:
+        """`<phase>_peak_bytes` for each phase, and `peak_phase`: the first phase that reached the step's peak."""
+        return {**{f"{p}_peak_bytes": self.peaks.get(p) for p in PHASES}, "peak_phase": peak_phase(self.peaks)}
 
 
 class SavedActivations:

@@ -56,7 +56,7 @@ def run_paired(specs: Sequence[RunSpec], baseline: str, progress: Progress | Non
         torch.manual_seed(first.seed)
         model = build_model(config, first.device, first.param_dtype)
         blocks = find_blocks(model)
-        step = TrainingStep(model, make_optimizer(first.optimizer, model), make_batch(first, config, first.device),
+        step = TrainingStep(model, make_optimizer(first, model), make_batch(first, config, first.device),
                             first)
         by_label = dict(zip(labels, specs))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +35,13 @@ from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.results.schema import new_record
 from gcbench.spec import RunSpec
-from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes
+from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes, param_shapes
 from gcbench.timing import timing_verdict
 from gcbench.units import fmt_bytes
 
 # What the CPU instrument reads under its live-tensor tracker, a dispatch mode (Policy.hidden_from_dispatch_modes).
-TRACKED_PEAK_FIELDS = ("peak_tracked_bytes", "fwd_bwd_peak_bytes", "activation_peak_bytes")
+TRACKED_PEAK_FIELDS = ("peak_tracked_bytes", "fwd_bwd_peak_bytes", "activation_peak_bytes", "forward_peak_bytes",
+                       "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase")
 
 
 # A config is not run when its predicted peak exceeds the device's free memory by more than this margin. The CPU
@@ -55,16 +56,18 @@ CAP_MARGIN = 2.0
 
 @dataclass(frozen=True)
 class ModelSize:
-    """Parameter counts read off a meta-device model: enough to know the model state of any precision/optimizer."""
+    """Parameter shapes read off a meta-device model: enough to know the model state of any precision/optimizer."""
 
     n_params: int
-    block_params: int  # of the largest transformer block (MoE models may keep dense blocks too)
+    shapes: list[tuple[int, ...]]  # of every distinct parameter
+    block_shapes: list[tuple[int, ...]]  # of the largest transformer block (MoE models may keep dense blocks too)
     n_blocks: int
 
     @classmethod
     def of(cls, meta_model: nn.Module) -> ModelSize:
         blocks = find_blocks(meta_model)
-        return cls(count_params(meta_model), max(count_params(b) for b in blocks), len(blocks))
+        largest = max(blocks, key=count_params)
+        return cls(count_params(meta_model), param_shapes(meta_model), param_shapes(largest), len(blocks))
 
 
 _MODEL_SIZES: dict[str, ModelSize] = {}  # by config: a sweep asks once per config, a meta build takes ~0.1-1 s
@@ -92,16 +95,18 @@ def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak:
     def room(by_cap: bool) -> str:
         return f"--memory-cap allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
 
-    need = model_state_bytes(spec, size.n_params)
+    cuda = spec.device.startswith("cuda")
+    need = model_state_bytes(spec, size.shapes, cuda)
     for limit, by_cap in limits:
         if limit is not None and need > 0.9 * limit:
-            per_block = model_state_bytes(spec, size.block_params)
+            per_block = model_state_bytes(spec, size.block_shapes, cuda)
             rest = need - per_block * size.n_blocks
             fit_layers = math.floor((0.5 * limit - rest) / per_block)
             hint = f"try --layers {fit_layers}" if fit_layers >= 1 else \
                 "even one block does not fit; choose a smaller model"
-            raise WontFit(f"{spec.model} needs {fmt_bytes(need)} for parameters, gradients and {spec.optimizer} "
-                          f"state ({spec.precision}) but {room(by_cap)}; {hint}", by_cap=by_cap)
+            grads = "" if spec.optim_in_backward else "gradients and "
+            raise WontFit(f"{spec.model} needs {fmt_bytes(need)} for parameters, {grads}{spec.optimizer} state "
+                          f"({spec.precision}) but {room(by_cap)}; {hint}", by_cap=by_cap)
     if predicted_peak is None:
         return
     for limit, by_cap in limits:
@@ -150,7 +155,7 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     torch.manual_seed(spec.seed)
     model = build_model(config, spec.device, spec.param_dtype)
     undo_policy = spec.policy.apply(find_blocks(model))
-    step = TrainingStep(model, make_optimizer(spec.optimizer, model), make_batch(spec, config, spec.device), spec)
+    step = TrainingStep(model, make_optimizer(spec, model), make_batch(spec, config, spec.device), spec)
     spec.policy.prepare(step)
     compile_ms = _compile_ms(step) if spec.policy.compiles else None
     hidden = spec.policy.hidden_from_dispatch_modes
@@ -183,7 +188,7 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     out["model_flops"] = model_flops.get_total_flops()
     known = out["flops"] is not None and out["model_flops"]
     out["recompute_flops_ratio"] = out["flops"] / out["model_flops"] - 1 if known else None
-    out["tokens_per_s"] = spec.batch_size * spec.seq_len / median_s
+    out["tokens_per_s"] = spec.batch_size * spec.grad_accum * spec.seq_len / median_s  # every micro-batch
     peak = instrument.peak_flops() if spec.precision != "fp32" else None
     out["mfu"] = out["model_flops"] / median_s / peak if peak else None
     if compile_ms is not None:
@@ -205,11 +210,13 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def _saved_bytes(step: TrainingStep) -> int:
-    """Bytes one untimed forward saves for backward (saved_tensors_hooks; parameters excluded), then its backward."""
+    """Bytes the first micro-batch's forward saves for backward (saved_tensors_hooks; parameters excluded), then a
+    whole step's forward and backward passes, so that FLOPs counted around it are the step's."""
     saved = SavedActivations(exclude=step.params())
-    with saved.recording():
-        loss = step.forward()
-    loss.backward()
+    for i, micro_batch in enumerate(step.micro_batches):
+        with saved.recording() if i == 0 else nullcontext():
+            loss = step.forward(micro_batch)
+        loss.backward()
     return saved.bytes
 
 

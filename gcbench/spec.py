@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gcbench.errors import GcbenchError
+from gcbench.optimizers import OPTIMIZERS, optimizer_kind
 from gcbench.timing import DEFAULT_MAX_STEPS, DEFAULT_MAX_TIME_S, StepBudget, default_threads
 from gcbench.units import parse_bytes
 
@@ -27,15 +28,14 @@ if TYPE_CHECKING:
 PRECISIONS = {
     # name: (parameter dtype, autocast dtype or None), as torch attribute names
     "fp32": ("float32", None),
-    "bf16": ("bfloat16", None),  # pure bf16: params, grads and optimizer state in bf16
-    "amp-bf16": ("float32", "bfloat16"),  # fp32 master weights, bf16 matmuls under autocast
+    "bf16": ("bfloat16", None),  # pure bf16: params, grads and optimizer state in bf16 (AdamW: 8 B/param)
+    "amp-bf16": ("float32", "bfloat16"),  # fp32 master weights, grads and state, bf16 matmuls (AdamW: 16 B/param)
 }
-OPTIMIZERS = ("adamw", "sgd", "none")
 # The integer fields' ranges. Above them: sizes no machine holds (int64 overflows in torch), step counts that would
 # run for days, seeds torch.manual_seed refuses.
 LIMITS = {"seq_len": (1, 2**31 - 1), "batch_size": (1, 2**31 - 1), "layers": (1, 1_000),
           "warmup_steps": (1, 1_000_000), "measure_steps": (1, 1_000_000), "max_steps": (1, 1_000_000),
-          "seed": (0, 2**63 - 1), "threads": (1, 4096)}
+          "seed": (0, 2**63 - 1), "threads": (1, 4096), "grad_accum": (1, 65_536)}
 AUTO = "auto"  # --steps auto, --threads auto
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 
@@ -68,6 +68,18 @@ def parse_seconds(value: Any) -> float:
     if isinstance(value, bool) or not 0 < seconds <= 86_400:
         raise GcbenchError(f"must be a number of seconds above 0 and at most a day (86400), got {value!r}")
     return seconds
+
+
+SWITCH = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+
+
+def parse_switch(value: Any) -> bool:
+    """on | off (true/false, yes/no, 1/0 too; a TOML boolean as it is)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in SWITCH:
+        return SWITCH[value.strip().lower()]
+    raise GcbenchError(f"expected on or off, got {value!r}")
 
 
 def parse_name(value: Any) -> str:
@@ -120,6 +132,7 @@ class Option:
     axis: bool = False  # a main grid axis: `gcbench estimate` takes several values of it too
     ascending: bool = False  # a sweep runs its values smallest first, so that an OOM can skip the larger ones
     split: Callable[[str], list[str]] = split_items  # several values in one string (sweep, estimate)
+    flag_value: str | None = None  # the value of the bare flag (`--optim-in-backward` = `--optim-in-backward on`)
 
     def parse_one(self, value: Any) -> Any:
         try:
@@ -160,10 +173,17 @@ class RunSpec:
                             "none", parse=parse_policy_text, metavar="POLICY", axis=True, split=split_policies)
     layers: int | None = option("layers", "keep only the first N blocks (activation memory is linear in N; "
                                 "default: all)", None)
-    precision: str = option("precision", "fp32 | bf16 | amp-bf16 (default: bf16 on CUDA, fp32 on CPU)", "",
-                            parse=parse_name, metavar="NAME")
-    optimizer: str = option("optimizer", "adamw (2 states/param) | sgd (momentum: 1 state/param) | none (no step)",
-                            "adamw", parse=parse_name, metavar="NAME")
+    precision: str = option("precision", "fp32 | bf16 (pure: weights, grads and optimizer state in bf16) | "
+                            "amp-bf16 (fp32 weights, grads and state; bf16 autocast) (default: bf16 on CUDA, fp32 "
+                            "on CPU)", "", parse=parse_name, metavar="NAME", axis=True)
+    optimizer: str = option("optimizer", f"{' | '.join(OPTIMIZERS)} (docs/levers.md; adamw8bit needs "
+                            "bitsandbytes)", "adamw", parse=parse_name, metavar="NAME", axis=True)
+    optim_in_backward: bool = option("optim-in-backward", "step each parameter inside backward as soon as its "
+                                     "gradient is complete, then drop that gradient (no full set of gradients at "
+                                     "once); on | off", False, parse=parse_switch, metavar="on|off", axis=True,
+                                     flag_value="on")
+    grad_accum: int = option("grad-accum", "micro-batches of --batch per optimizer step (gradient accumulation: "
+                             "the memory of one micro-batch, the tokens of all)", 1, axis=True, ascending=True)
     device: str = option("device", "auto | cpu | cuda[:N]; auto is cuda:0 when there is a GPU", "auto",
                          parse=parse_name, metavar="NAME")  # resolved when made: "cpu" or an explicit "cuda:N"
     attn: str | None = option("attn", "attention implementation: eager | sdpa (default: sdpa where the model's "
@@ -211,8 +231,16 @@ class RunSpec:
             set_("precision", "bf16" if self.device.startswith("cuda") else "fp32")
         if self.precision not in PRECISIONS:
             raise GcbenchError(f"unknown precision {self.precision!r} ({', '.join(PRECISIONS)})")
-        if self.optimizer not in OPTIMIZERS:
-            raise GcbenchError(f"unknown optimizer {self.optimizer!r} ({', '.join(OPTIMIZERS)})")
+        kind = optimizer_kind(self.optimizer)
+        kind.check_installed()
+        if not isinstance(self.optim_in_backward, bool):
+            raise GcbenchError(f"--optim-in-backward must be on or off, got {self.optim_in_backward!r}")
+        if self.optim_in_backward and not kind.steps:
+            raise GcbenchError("--optim-in-backward needs an optimizer to step; --optimizer none has none")
+        if self.optim_in_backward and self.grad_accum > 1:
+            raise GcbenchError(f"--optim-in-backward steps each parameter as soon as its gradient is complete, so "
+                               f"gradients cannot accumulate over --grad-accum {self.grad_accum} micro-batches: "
+                               f"use one or the other")
         if self.attn is not None and self.attn not in ATTENTION:
             raise GcbenchError(f"unknown attention implementation {self.attn!r} ({', '.join(ATTENTION)})")
         if self.attn == "flash_attention_2":
@@ -278,6 +306,21 @@ class RunSpec:
 def spec_options() -> dict[str, Option]:
     """RunSpec field name -> its Option, in declaration order."""
     return {f.name: f.metadata["option"] for f in dataclasses.fields(RunSpec)}
+
+
+def with_bare_switches(args: list[str]) -> list[str]:
+    """A switch option given alone (`--optim-in-backward`, last or before another option) gets its flag value
+    (`on`); with a value (`--optim-in-backward off`, `on,off` in a sweep) it keeps it. For the command line's
+    arguments before click parses them: click 8 could do this (flag_value on a value option), typer does not pass
+    flag_value on."""
+    switches = {f"--{o.flag}": o.flag_value for o in spec_options().values() if o.flag_value}
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg in switches and (following is None or following.startswith("-")):
+            out.append(switches[arg])
+    return out
 
 
 def _torch_default_threads() -> int:

@@ -2,20 +2,28 @@
 
 The runner (runner.py) times and measures it; the estimators (estimators/) simulate it on fake tensors; policies
 wrap its model's blocks. It knows a RunSpec only by the few fields it reads (StepSpec), so it imports nothing of
-gcbench and everything above can use it. Gradients are zeroed in place (set_to_none=False): they are static
-memory like parameters and optimizer state, so everything above the step's starting baseline is activations and
-temporaries.
+gcbench above it and everything above can use it. Gradients are zeroed in place (set_to_none=False): they are
+static memory like parameters and optimizer state, so everything above the step's starting baseline is activations
+and temporaries. With the optimizer in backward there are no static gradients: each is stepped and dropped as soon
+as it is complete.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter
+from gcbench.optimizers import optimizer_kind
+
+Mark = Callable[[str], None]  # called with each phase (results.schema.PHASES) as it starts, then with "end"
+
+
+def _no_mark(phase: str) -> None:
+    pass
 
 
 class StepSpec(Protocol):
@@ -26,6 +34,8 @@ class StepSpec(Protocol):
     seed: int
     device: str
     optimizer: str
+    grad_accum: int
+    optim_in_backward: bool
 
     @property
     def param_dtype(self) -> torch.dtype: ...
@@ -34,30 +44,78 @@ class StepSpec(Protocol):
     def autocast_dtype(self) -> torch.dtype | None: ...
 
 
-class TrainingStep:
-    """One training step on a fixed random batch, split in the two phases whose memory is reported apart."""
+class OptimizerInBackward:
+    """The optimizer step fused into backward: one optimizer per parameter, stepped by a post-accumulate-grad hook
+    as soon as that parameter's gradient is complete, which is then dropped, so that the full gradients never all
+    exist at once (the PyTorch tutorial "How to save memory by fusing the optimizer step into the backward pass")."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: dict, spec: StepSpec):
+    def __init__(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], params: list[nn.Parameter]):
+        self.optimizers = {p: make([p]) for p in params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._step) for p in params]
+
+    def _step(self, param: nn.Parameter) -> None:
+        optimizer = self.optimizers[param]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        pass  # every parameter was stepped in backward
+
+    @property
+    def state(self) -> dict[Any, dict[str, Any]]:
+        return {p: s for optimizer in self.optimizers.values() for p, s in optimizer.state.items()}
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+class TrainingStep:
+    """One training step on a fixed random batch: `grad_accum` forward/backward passes of one micro-batch each, then
+    the optimizer step. Calling it with a `mark` tells the caller when each phase starts (per-phase peaks)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerInBackward | None, batch: dict,
+                 spec: StepSpec):
         self.model, self.optimizer, self.batch = model, optimizer, batch
         self.device = torch.device(spec.device)
         dtype, device_type = spec.autocast_dtype, self.device.type
         self._autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype else contextlib.nullcontext
+        # micro-batches: views of rows of the one batch (the same storage), so accumulating N of them computes the
+        # gradient of the whole batch, as one batch of N x --batch would (mean-reduced loss)
+        n, rows = spec.grad_accum, spec.batch_size
+        self.micro_batches = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(n)] \
+            if n > 1 else [batch]
 
-    def forward(self) -> torch.Tensor:
-        self.model.zero_grad(set_to_none=False)
+    def forward(self, micro_batch: dict | None = None) -> torch.Tensor:
+        """The loss of one micro-batch (the first by default), its share of the step's mean: loss / grad_accum."""
         with self._autocast():
-            return self.model(**self.batch).loss
+            loss = self.model(**(micro_batch or self.micro_batches[0])).loss
+        n = len(self.micro_batches)
+        return loss / n if n > 1 else loss
 
-    def forward_backward(self) -> None:
-        self.forward().backward()
+    def forward_backward(self, mark: Mark = _no_mark) -> None:
+        self.model.zero_grad(set_to_none=False)
+        for micro_batch in self.micro_batches:
+            mark("forward")
+            loss = self.forward(micro_batch)
+            mark("backward")
+            loss.backward()
 
     def optimizer_step(self) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
 
-    def __call__(self) -> None:
-        self.forward_backward()
-        self.optimizer_step()
+    def __call__(self, mark: Mark = _no_mark) -> None:
+        self.forward_backward(mark)
+        if self.steps_after_backward:
+            mark("optimizer")
+            self.optimizer_step()
+        mark("end")
+
+    @property
+    def steps_after_backward(self) -> bool:
+        """Whether the step has an optimizer phase (not with --optimizer none, nor with the optimizer in backward)."""
+        return self.optimizer is not None and not isinstance(self.optimizer, OptimizerInBackward)
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Parameters, gradients and optimizer state: the step's starting baseline."""
@@ -75,25 +133,42 @@ class TrainingStep:
         return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def make_optimizer(name: str, model: nn.Module, foreach: bool | None = None) -> torch.optim.Optimizer | None:
-    """`foreach` None = torch's default (the multi-tensor path on CUDA: one parameter-sized temporary in the step);
-    the memory estimator forces it on to simulate a CUDA step with CPU tensors."""
+def make_optimizer(spec: StepSpec, model: nn.Module, multi_tensor: bool | None = None
+                   ) -> torch.optim.Optimizer | OptimizerInBackward | None:
+    """The spec's optimizer over the model's parameters, or one per parameter stepped in backward
+    (`optim_in_backward`). `multi_tensor` None = torch's default for the device (the multi-tensor path on CUDA: one
+    parameter-sized temporary in the step); the memory estimator sets it to simulate a CUDA step with CPU tensors."""
+    kind = optimizer_kind(spec.optimizer)
     params = list(model.parameters())
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-5, foreach=foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=foreach)
-    return None
+    if not kind.steps:
+        return None
+    if spec.optim_in_backward:
+        return OptimizerInBackward(lambda group: kind.build(group, multi_tensor), params)
+    return kind.build(params, multi_tensor)
 
 
 def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
-    """Random token ids of the requested shape; labels = inputs (causal LM shifts them, MLM predicts them)."""
+    """Random token ids for the whole step (grad_accum x batch rows); labels = inputs (causal LM shifts them, MLM
+    predicts them)."""
     gen = torch.Generator().manual_seed(spec.seed)
-    ids = torch.randint(0, config.vocab_size, (spec.batch_size, spec.seq_len), generator=gen).to(device)
+    rows = spec.batch_size * spec.grad_accum
+    ids = torch.randint(0, config.vocab_size, (rows, spec.seq_len), generator=gen).to(device)
     return {"input_ids": ids, "labels": ids}
 
 
-def model_state_bytes(spec: StepSpec, n_params: int) -> int:
-    """Parameters + gradients + optimizer state, in bytes, before anything is allocated."""
-    per_param = torch.tensor([], dtype=spec.param_dtype).element_size()
-    return n_params * per_param * (2 + OPTIMIZER_STATES[spec.optimizer])
+def param_shapes(model: nn.Module) -> list[tuple[int, ...]]:
+    """The shapes of a (meta) model's distinct parameters: what the optimizer keeps state for."""
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def model_state_bytes(spec: StepSpec, shapes: list[tuple[int, ...]], cuda: bool = False) -> int:
+    """Parameters + gradients (none with the optimizer in backward) + optimizer state, in bytes, before anything is
+    allocated."""
+    import math
+
+    elem = torch.tensor([], dtype=spec.param_dtype).element_size()
+    kind = optimizer_kind(spec.optimizer)
+    params = sum(math.prod(s) for s in shapes) * elem
+    grads = 0 if spec.optim_in_backward else params
+    return params + grads + sum(sum(kind.state(s, elem, cuda)) for s in shapes) \
+        + kind.shared_bytes(shapes, spec.optim_in_backward)

@@ -42,3 +42,8 @@ def assert_gradients_equal_none(model_name: str, policy: str, device: str = "cpu
     assert len(got) == len(ref) and all(g is not None for g in got)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r)
+
+
+def estimate_axes(models, seq_lens, batch_sizes, policies) -> dict:
+    """estimate_grid's axes for the four main ones."""
+    return {"model": models, "seq_len": seq_lens, "batch_size": batch_sizes, "policy": policies}

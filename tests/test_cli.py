@@ -145,6 +145,7 @@ def test_usage_errors_through_the_entry_point_are_one_line():
     assert proc.stderr.count("\n") == 1 and "--seq" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # four installed-command runs, each starting torch
 def test_exit_codes_reach_the_shell(tmp_path):
     """Through the real entry point: a domain error exits 2, an OOM record exits 1 (not 0)."""
     entry = [sys.executable, "-m", "gcbench"]

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
+from tests.helpers import estimate_axes as grid
 from gcbench.estimators import estimate, estimate_grid
 from gcbench.estimators.analytic import analytic, understands
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES
@@ -86,7 +87,7 @@ def test_foreach_adamw_temporaries_can_be_the_peak_on_cuda():
                    precision="bf16")
     for method in ("analytic", "simulate"):
         e = estimate(spec, method, "cuda")
-        assert e.peak_phase == "optimizer step"
+        assert e.peak_phase == "optimizer"
         assert e.activation_bytes >= e.param_bytes - 2**20  # one parameter-sized temporary
 
 
@@ -138,9 +139,9 @@ def test_simulate_leaves_no_patch_behind():
 
 def test_grid_validates_every_spec_before_running_any():
     with pytest.raises(GcbenchError, match="learned positions"):
-        estimate_grid(["tiny-llama", "gpt2"], [2048], [1], ["none"], ["simulate"])
+        estimate_grid(grid(["tiny-llama", "gpt2"], [2048], [1], ["none"]), ["simulate"])
     # what a method cannot predict is a cell of the grid, not an abort (tests/test_families.py has the rest)
-    cells = estimate_grid(["tiny-llama"], [32], [1], ["none", "sac"], ["analytic"])
+    cells = estimate_grid(grid(["tiny-llama"], [32], [1], ["none", "sac"]), ["analytic"])
     assert [(cell.method, cell.stands_in is None) for _, cell in cells] == [("analytic", True), ("simulate", False)]
 
 

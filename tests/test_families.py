@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from gcbench.cli import app
 from gcbench.env import WARM_MODELS_ENV
 from gcbench.errors import GcbenchError
+from tests.helpers import estimate_axes as grid
 from gcbench.estimators import Estimate, Unavailable, estimate_grid
 from gcbench.estimators.analytic import ARCHITECTURES, analytic
 from gcbench.estimators.simulate import simulate
@@ -125,14 +126,14 @@ def test_analytic_follows_the_simulation_for_the_families_it_describes(family_pa
 
 def test_estimate_shows_na_for_what_analytic_cannot_and_simulates_it_when_asked_for_analytic_only(family_paths):
     qwen3 = family_paths["qwen3"]
-    cells = estimate_grid([qwen3, "tiny-llama"], [SEQ], [1], ["none", "sac"], ["analytic", "simulate"], "cpu")
+    cells = estimate_grid(grid([qwen3, "tiny-llama"], [SEQ], [1], ["none", "sac"]), ["analytic", "simulate"], "cpu")
     by = {(spec.model, spec.policy.name, cell.method): cell for spec, cell in cells}
     assert isinstance(by[qwen3, "none", "analytic"], Unavailable)
     assert "no formulas for qwen3" in by[qwen3, "none", "analytic"].reason
     assert "does not know policy 'sac'" in by["tiny-llama", "sac", "analytic"].reason
     assert isinstance(by["tiny-llama", "none", "analytic"], Estimate)
     assert all(isinstance(by[m, p, "simulate"], Estimate) for m in (qwen3, "tiny-llama") for p in ("none", "sac"))
-    alone = estimate_grid([qwen3], [SEQ], [1], ["none"], ["analytic"], "cpu")
+    alone = estimate_grid(grid([qwen3], [SEQ], [1], ["none"]), ["analytic"], "cpu")
     [(_, cell)] = alone
     assert cell.method == "simulate" and "no formulas for qwen3" in cell.stands_in
     assert cell.peak_bytes == by[qwen3, "none", "simulate"].peak_bytes

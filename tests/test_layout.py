@@ -25,7 +25,7 @@ LAYERS = [
     ("estimators",),
     ("env",),
     ("spec",),
-    ("step", "policies", "models", "presets", "hub"),
+    ("step", "policies", "models", "presets", "hub", "optimizers"),
     ("instruments",),
     ("measure", "timing"),
     ("results", "units", "errors", "__init__"),

@@ -46,11 +46,11 @@ failed=()
 if [ "$smoke" = 0 ]; then
   dir="results/gpu/$slug" report=docs/gpu-report
   large=llama-7b small=gpt2 layers=8 seq=512 long_seqs=2048,4096 long_batches=1,4 small_seq=1024 small_batch=8
-  line_seqs=512,1024,2048,4096 line_batches=1,2,4,8 line_cap=() rounds=30
+  line_seqs=512,1024,2048,4096 line_batches=1,2,4,8 line_cap=() rounds=30 lever_seq=2048 lever_batch=4
 else  # the same plan on tiny models; a memory cap puts the OOM line within reach
   dir="results/gpu-smoke/$slug" report="results/gpu-smoke/$slug/report"
   large=tiny-llama small=tiny-gpt2 layers=4 seq=64 long_seqs=64 long_batches=1,2 small_seq=64 small_batch=2
-  line_seqs=64,128 line_batches=1,4 line_cap=(--memory-cap 16MiB) rounds=2
+  line_seqs=64,128 line_batches=1,4 line_cap=(--memory-cap 16MiB) rounds=2 lever_seq=64 lever_batch=2
 fi
 
 # stop_if_interrupted <exit status>: a step stopped by a signal (>= 128, e.g. 130 after Ctrl-C) stops the validation
@@ -79,6 +79,12 @@ sweep() {
   shift 4
   local out="$dir/$name.jsonl" n
   n=$(configs "$seq" "$batch" "$policy")
+  local args=("$@") i  # options of several values multiply the grid too
+  for ((i = 0; i + 1 < ${#args[@]}; i++)); do
+    case "${args[i]}" in
+      --optimizer|--optim-in-backward|--grad-accum|--precision) n=$((n * $(configs "${args[i + 1]}"))) ;;
+    esac
+  done
   echo "== $name: $n configs ($(done_note "$out"))"
   echo "   gcbench sweep --seq $seq --batch $batch --policy $policy $* --out $out"
   [ "$dry_run" = 1 ] && return 0
@@ -124,6 +130,13 @@ sweep "$small" "$small_seq" "$small_batch" none,full,every-k:k=2,segments:k=4,sq
 # Not paired: this line is about where memory runs out, and pairing would build the 7B model once more per shape.
 sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 --no-paired \
   ${line_cap[@]+"${line_cap[@]}"}
+
+# The memory levers beside checkpointing (docs/levers.md): which one moves the peak, by how much, at what time cost.
+# adamw8bit only where bitsandbytes is installed (the extra gcbench[bnb]).
+bnb=$("$python" -c 'import bitsandbytes' >/dev/null 2>&1 && echo ",adamw8bit" || true)
+[ -n "$bnb" ] || echo "== memory levers: bitsandbytes is not installed here, so adamw8bit is left out"
+sweep "$large-${layers}layers-levers" "$lever_seq" "$lever_batch" none,full,sqrtn --model "$large" --layers "$layers" \
+  --optimizer "adamw,adamw-loop,adamw-fused,adafactor$bnb" --optim-in-backward on,off --steps 5
 
 once "harness overhead" "$dir/overhead.txt" "$python" benchmarks/overhead.py --model "$small" --seq "$small_seq" \
   --batch "$small_batch" --policy full --rounds "$rounds"

@@ -12,6 +12,7 @@ The runner asks for a record's predictions through `predict_for_run`; nothing he
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,25 +38,28 @@ def estimate(spec: RunSpec, method: str = "simulate", target: str = "cuda") -> E
     return _PREDICTORS[method](spec, target)
 
 
-def estimate_grid(models: Iterable[str], seq_lens: Iterable[int], batch_sizes: Iterable[int],
-                  policies: Iterable[str], methods: Iterable[str], target: str = "cuda", precision: str = "",
+def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",
                   **spec_fields: Any) -> list[tuple[RunSpec, Estimate | Unavailable]]:
-    """Every model x seq x batch x policy, by every method. All specs are validated before anything runs, so bad
-    input fails at once and nothing is half done. A config a method cannot predict is an Unavailable cell (n/a,
-    and why), not an abort; where the analytic model cannot and the simulation was not asked for, the simulation
-    predicts it and says what it stands in for (Estimate.stands_in). Only a grid of which nothing could be
-    predicted is an error. precision "" = bf16 for a CUDA target, fp32 for CPU, as `gcbench run` picks;
-    spec_fields: layers, optimizer, attn."""
+    """Every combination of the `axes` (RunSpec field -> its values: model, seq_len, batch_size, policy, precision,
+    optimizer, ...), by every method. All specs are validated before anything runs, so bad input fails at once and
+    nothing is half done. A config a method cannot predict is an Unavailable cell (n/a, and why), not an abort;
+    where the analytic model cannot and the simulation was not asked for, the simulation predicts it and says what
+    it stands in for (Estimate.stands_in). Only a grid of which nothing could be predicted is an error. No precision
+    (or "") = bf16 for a CUDA target, fp32 for CPU, as `gcbench run` picks; spec_fields: the same for every config
+    (layers, attn)."""
     methods = list(methods)
     for method in methods:
         if method not in METHODS:
             raise GcbenchError(f"unknown estimate method {method!r} ({', '.join(METHODS)})")
     if target not in TARGETS:
         raise GcbenchError(f"unknown device {target!r} to predict for ({', '.join(TARGETS)})")
-    precision = precision or ("bf16" if target == "cuda" else "fp32")
+    default_precision = "bf16" if target == "cuda" else "fp32"
+    axes = {k: list(v) for k, v in axes.items()}
+    axes["precision"] = [p or default_precision for p in axes.get("precision", [""])]
+    names = list(axes)
     # device="cpu": the spec must be valid on this machine; the target only tells what to predict
-    specs = [RunSpec(model=m, seq_len=s, batch_size=b, policy=p, device="cpu", precision=precision, **spec_fields)
-             for m in models for s in seq_lens for b in batch_sizes for p in policies]
+    specs = [RunSpec(**dict(zip(names, values)), device="cpu", **spec_fields)
+             for values in itertools.product(*axes.values())]
     cells = [(spec, _predict_cell(spec, method, target, methods)) for spec in specs for method in methods]
     if all(isinstance(cell, Unavailable) for _, cell in cells):
         raise GcbenchError(f"nothing in this grid can be predicted: {cells[0][1].reason}")
@@ -81,13 +85,14 @@ def predict_for_run(spec: RunSpec) -> dict[str, Any]:
     sweep shows both methods' errors. The analytic model is instant; the simulation takes about a second for tiny
     models and seconds for 7B ones."""
     target = "cuda" if spec.device.startswith("cuda") else "cpu"
-    out: dict[str, Any] = {"predicted_peak_bytes": None, "prediction_method": None}
+    out: dict[str, Any] = {"predicted_peak_bytes": None, "prediction_method": None, "predicted_peak_phase": None}
     for method in ("simulate", "analytic"):  # the preferred one first
         try:
-            peak = estimate(spec, method, target).peak_bytes
+            found = estimate(spec, method, target)
         except GcbenchError:
-            peak = None
-        out[f"predicted_peak_bytes_{method}"] = peak
-        if out["predicted_peak_bytes"] is None and peak is not None:
-            out["predicted_peak_bytes"], out["prediction_method"] = peak, method
+            found = None
+        out[f"predicted_peak_bytes_{method}"] = found.peak_bytes if found else None
+        if out["predicted_peak_bytes"] is None and found is not None:
+            out.update(predicted_peak_bytes=found.peak_bytes, prediction_method=method,
+                       predicted_peak_phase=found.peak_phase)
     return out

@@ -20,7 +20,8 @@ from gcbench.estimators.shape import CUDA_BLOCK_BYTES, Shape, attention_kernel
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import EveryK, Full, NoCheckpoint, Policy, Segments, SqrtN
 from gcbench.spec import RunSpec
-from gcbench.step import OPTIMIZER_STATES
+from gcbench.optimizers import optimizer_kind
+from gcbench.results.schema import peak_phase
 from gcbench.units import round_up
 
 # What _activation_peak can walk: policies whose whole effect is `groups()`, each group one plain checkpoint. Named
@@ -273,36 +274,45 @@ def analytic(spec: RunSpec, target: str = "cuda") -> Estimate:
     head = head_bytes(sh, dev, output.numel(), tied=output is input_)
 
     granularity = CUDA_BLOCK_BYTES if cuda else 1
-    params = list(meta.parameters()) + list(meta.buffers())
-    param_bytes = sum(round_up(p.numel() * p.element_size(), granularity) for p in params)
-    grad_bytes = sum(round_up(p.numel() * p.element_size(), granularity) for p in meta.parameters())
-    states = OPTIMIZER_STATES[spec.optimizer]
-    # AdamW/SGD keep a 0-dim fp32 `step` per parameter on the host: tracked on CPU, not in CUDA memory
-    step_tensors = 0 if cuda or spec.optimizer != "adamw" else len(params) * 4
-    optimizer_bytes = states * grad_bytes + step_tensors
-    static = param_bytes + grad_bytes + optimizer_bytes + round_up(8 * sh.tokens, granularity)
+    size = lambda nbytes: round_up(nbytes, granularity)  # noqa: E731 - what the device holds for one tensor
+    weights = list(meta.parameters())
+    param_bytes = sum(size(p.numel() * p.element_size()) for p in weights + list(meta.buffers()))
+    # with the optimizer in backward no gradient outlives its parameter's step: none is model state
+    grad_bytes = 0 if spec.optim_in_backward else sum(size(p.numel() * p.element_size()) for p in weights)
+    kind = optimizer_kind(spec.optimizer)
+    optimizer_bytes = sum(size(b) for p in weights for b in kind.state(tuple(p.shape), sh.stream_bytes, cuda)) \
+        + kind.shared_bytes([tuple(p.shape) for p in weights], spec.optim_in_backward)
+    static = param_bytes + grad_bytes + optimizer_bytes + size(8 * sh.tokens * spec.grad_accum)  # + the token ids
 
-    activations, phase = _activation_peak(spec.policy, len(blocks), block, head, embedding_saved(sh, dev),
-                                          sh.amp, _optimizer_extra(spec.optimizer, cuda, meta))
+    sizes = [p.numel() * p.element_size() for p in weights]
+    multi_tensor = cuda and kind.multi_tensor_on_cuda  # the path torch takes by default on the target
+    if spec.optim_in_backward:
+        # each parameter is stepped alone as its gradient completes: its step's temporaries join the backward
+        in_backward = lambda nbytes: kind.temporaries([nbytes], multi_tensor)  # noqa: E731
+    else:
+        in_backward = lambda nbytes: 0  # noqa: E731
+    phases: dict[str, int | None] = _activation_peaks(
+        spec.policy, len(blocks), block, head, embedding_saved(sh, dev), sh.amp,
+        in_backward(max(p.numel() * p.element_size() for p in blocks[0].parameters())), in_backward(max(sizes)))
+    steps_after = kind.steps and not spec.optim_in_backward
+    phases["optimizer"] = kind.temporaries(sizes, multi_tensor) if steps_after else None
+    phase = peak_phase(phases)
+    peak = static + phases[phase]
+    above = lambda extra: None if extra is None else static + extra  # noqa: E731
     return Estimate(
-        method="analytic", target=target, peak_bytes=static + activations, param_bytes=param_bytes,
-        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=static + activations - param_bytes
-        - grad_bytes - optimizer_bytes, peak_phase=phase, attention_kernel=dev.kernel,
-        seconds=time.perf_counter() - start)
+        method="analytic", target=target, peak_bytes=peak, param_bytes=param_bytes, grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes, activation_bytes=peak - param_bytes - grad_bytes - optimizer_bytes,
+        peak_phase=phase, forward_peak_bytes=above(phases["forward"]), backward_peak_bytes=above(phases["backward"]),
+        optimizer_peak_bytes=above(phases["optimizer"]), n_params=sum(p.numel() for p in weights),
+        attention_kernel=dev.kernel, seconds=time.perf_counter() - start)
 
 
-def _optimizer_extra(optimizer: str, cuda: bool, meta: nn.Module) -> int:
-    """Temporaries of the optimizer step above model state: CUDA AdamW's multi-tensor path builds sqrt(v) for all
-    parameters at once; the CPU single-tensor path two of the largest parameter at a time; SGD works in place."""
-    if optimizer != "adamw":
-        return 0
-    sizes = [p.numel() * p.element_size() for p in meta.parameters()]
-    return sum(sizes) if cuda else 2 * max(sizes)
-
-
-def _activation_peak(policy: Policy, n: int, block: BlockBytes, head: HeadBytes, embedding: int, amp: bool,
-                     optimizer_extra: int) -> tuple[int, str]:
-    """Peak above static memory, and its phase, walking the forward and then the backward block by block.
+def _activation_peaks(policy: Policy, n: int, block: BlockBytes, head: HeadBytes, embedding: int, amp: bool,
+                      block_step: int, head_step: int) -> dict[str, int]:
+    """Peak above static memory in the forward and in the backward, walking the forward and then the backward
+    block by block. block_step / head_step: the temporaries of a parameter's optimizer step run in backward, in a
+    block and where the head's and embeddings' gradients complete (there: the largest parameter's; 0 when the
+    optimizer steps after backward).
 
     A block outside every group keeps `block.saved`; a checkpointed group keeps its input only, and when the
     backward reaches it, recomputes all its blocks at once (the peak of a checkpointed model)."""
@@ -313,20 +323,18 @@ def _activation_peak(policy: Policy, n: int, block: BlockBytes, head: HeadBytes,
     # amp: autocast caches every weight's bf16 copy until the forward ends, checkpointed blocks' too
     forward = embedding + sum(stored) + head.saved + head.forward_extra + (block.weight_copies * checkpointed if amp
                                                                             else 0)
-    candidates = [forward, embedding + sum(stored) + head.saved + head.backward_extra,
-                  embedding + sum(stored) + head.weight_grad, embedding + block.grad_flow + head.embedding_backward]
+    candidates = [embedding + sum(stored) + head.saved + head.backward_extra,
+                  embedding + sum(stored) + head.weight_grad + head_step,
+                  embedding + block.grad_flow + head.embedding_backward + head_step]
     embedding += head.tied_pending  # from here to the end of the backward
     i = n - 1
     while i >= 0:
         group = group_of.get(i)
         if group is None:
-            candidates.append(embedding + sum(stored[:i]) + block.backward_peak)
+            candidates.append(embedding + sum(stored[:i]) + block.backward_peak + block_step)
             i -= 1
             continue
         recomputed = (len(group) - 1) * block.saved + (0 if block.input_in_saved else block.input)
-        candidates.append(embedding + sum(stored[: group.start]) + recomputed + block.backward_peak)
+        candidates.append(embedding + sum(stored[: group.start]) + recomputed + block.backward_peak + block_step)
         i = group.start - 1
-    fwd_bwd = max(candidates)
-    if optimizer_extra > fwd_bwd:
-        return optimizer_extra, "optimizer step"
-    return fwd_bwd, "forward/backward"
+    return {"forward": forward, "backward": max(candidates)}

@@ -11,7 +11,8 @@ from gcbench.spec import RunSpec
 # The spec fields an estimate row carries, stored as in every record (results/schema.py SpecFields): `policy` is the
 # name, `policy_options` its options. The rest of a spec (device, steps, seed) does not change a prediction; the
 # spec's device is always "cpu" here anyway, and the row's `target` says what was predicted.
-ROW_SPEC_FIELDS = ("model", "seq_len", "batch_size", "policy", "policy_options", "layers", "precision", "optimizer")
+ROW_SPEC_FIELDS = ("model", "seq_len", "batch_size", "policy", "policy_options", "layers", "precision", "optimizer",
+                   "optim_in_backward", "grad_accum")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,11 @@ class Estimate:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int  # the rest at the peak: saved activations, temporaries, recompute, the batch
-    peak_phase: str  # "forward/backward" | "optimizer step": where the peak is reached
+    peak_phase: str  # forward | backward | optimizer: the phase that reaches the step's peak
+    forward_peak_bytes: int  # the peak of each phase (results.schema.PHASES), as a measured record has them
+    backward_peak_bytes: int
+    optimizer_peak_bytes: int | None  # None: no step after backward (optimizer none, or stepped in backward)
+    n_params: int  # parameters (tied weights once): model state per parameter = (params + grads + optim.) / this
     attention_kernel: str  # the SDPA kernel the prediction assumes (flash, efficient, math, cpu-flash, eager)
     seconds: float  # how long the prediction took
     # Set when this prediction stands in for another method's, which could not make it: why that one could not
@@ -35,6 +40,12 @@ class Estimate:
     def fits(self, memory_bytes: int) -> bool | None:
         """Whether the predicted peak fits in `memory_bytes` (None where there is no prediction)."""
         return self.peak_bytes <= memory_bytes
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Parameters, gradients and optimizer state per parameter: the precision and optimizer's layout (AdamW:
+        16 under amp-bf16, 8 in pure bf16)."""
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes) / self.n_params
 
     def as_record(self, spec: RunSpec) -> dict[str, Any]:
         """Flat, JSON-ready: the spec's shape fields as a record stores them, then the prediction.

@@ -24,8 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gcbench.errors import GcbenchError
 from gcbench.estimators.prediction import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
-from gcbench.measure import LiveTensorTracker, storage_bytes
-from gcbench.models import build_model, find_blocks
+from gcbench.measure import LiveTensorTracker, PhasePeaks, storage_bytes
+from gcbench.models import build_model, count_params, find_blocks
+from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_optimizer
@@ -54,38 +55,79 @@ def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
     spec = dataclasses.replace(spec, device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
     config, _ = spec.model_config()
-    fake = FakeTensorMode()
+    # bitsandbytes keeps its quantisation maps as real tensors, made when the optimizer is
+    fake = FakeTensorMode(allow_non_fake_inputs=optimizer_kind(spec.optimizer).module is not None)
     model = build_model(config, "meta", spec.param_dtype)
     materialise_as_fakes(model, fake)
     spec.policy.apply(find_blocks(model))
     _refuse_compiled(model, spec.policy)
     tracker = AllocatorModel(cuda)
+    phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
     try:
+        # made outside the fake mode: bitsandbytes computes its quantisation map from real values
+        optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
+                                   if cuda else None)
+        _steps_read_no_values(optimizer)
         with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()), \
                 _fake_tensor_quiet():
-            ids = torch.empty((spec.batch_size, spec.seq_len), dtype=torch.long)
-            optimizer = make_optimizer(spec.optimizer, model, foreach=True if cuda else None)
+            ids = torch.empty((spec.batch_size * spec.grad_accum, spec.seq_len), dtype=torch.long)
             step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
             spec.policy.prepare(step)
             step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
-            tracker.track(step.static_tensors() + [ids])
+            state = _device_state(step, cuda)
+            tracker.track(step.params() + step.grads() + state + [ids])
             with tracker:
-                step.forward_backward()
-                fwd_bwd_peak = tracker.peak
-                step.optimizer_step()
+                step(phases)
             parts = [storage_bytes(tensors, tracker.granularity_bytes)
-                     for tensors in (step.params(), step.grads(), step.optimizer_state())]
+                     for tensors in (step.params(), step.grads(), state)]
     except GcbenchError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a policy on fake tensors is the user's answer
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise GcbenchError(f"simulate cannot run {spec.model} with policy {spec.policy} on fake tensors: "
                            f"{first_line}") from None
+    peaks, peak = phases.fields(), max(phases.peaks.values())
     return Estimate(
-        method="simulate", target=target, peak_bytes=tracker.peak, param_bytes=parts[0], grad_bytes=parts[1],
-        optimizer_bytes=parts[2], activation_bytes=tracker.peak - sum(parts),
-        peak_phase="optimizer step" if tracker.peak > fwd_bwd_peak else "forward/backward",
+        method="simulate", target=target, peak_bytes=peak, param_bytes=parts[0], grad_bytes=parts[1],
+        optimizer_bytes=parts[2], activation_bytes=peak - sum(parts), peak_phase=peaks["peak_phase"],
+        forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
+        optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=count_params(model),
         attention_kernel=attention_kernel(spec, config, target), seconds=time.perf_counter() - start)
+
+
+def _device_state(step: TrainingStep, cuda: bool) -> list[torch.Tensor]:
+    """The optimizer state a device holds: on CUDA, torch.optim keeps each parameter's 0-dim `step` count on the
+    host unless the step is fused (optimizers.OptimizerKind.state says the same)."""
+    if not cuda or step.optimizer is None:
+        return step.optimizer_state()
+    fused = any(group.get("fused") for opt in getattr(step.optimizer, "optimizers", {0: step.optimizer}).values()
+                for group in opt.param_groups)
+    return [v for state in step.optimizer.state.values() for k, v in state.items()
+            if isinstance(v, torch.Tensor) and (fused or k != "step" or v.dim() > 0)]
+
+
+class ScalarReads(TorchDispatchMode):
+    """An optimizer step that reads a value (Adafactor's step count and norms through .item()) cannot run on fake
+    tensors, which have none. Values never change what the step allocates: answer every read with 1."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
+        return func(*args, **(kwargs or {}))
+
+
+def _steps_read_no_values(optimizer) -> None:
+    """Run the optimizer's step (or each per-parameter one, stepped in backward) under ScalarReads, and only the
+    step: elsewhere a read of a value stays an error, as a model's data-dependent shapes must."""
+    inner = getattr(optimizer, "optimizers", {optimizer: optimizer} if optimizer is not None else {}).values()
+    for opt in inner:
+        original = opt.step
+
+        def step(*args, _original=original, **kwargs):
+            with ScalarReads():
+                return _original(*args, **kwargs)
+
+        opt.step = step
 
 
 def _refuse_compiled(model: nn.Module, policy: Policy) -> None:

@@ -26,6 +26,7 @@ from gcbench.units import byte_unit, fmt_bytes
 
 PNG_DPI = 90  # modest: the figures are embedded in report.html
 Drawn = tuple[Figure, str] | str | None  # (figure, caption) | why nothing was drawn | None: does not apply
+PHASE_WORDS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
 STATE_COLORS = {"params": "#4c72b0", "grads": "#8fb0de", "optimizer state": "#dd8452", "activations": "#55a868"}
 
 
@@ -260,6 +261,10 @@ def memory_breakdown(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
             if r["status"] == "ok":
                 ax.scatter(i, r["peak_bytes"] / scale, marker="_", s=500, color="black", linewidths=2, zorder=5,
                            label="measured peak, whole step (incl. optimizer step)")
+                if isinstance(r.get("peak_phase"), str):
+                    ax.annotate(f"peak in\n{PHASE_WORDS[r['peak_phase']]}", (i, r["peak_bytes"] / scale),
+                                xytext=(0, 5), textcoords="offset points", ha="center", va="bottom", fontsize=8,
+                                color="#b00020" if r["peak_phase"] == "optimizer" else "black")
             else:
                 ax.text(i, 0, FAILED_TEXT.get(r["status"], r["status"]), ha="center", va="bottom",
                         color="#b00020", fontweight="bold")
@@ -270,7 +275,9 @@ def memory_breakdown(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.margins(y=0.1)
     figure_legend(fig, axes, policies=colors)
     return fig, (f"Per model setup, the seq x batch where the most policies ran. Activations = forward+backward "
-                 f"peak above model state ({dev['peak_label'].iloc[0]}); the black tick is the whole step's peak.")
+                 f"peak above model state ({dev['peak_label'].iloc[0]}); the black tick is the whole step's peak, "
+                 f"labelled with the phase that reached it: a peak in the optimizer step (red) is one no "
+                 f"checkpointing policy can lower.")
 
 
 def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:

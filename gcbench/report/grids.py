@@ -39,7 +39,7 @@ def results_grid(part: pd.DataFrame) -> Grid:
     """The results table of one device and setup: a row per (seq, batch, policy), `x none` within each seq x batch."""
     scale, unit = byte_unit(part["peak_bytes"].max())
     predicted = part["predicted_peak_bytes"].notna().any()
-    headers = ["seq", "batch", "policy", "status", f"peak {unit}", "peak x none", f"act. {unit}",
+    headers = ["seq", "batch", "policy", "status", f"peak {unit}", "peak in", "peak x none", f"act. {unit}",
                "step ms", "IQR ms", "time x none", "tokens/s", "recompute FLOPs"]
     if predicted:
         headers += [f"predicted peak {unit}", "prediction error"]
@@ -66,7 +66,8 @@ def results_grid(part: pd.DataFrame) -> Grid:
         ok = r["status"] == "ok"
         status = FAILED.get(r["status"], r["status"]) + ("*" if r.get("oom_predicted") is True else "")
         row = [str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], status,
-               size(r["peak_bytes"]), ratio(r["peak_x_none"], r), size(r["activation_peak_bytes"]),
+               size(r["peak_bytes"]), PHASE_SHORT.get(r["peak_phase"], "-") if ok else "-",
+               ratio(r["peak_x_none"], r), size(r["activation_peak_bytes"]),
                (("" if r["timing_trusted"] else "~") + f"{r['step_ms_median']:,.1f}") if ok else "-",
                f"{r['step_ms_iqr']:,.1f}" if ok else "-", time_ratio(r),
                f"{r['tokens_per_s']:,.0f}" if ok else "-",
@@ -78,7 +79,9 @@ def results_grid(part: pd.DataFrame) -> Grid:
         nxt = records[i + 1] if i + 1 < len(records) else None
         if nxt is None or (nxt["seq_len"], nxt["batch_size"]) != (r["seq_len"], r["batch_size"]):
             ends.add(i)
-    caption = (f"peak = {part['peak_label'].iloc[0]}; act. = activations, the fwd+bwd peak above model state; "
+    caption = (f"peak = {part['peak_label'].iloc[0]}; peak in = the phase that reached it (fwd, bwd, opt: "
+               f"the optimizer step, which checkpointing cannot lower); act. = activations, the fwd+bwd peak above "
+               f"model state; "
                f"step ms = median step time; IQR = spread of the measured step times; "
                f"x none = ratio to the `none` policy at the same seq and batch; FLOPs include recompute. "
                + time_caption(part))
@@ -93,8 +96,11 @@ def results_grid(part: pd.DataFrame) -> Grid:
     optional = [headers.index(h) for h in ("IQR ms", f"predicted peak {unit}", "tokens/s", "prediction error",
                                            "recompute FLOPs") if h in headers]
     return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,
-                numeric=set(range(4, len(headers))) | {0, 1}, section_ends=ends, optional=optional)
+                numeric=set(range(4, len(headers))) - {headers.index("peak in")} | {0, 1}, section_ends=ends,
+                optional=optional)
 
+
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}  # the phase that held a step's peak
 
 OTHER_BASELINE = "†"  # a time ratio relative to another policy than none (none did not fit)
 

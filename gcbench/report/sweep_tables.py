@@ -17,10 +17,30 @@ from rich.table import Table
 from gcbench.report.grids import OTHER_BASELINE, largest_fit_grid, note_kinds, time_ratio_text
 from gcbench.report.tables import rich_table
 from gcbench.results.frame import given, paired_ratio_trusted, results_frame
-from gcbench.results.schema import STATUSES, peak_bytes, policy_label
+from gcbench.results.schema import STATUSES, lever_text, peak_bytes, policy_label
 from gcbench.units import fmt_bytes
 
 STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "red", "error": "bold red"}
+
+
+# Spec fields beside model, seq, batch and policy that a sweep may vary: named in a `setup` column when they do.
+SETUP_FIELDS = ("layers", "precision", "optimizer", "optim_in_backward", "grad_accum", "attn")
+
+
+def setup_texts(records: list[dict[str, Any]]) -> list[str] | None:
+    """Per record, the SETUP_FIELDS that differ between `records`, in a few words ("32 layers · adamw-loop ·
+    optimizer in backward"); None when no such field varies."""
+    varying = [f for f in SETUP_FIELDS if len({str(r.get(f)) for r in records}) > 1]
+    if not varying:
+        return None
+    levers = tuple(f for f in varying if f not in ("layers", "attn"))
+
+    def text(r: dict[str, Any]) -> str:
+        words = [f"{r.get('layers') or 'all'} layers"] if "layers" in varying else []
+        words += [f"attn {r.get('attn') or 'default'}"] if "attn" in varying else []
+        return " · ".join(w for w in [*words, lever_text(r, levers)] if w)
+
+    return [text(r) for r in records]
 
 
 def grid_table(configs: Iterable[tuple[dict[str, Any], str | None]], results_file: str | Path,
@@ -32,24 +52,27 @@ def grid_table(configs: Iterable[tuple[dict[str, Any], str | None]], results_fil
     to_run = sum(status is None for _, status in configs)
     table = Table(title=f"{len(configs)} configs ({to_run} to run, {len(configs) - to_run} already in "
                         f"{results_file})", caption=caption)
-    for col in ("#", "model", "seq", "batch", "policy", "in results file"):
+    setups = setup_texts([record for record, _ in configs])
+    for col in ("#", "model", *(["setup"] if setups else []), "seq", "batch", "policy", "in results file"):
         table.add_column(col, justify="right" if col in ("#", "seq", "batch") else "left")
     for i, (record, status) in enumerate(configs, 1):
-        table.add_row(str(i), record["model"], str(record["seq_len"]), str(record["batch_size"]),
-                      policy_label(record), status or "to run")
+        table.add_row(str(i), record["model"], *([setups[i - 1]] if setups else []), str(record["seq_len"]),
+                      str(record["batch_size"]), policy_label(record), status or "to run")
     return table
 
 
 def summary_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     """One row per config: the columns a sweep summary shows (raw units)."""
+    setups = setup_texts(records) or [""] * len(records)
     return pd.DataFrame([{
-        "model": r["model"], "seq_len": r["seq_len"], "batch_size": r["batch_size"], "policy": policy_label(r),
+        "model": r["model"], "setup": setup, "seq_len": r["seq_len"], "batch_size": r["batch_size"],
+        "policy": policy_label(r),
         "status": r["status"], "step_ms_median": r.get("step_ms_median"), "peak_bytes": peak_bytes(r),
         "activation_peak_bytes": r.get("activation_peak_bytes"), "tokens_per_s": r.get("tokens_per_s"),
         "timing_stable": r.get("timing_stable"), "time_ratio": r.get("time_ratio"),
         "time_ratio_vs": r.get("time_ratio_vs"), "time_ratio_ci": r.get("time_ratio_ci"),
         "note": r.get("error") if r["status"] != "ok" else _ok_note(r),
-    } for r in records])
+    } for r, setup in zip(records, setups)])
 
 
 def _ok_note(record: dict[str, Any]) -> str | None:
@@ -74,9 +97,13 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
     models = sorted(set(frame["model"])) if len(frame) else []
     if len(models) == 1:  # one model: name it once in the title, keep the table within 80 columns
         title = f"{models[0]} · {title}"
+    # the optimizer in backward or accumulation, when every config has it (a setup column shows them otherwise)
+    shared = tuple(f for f in ("optim_in_backward", "grad_accum") if len({str(r.get(f)) for r in records}) == 1)
+    if records and lever_text(records[0], shared):
+        title = f"{lever_text(records[0], shared)} · {title}"
     paired = len(frame) > 0 and frame["time_ratio"].notna().any()
-    columns = ["model", "seq", "batch", "policy", "status", "step ms", "time x", "peak", "act. peak", "tokens/s",
-               "note"]
+    columns = ["model", "setup", "seq", "batch", "policy", "status", "step ms", "time x", "peak", "act. peak",
+               "tokens/s", "note"]
     notes: dict[str, int] = {}  # reason -> its number, in order of first appearance
     rows = []
     for row in frame.itertuples(index=False):
@@ -84,7 +111,7 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
         # A failure's reason, or why a timing is not trusted (each distinct text once, numbered under the table).
         note = "" if not given(row.note) else f"({notes.setdefault(str(row.note), len(notes) + 1)})"
         unstable = "~" if ok and _false(row.timing_stable) else ""
-        rows.append([row.model, str(row.seq_len), str(row.batch_size), row.policy, row.status,
+        rows.append([row.model, row.setup, str(row.seq_len), str(row.batch_size), row.policy, row.status,
                      f"{unstable}{row.step_ms_median:.1f}" if ok else "-", _time_ratio(row),
                      fmt_bytes(row.peak_bytes) if ok else "-", fmt_bytes(row.activation_peak_bytes) if ok else "-",
                      f"{row.tokens_per_s:,.0f}" if ok else "-", note])
@@ -98,7 +125,9 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
     if len(frame) and frame["timing_stable"].map(_false).any():
         caption.append("~step ms = timing not trusted (the note says why; each record's timing_notes has the numbers)")
     caption += [f"({n}) {escape(text)}" for text, n in notes.items()]
-    dropped = {c for c, keep in (("model", len(models) > 1), ("time x", paired), ("note", bool(notes))) if not keep}
+    setups = len(frame) > 0 and (frame["setup"] != "").any()
+    dropped = {c for c, keep in (("model", len(models) > 1), ("setup", setups), ("time x", paired),
+                                 ("note", bool(notes))) if not keep}
     for optional in (None, "act. peak", "tokens/s"):
         dropped |= {optional} - {None}
         peaks = "peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak" + (
@@ -115,7 +144,8 @@ def _summary(title: str, caption: list[str], shown: list[str], columns: list[str
                   caption="\n".join(caption), caption_justify="left")
     index = [columns.index(c) for c in shown]
     for col, i in zip(shown, index):
-        table.add_column(col, justify="left" if col in ("model", "policy", "status") else "right", no_wrap=True,
+        table.add_column(col, justify="left" if col in ("model", "setup", "policy", "status") else "right",
+                         no_wrap=True,
                          min_width=max(len(r[i]) for r in rows) if rows else None)
     for row in rows:
         cells = [row[i] for i in index]

@@ -12,9 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from gcbench.report.grids import Grid, largest_fit_grid, prediction_grid, results_grid
+from gcbench.report.grids import PHASE_SHORT, Grid, largest_fit_grid, prediction_grid, results_grid
 from gcbench.results.frame import FAILED
-from gcbench.results.schema import half_width, peak_bytes, policy_label
+from gcbench.results.schema import half_width, lever_text, peak_bytes, policy_label
 from gcbench.units import byte_unit, fmt_bytes, human_count
 
 
@@ -28,8 +28,10 @@ def run_table(record: dict[str, Any]) -> Table:
     # the family, where the model's name does not say it (a config.json, a Hub id)
     shape = ", ".join(([record["family"]] if record.get("family") and record["family"] not in record["model"]
                        else []) + ([f"{blocks} blocks"] if blocks else []))
+    # the optimizer is named in the model state row; the precision and the other levers here
+    levers = lever_text(record, ("precision", "optim_in_backward", "grad_accum"))
     title = (f"{record['model']}{f' ({shape})' if shape else ''} · seq {record['seq_len']} · batch "
-             f"{record['batch_size']} · {policy_label(record)} · {record['precision']} · {where}")
+             f"{record['batch_size']} · {policy_label(record)} · {levers} · {where}")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -53,6 +55,8 @@ def run_table(record: dict[str, Any]) -> Table:
         error = record["predicted_peak_bytes"] / measured - 1
         table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
                       f"{record.get('prediction_method')} before the run, {error:+.1%} vs measured")
+    if record.get("peak_phase"):
+        table.add_row("peak reached in", f"[bold]{record['peak_phase']}[/]", _phase_text(record))
     table.add_row("activation peak", fmt_bytes(record["activation_peak_bytes"]), "fwd+bwd peak above model state")
     table.add_row("saved activations", fmt_bytes(record["saved_activation_bytes"]), "kept for backward after forward")
     if record.get("offloaded_bytes") is not None:
@@ -60,8 +64,9 @@ def run_table(record: dict[str, Any]) -> Table:
     if record.get("compile_ms") is not None:
         table.add_row("compile time", f"{record['compile_ms'] / 1e3:.1f} s", "torch.compile, not in step time")
     state = record["param_bytes"] + record["grad_bytes"] + record["optimizer_bytes"]
+    per_param = f"{state / record['n_params']:.1f} B/param: " if record.get("n_params") else ""
     table.add_row("model state", fmt_bytes(state),
-                  f"params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
+                  f"{per_param}params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
                   f"+ {record['optimizer']} {fmt_bytes(record['optimizer_bytes'])}")
     shaky = "~" if record.get("timing_stable") is False else ""
     table.add_row("step time (median)", f"{shaky}{record['step_ms_median']:.1f} ms", _step_time_text(record))
@@ -69,13 +74,30 @@ def run_table(record: dict[str, Any]) -> Table:
         stable = record["timing_stable"]
         table.add_row("timing", "[green]stable[/]" if stable else "[bold yellow]not trusted[/]",
                       escape("; ".join(record["timing_notes"])) if not stable else _host_text(record))
-    table.add_row("throughput", f"{record['tokens_per_s']:,.0f} tokens/s", "batch x seq / median step")
+    accum = record.get("grad_accum") or 1
+    table.add_row("throughput", f"{record['tokens_per_s']:,.0f} tokens/s",
+                  f"batch x seq{f' x {accum} micro-batches' if accum > 1 else ''} / median step")
     ratio = record.get("recompute_flops_ratio")
     table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
                   f"{human_count(record['flops'], 'FLOP')} per step vs {human_count(record['model_flops'], 'FLOP')}")
     if record.get("mfu") is not None:
         table.add_row("MFU", f"{record['mfu']:.1%}", "model FLOPs / step time / dense bf16 peak")
     return table
+
+
+PHASE_ADVICE = {
+    "forward": "activations hold the peak: checkpointing can lower it",
+    "backward": "activations hold the peak: checkpointing can lower it",
+    "optimizer": "the optimizer step holds it: checkpointing cannot lower it (docs/levers.md)",
+}
+
+
+def _phase_text(record: dict[str, Any]) -> str:
+    """Each phase's peak, and what can lower the step's."""
+    peaks = " · ".join(f"{PHASE_SHORT[phase]} {fmt_bytes(record[f'{phase}_peak_bytes'])}"
+                       for phase in ("forward", "backward", "optimizer") if record.get(f"{phase}_peak_bytes"))
+    stepped = "; the optimizer steps inside backward" if record.get("optim_in_backward") else ""
+    return f"{peaks}{stepped}; {PHASE_ADVICE[record['peak_phase']]}"
 
 
 STOPS = {"max-steps": "--max-steps reached", "max-time": "--max-time reached"}  # "ci" and "fixed" need no words
@@ -109,20 +131,32 @@ def _host_text(record: dict[str, Any]) -> str:
     return text
 
 
+LEVERS = {"precision": "precision", "optimizer": "optimizer", "optim_in_backward": "in bwd", "grad_accum": "accum"}
+
+
+def _lever_cell(field: str, value: Any) -> str:
+    if field == "optim_in_backward":
+        return "yes" if value else "no"
+    return str(value)
+
+
 def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) -> Table:
     """The table `gcbench estimate` prints: one row per config and method (rows are Estimate.as_record()s: `policy`
     the name with `policy_options` beside it, or, from older code, the whole label in `policy`; a cell no method
     could predict has `peak_bytes` None and why in `not_available`). Byte columns share one unit, chosen for the
-    largest peak; what all rows share goes into the title; the caption says why a cell is n/a or predicted by
-    another method than asked (`stands_in`)."""
+    largest peak; what all rows share goes into the title (the model, precision, optimizer...), what varies gets a
+    column; the caption says why a cell is n/a or predicted by another method than asked (`stands_in`)."""
     first, predicted_rows = rows[0], [r for r in rows if r["peak_bytes"] is not None]
     scale, unit = byte_unit(max((r["peak_bytes"] for r in predicted_rows), default=0))
     models = {r["model"] + (f" ({r['layers']} blocks)" if r.get("layers") else "") for r in rows}
     predicted = "torch.cuda.max_memory_allocated" if first["target"] == "cuda" else "CPU live-tensor peak"
     kernels = ", ".join(sorted({r["attention_kernel"] for r in predicted_rows}))
+    varying = [f for f in LEVERS if len({str(r.get(f)) for r in rows}) > 1]
+    shared = lever_text(first, tuple(f for f in LEVERS if f not in varying))
     title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
-             f"({predicted}) · {first['precision']} · {first['optimizer']} · attention: {kernels}")
-    notes = [f"{unit}; activ. = everything else at the peak; * = peak in the optimizer step (its temporaries)"
+             f"({predicted}){' · ' + shared if shared else ''} · attention: {kernels}")
+    notes = [f"{unit}; activ. = everything else at the peak; in = the phase that reaches the peak (opt: the "
+             f"optimizer step, which checkpointing cannot lower); B/p = model state bytes per parameter"
              + (f"; fits = peak <= {fmt_bytes(memory_bytes)}" if memory_bytes else "")]
     stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
     notes += [f"† simulated instead: {reason}" for reason in stand_ins]
@@ -130,20 +164,24 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) 
                                                            if r["peak_bytes"] is None)]
     table = Table(title=title, caption="\n".join(notes), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption_justify="left")
-    columns = (["model"] if len(models) > 1 else []) + ["seq", "batch", "policy", "method", "params", "grads",
-                                                        "optim.", "activ.", "peak"]
+    columns = (["model"] if len(models) > 1 else []) + ["seq", "batch", "policy"] + [LEVERS[f] for f in varying] \
+        + ["method", "params", "grads", "optim.", "activ.", "peak", "in", "B/p"]
+    left = {"model", "policy", "method", "fits", "in", *(LEVERS[f] for f in varying)}
     for col in columns + (["fits"] if memory_bytes else []) + ["time"]:
-        table.add_column(col, justify="left" if col in ("model", "policy", "method", "fits") else "right")
+        table.add_column(col, justify="left" if col in left else "right")
     for r in rows:
         cells = [str(r["model"])] if len(models) > 1 else []
-        cells += [str(r["seq_len"]), str(r["batch_size"]), policy_label(r), r["method"]
-                  + ("†" if r.get("stands_in") else "")]
+        cells += [str(r["seq_len"]), str(r["batch_size"]), policy_label(r)]
+        cells += [_lever_cell(f, r.get(f)) for f in varying]
+        cells.append(r["method"] + ("†" if r.get("stands_in") else ""))
         if r["peak_bytes"] is None:
-            table.add_row(*cells, *["[dim]n/a[/]"] * (5 + bool(memory_bytes)), "-")
+            table.add_row(*cells, *["[dim]n/a[/]"] * (7 + bool(memory_bytes)), "-")
             continue
-        cells += [f"{r[k] / scale:.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
-        cells.append(f"{r['activation_bytes'] / scale:.2f}" + ("*" if r["peak_phase"] == "optimizer step" else ""))
+        cells += [f"{r[k] / scale:.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")]
         cells.append(f"[bold]{r['peak_bytes'] / scale:.2f}[/]")
+        cells.append(PHASE_SHORT.get(r["peak_phase"], "-"))
+        state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+        cells.append(f"{state / r['n_params']:.1f}" if r.get("n_params") else "-")
         if memory_bytes:
             cells.append("[green]yes[/]" if r["peak_bytes"] <= memory_bytes else "[red]no[/]")
         cells.append(f"{r['seconds']:.2f}s")

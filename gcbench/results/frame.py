@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import half_width, policy_label, record_problem
+from gcbench.results.schema import half_width, lever_text, policy_label, record_problem
 from gcbench.results.store import read_records, result_files
 from gcbench.units import fmt_bytes
 
@@ -28,7 +28,8 @@ EXPECTED = ["peak_allocated_bytes", "peak_tracked_bytes", "activation_peak_bytes
             "predicted_peak_bytes_analytic", "layers", "attn", "memory_cap_bytes", "seed", "error",
             "env.gpu_name", "env.gpu_memory_bytes", "env.cpu", "env.cpu_count", "env.torch_threads", "env.gcbench",
             "threads", "timing_stable", "timing_notes", "step_ms_ci", "step_ms_rel_iqr", "time_ratio", "time_ratio_ci",
-            "time_ratio_vs", "paired_error"]
+            "time_ratio_vs", "paired_error", "peak_phase", "forward_peak_bytes", "backward_peak_bytes",
+            "optimizer_peak_bytes", "n_params", "grad_accum", "optim_in_backward"]
 FAILED = {"oom": "OOM", "timeout": "timeout", "error": "error", "skipped": "skipped"}  # status -> how it is shown
 
 
@@ -87,7 +88,8 @@ def setup_label(row: dict[str, Any]) -> str:
     parts = [str(row["model"])]
     if given(row.get("layers")):
         parts.append(f"{as_int(row['layers'])} layers")
-    parts += [str(row["precision"]), str(row["optimizer"])]
+    accum = as_int(row["grad_accum"]) if given(row.get("grad_accum")) else 1  # a float in a DataFrame with NaNs
+    parts.append(lever_text({**row, "grad_accum": accum}))
     if given(row.get("attn")):
         parts.append(f"attn {row['attn']}")
     if given(row.get("memory_cap_bytes")):

@@ -12,7 +12,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks)
+READABLE_VERSIONS = (1, 2)  # a version-1 record reads as one with ADDED_SPEC_FIELDS' values
 STATUSES = ("ok", "oom", "timeout", "error", "skipped")
 
 
@@ -26,7 +27,9 @@ class SpecFields(TypedDict):
     policy_options: dict[str, Any]
     layers: int | None
     precision: str
-    optimizer: str
+    optimizer: str  # gcbench.optimizers.OPTIMIZERS
+    optim_in_backward: bool  # the optimizer stepped per parameter inside backward (no full set of gradients)
+    grad_accum: int  # micro-batches of batch_size per optimizer step
     device: str  # resolved: "cpu" or "cuda:N"
     attn: str | None
     warmup_steps: int
@@ -52,6 +55,7 @@ class Record(SpecFields, total=False):
     prediction_method: str | None
     predicted_peak_bytes_simulate: int | None
     predicted_peak_bytes_analytic: int | None
+    predicted_peak_phase: str | None  # forward | backward | optimizer, by the method of predicted_peak_bytes
     # the model
     family: str
     n_layers: int
@@ -94,6 +98,12 @@ class Record(SpecFields, total=False):
     peak_allocated_bytes: int  # CUDA: torch.cuda.max_memory_allocated over a whole step
     peak_tracked_bytes: int | None  # CPU: the live-tensor tracker's peak over a whole step
     fwd_bwd_peak_bytes: int | None
+    # the peak of each phase of one step (CUDA: max_memory_allocated after a reset at the phase's start, in one
+    # untimed step; CPU: the live-tensor tracker's), and the phase that reached the step's peak first
+    forward_peak_bytes: int | None
+    backward_peak_bytes: int | None
+    optimizer_peak_bytes: int | None  # None: no step after backward (optimizer none, or stepped in backward)
+    peak_phase: str | None  # forward | backward | optimizer
     activation_peak_bytes: int | None  # fwd_bwd_peak_bytes - static_bytes
     peak_reserved_bytes: int  # CUDA: max_memory_reserved
     num_alloc_retries: int  # CUDA: allocator retries during the measured steps
@@ -113,6 +123,34 @@ class Record(SpecFields, total=False):
     env: dict[str, Any] | None  # versions, device, numeric settings (env.capture_env)
 
 
+# Spec fields version 2 added, with what a version-1 record measured: a reader fills them in, so that an older
+# record is the same configuration as a new one that differs in nothing else.
+ADDED_SPEC_FIELDS = {"optim_in_backward": False, "grad_accum": 1}
+PHASES = ("forward", "backward", "optimizer")  # the phases of a training step whose peaks are reported apart
+
+
+def peak_phase(peaks: Mapping[str, int | None]) -> str | None:
+    """The phase that reached the step's peak (the first, on a tie); None without any phase's peak."""
+    reached = [p for p in PHASES if peaks.get(p) is not None]
+    return max(reached, key=lambda p: (peaks[p], -PHASES.index(p))) if reached else None
+
+
+LEVER_FIELDS = ("precision", "optimizer", "optim_in_backward", "grad_accum")  # the levers beside the policy
+
+
+def lever_text(record: Mapping[str, Any], names: tuple[str, ...] = LEVER_FIELDS) -> str:
+    """The levers beside the policy, in words, as every table names them: "bf16 · adamw-loop · optimizer in
+    backward · 4 micro-batches" (only `names`; in backward and accumulation only when on)."""
+    words = []
+    for name in names:
+        value = record.get(name)
+        if name == "optim_in_backward":
+            words.append("optimizer in backward" if value is True else "")
+        elif name == "grad_accum":
+            words.append(f"{value} micro-batches" if isinstance(value, int) and value > 1 else "")
+        elif value is not None:
+            words.append(str(value))
+    return " · ".join(w for w in words if w)
 # The fields that make two records the same configuration (memory_cap_kind is derived from device).
 IDENTITY_KEYS = tuple(k for k in SpecFields.__annotations__ if k != "memory_cap_kind")
 # Fields that say how long to measure, not what: two runs differing only in these measure the same configuration.
@@ -155,6 +193,8 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
         if value is not None and (not isinstance(value, list) or len(value) != 2 or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
             return f"{name} is {value!r}, not a [low, high] pair of numbers"
+    if record.get("peak_phase") is not None and record["peak_phase"] not in PHASES:
+        return f"peak_phase is {record['peak_phase']!r}, not forward, backward or optimizer"
     if record.get("timing_stable") is not None and not isinstance(record["timing_stable"], bool):
         return f"timing_stable is {record['timing_stable']!r}, not true or false"
     return None

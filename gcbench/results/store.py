@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import SCHEMA_VERSION
+from gcbench.results.schema import ADDED_SPEC_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION
 
 
 def check_regular(path: Path, what: str = "results") -> None:
@@ -199,12 +199,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                 continue
             raise GcbenchError(f"{path}:{i}: corrupt results line (not a JSON object)") from None
         version = record.get("schema_version")
-        if version != SCHEMA_VERSION or isinstance(version, bool):  # true == 1 in Python, not in a schema
+        if version not in READABLE_VERSIONS or isinstance(version, bool):  # true == 1 in Python, not in a schema
             newer = isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION
             raise GcbenchError(
-                f"{path}:{i}: schema_version {version!r}, but this gcbench reads version {SCHEMA_VERSION}"
+                f"{path}:{i}: schema_version {version!r}, but this gcbench reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
                 + (" (written by a newer gcbench: upgrade to read or add to it)" if newer else ""))
-        records.append(record)
+        records.append({**ADDED_SPEC_FIELDS, **record})
     return records
 
 
