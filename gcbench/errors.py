@@ -1,4 +1,9 @@
-"""The one domain exception: bad input or an impossible request, shown to a user as one line (exit code 2)."""
+"""The one domain exception: bad input or an impossible request, shown to a user as one line (exit code 2); and
+quieting the libraries whose own log lines would come before that one line."""
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class GcbenchError(Exception):
@@ -22,3 +27,17 @@ class WontFit(GcbenchError):
 def raise_interrupt(signum: int, frame: object) -> None:
     """A signal handler that makes the signal (SIGTERM) take Ctrl-C's path: a KeyboardInterrupt."""
     raise KeyboardInterrupt
+
+
+@contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Library logger `name` (and its children) shows only records of `level` and above inside the block: what it
+    would log (each retry of a download, a traceback for a size it cannot compute, an optional kernel missing) the
+    one line gcbench prints says better."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)

@@ -7,14 +7,12 @@ Hub is asked only for an id not yet in it.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
-from gcbench.errors import GcbenchError
+from gcbench.errors import GcbenchError, quiet_logger
 
 LOCAL_HINT = "or pass a local config.json (--model path/to/config.json)"
 
@@ -45,7 +43,7 @@ def hub_config_file(model_id: str) -> Path:
         raise GcbenchError(f"{model_id}: the Hugging Face Hub ({host}) cannot be reached and its config.json is not "
                            f"in the cache; connect once, {LOCAL_HINT}") from None
     try:
-        with _quiet_hub_client():
+        with quiet_logger("huggingface_hub"):  # it logs each retry; the one line says it all
             return Path(fetch(offline=False))
     except errors.LocalEntryNotFoundError:  # the client's name for a timeout, a refused connection, a 5xx
         raise GcbenchError(f"{model_id}: the Hugging Face Hub ({host}) did not answer and its config.json is not in "
@@ -63,15 +61,3 @@ def hub_config_file(model_id: str) -> Path:
     except (OSError, errors.HfHubHTTPError) as e:  # connection refused or reset, timeouts, HTTP errors
         raise GcbenchError(f"{model_id}: cannot fetch its config.json from the Hub ({' '.join(str(e).split())[:200]}"
                            f"); {LOCAL_HINT}") from None
-
-
-@contextmanager
-def _quiet_hub_client():
-    """huggingface_hub logs each retry as a warning; the one line gcbench prints in the end says it all."""
-    logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

@@ -1,7 +1,7 @@
 """The optimizers a run can step with, each in one place: how it is made, what state it keeps per parameter, and
 what its step allocates on top (the runner builds them, the estimators count them, the spec lists them).
 
-Imports nothing heavy: the command line reads the names and summaries. The byte counts follow the optimizers'
+Imports nothing heavy: the command line reads the names. The byte counts follow the optimizers'
 own code (torch.optim, bitsandbytes.optim); tests/test_levers.py holds them against the state a real step creates.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gcbench.errors import GcbenchError
+from gcbench.errors import GcbenchError, quiet_logger
 
 LR = 1e-5
 
@@ -144,11 +144,8 @@ def _make_adafactor(params: list[Any], multi_tensor: bool | None) -> Any:
 
 
 def _make_adamw8bit(params: list[Any], multi_tensor: bool | None) -> Any:
-    import logging
-
-    # its CPU backend warns at import about optional 4-bit kernels that the optimizer does not use
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    bnb = importlib.import_module("bitsandbytes.optim")
+    with quiet_logger("bitsandbytes"):  # its CPU backend warns at import of 4-bit kernels the optimizer does not use
+        bnb = importlib.import_module("bitsandbytes.optim")
     return bnb.AdamW8bit(params, lr=LR)
 
 

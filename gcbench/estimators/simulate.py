@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gcbench.errors import GcbenchError
+from gcbench.errors import GcbenchError, quiet_logger
 from gcbench.estimators.prediction import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
 from gcbench.measure import LiveTensorTracker, PhasePeaks, storage_bytes
@@ -31,19 +31,6 @@ from gcbench.policies import Policy
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_optimizer
 from gcbench.units import round_up
-
-
-@contextlib.contextmanager
-def _fake_tensor_quiet():
-    """FakeTensorMode logs (with a traceback) what it cannot compute, such as a storage size past int64 for an absurd
-    --batch; the simulation's own error says it in one line."""
-    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_logger.level
-    fake_logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        fake_logger.setLevel(level)
 
 
 def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
@@ -69,7 +56,7 @@ def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
                                    if cuda else None)
         _steps_read_no_values(optimizer)
         with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()), \
-                _fake_tensor_quiet():
+                quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
             ids = torch.empty((spec.batch_size * spec.grad_accum, spec.seq_len), dtype=torch.long)
             step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
             spec.policy.prepare(step)
