@@ -297,7 +297,8 @@ def test_gpu_validation_script_runs_every_step_and_resumes(tmp_path):
     results = tmp_path / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
     counts = {f.name: Counter(r["status"] for r in read_records(f)) for f in results.glob("*.jsonl")}
     assert counts == {"tiny-llama-canonical.jsonl": {"ok": 5}, "tiny-llama-4layers.jsonl": {"ok": 16},
-                      "tiny-gpt2.jsonl": {"ok": 5}, "tiny-llama-oom-line.jsonl": {"ok": 6, "oom": 2}}
+                      "tiny-gpt2.jsonl": {"ok": 5}, "tiny-llama-oom-line.jsonl": {"ok": 6, "oom": 2},
+                      "tiny-llama-4layers-levers.jsonl": {"ok": 2 * 3 * 2}}  # 2 policies x 3 optimizers x in bwd
     assert "prediction error · tiny-gpt2" in first.stdout and "analytic" in first.stdout
     assert "Prediction error per method" in (results / "report/report.md").read_text()
     assert "ratio gcbench / bare" in (results / "overhead.txt").read_text()

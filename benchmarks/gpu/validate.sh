@@ -47,10 +47,12 @@ if [ "$smoke" = 0 ]; then
   dir="results/gpu/$slug" report=docs/gpu-report
   large=llama-7b small=gpt2 layers=8 seq=512 long_seqs=2048,4096 long_batches=1,4 small_seq=1024 small_batch=8
   line_seqs=512,1024,2048,4096 line_batches=1,2,4,8 line_cap=() rounds=30 lever_seq=2048 lever_batch=4
+  lever_policies=none,full,sqrtn lever_optimizers=adamw,adamw-loop,adamw-fused,adafactor
 else  # the same plan on tiny models; a memory cap puts the OOM line within reach
   dir="results/gpu-smoke/$slug" report="results/gpu-smoke/$slug/report"
   large=tiny-llama small=tiny-gpt2 layers=4 seq=64 long_seqs=64 long_batches=1,2 small_seq=64 small_batch=2
   line_seqs=64,128 line_batches=1,4 line_cap=(--memory-cap 16MiB) rounds=2 lever_seq=64 lever_batch=2
+  lever_policies=none,full lever_optimizers=adamw,adamw-loop
 fi
 
 # stop_if_interrupted <exit status>: a step stopped by a signal (>= 128, e.g. 130 after Ctrl-C) stops the validation
@@ -135,8 +137,8 @@ sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" 
 # adamw8bit only where bitsandbytes is installed (the extra gcbench[bnb]).
 bnb=$("$python" -c 'import bitsandbytes' >/dev/null 2>&1 && echo ",adamw8bit" || true)
 [ -n "$bnb" ] || echo "== memory levers: bitsandbytes is not installed here, so adamw8bit is left out"
-sweep "$large-${layers}layers-levers" "$lever_seq" "$lever_batch" none,full,sqrtn --model "$large" --layers "$layers" \
-  --optimizer "adamw,adamw-loop,adamw-fused,adafactor$bnb" --optim-in-backward on,off --steps 5
+sweep "$large-${layers}layers-levers" "$lever_seq" "$lever_batch" "$lever_policies" --model "$large" \
+  --layers "$layers" --optimizer "$lever_optimizers$bnb" --optim-in-backward on,off --steps 5
 
 once "harness overhead" "$dir/overhead.txt" "$python" benchmarks/overhead.py --model "$small" --seq "$small_seq" \
   --batch "$small_batch" --policy full --rounds "$rounds"
