@@ -116,6 +116,7 @@ class SweepSpec:
                 continue
             try:
                 specs.append(RunSpec(**fields))
+                specs[-1].check_runnable()
             except GcbenchError as e:
                 raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "
                                    f"{fields['batch_size']}, {fields['policy']})") from None

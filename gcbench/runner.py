@@ -122,6 +122,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     that cannot fit at all (check_fits), which is then recorded without allocating anything. `refuse_unfit`: raise
     WontFit instead when the device itself is too small (a memory cap stands for a smaller device: that is still an
     `oom` result)."""
+    spec.check_runnable()
     record = new_record(spec.as_record())
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
     # (CUDA) or peak_tracked_bytes (CPU) should read.
