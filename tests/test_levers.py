@@ -338,6 +338,8 @@ def test_adamw8bit_without_bitsandbytes_is_one_clear_line_and_still_predicted(tm
     rows = {r["method"]: r for r in map(json.loads, result.output.splitlines())}
     assert rows["analytic"]["peak_bytes"] > 0
     assert rows["simulate"]["peak_bytes"] is None and "needs bitsandbytes" in rows["simulate"]["not_available"]
+    table = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "8", "--optimizer", "adamw8bit"])
+    assert "pip install 'gcbench[bnb]'" in " ".join(table.output.split())  # not eaten as rich markup
 
 
 def test_version_1_records_read_as_the_defaults_of_the_new_fields(tmp_path):

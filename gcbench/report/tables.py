@@ -159,9 +159,9 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) 
              f"optimizer step, which checkpointing cannot lower); B/p = model state bytes per parameter"
              + (f"; fits = peak <= {fmt_bytes(memory_bytes)}" if memory_bytes else "")]
     stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
-    notes += [f"† simulated instead: {reason}" for reason in stand_ins]
-    notes += [f"n/a: {reason}" for reason in dict.fromkeys(r["not_available"] for r in rows
-                                                           if r["peak_bytes"] is None)]
+    notes += [f"† simulated instead: {escape(reason)}" for reason in stand_ins]
+    notes += [f"n/a: {escape(reason)}" for reason in dict.fromkeys(r["not_available"] for r in rows
+                                                                   if r["peak_bytes"] is None)]
     table = Table(title=title, caption="\n".join(notes), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption_justify="left")
     columns = (["model"] if len(models) > 1 else []) + ["seq", "batch", "policy"] + [LEVERS[f] for f in varying] \
