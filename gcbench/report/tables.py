@@ -14,7 +14,7 @@ from rich.text import Text
 
 from gcbench.report.grids import PHASE_SHORT, Grid, largest_fit_grid, prediction_grid, results_grid
 from gcbench.results.frame import FAILED
-from gcbench.results.schema import half_width, lever_text, peak_bytes, policy_label
+from gcbench.results.schema import PHASES, half_width, lever_text, peak_bytes, policy_label
 from gcbench.units import byte_unit, fmt_bytes, human_count
 
 
@@ -95,7 +95,7 @@ PHASE_ADVICE = {
 def _phase_text(record: dict[str, Any]) -> str:
     """Each phase's peak, and what can lower the step's."""
     peaks = " · ".join(f"{PHASE_SHORT[phase]} {fmt_bytes(record[f'{phase}_peak_bytes'])}"
-                       for phase in ("forward", "backward", "optimizer") if record.get(f"{phase}_peak_bytes"))
+                       for phase in PHASES if record.get(f"{phase}_peak_bytes"))
     stepped = "; the optimizer steps inside backward" if record.get("optim_in_backward") else ""
     return f"{peaks}{stepped}; {PHASE_ADVICE[record['peak_phase']]}"
 
