@@ -338,8 +338,8 @@ def sweep(
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
         results = grid.out
         job = Sweep(grid, rerun=rerun, retry_failed=retry_failed, skip_after_oom=not no_skip, console=err_console)
-        if grid.left_out():
-            err_console.print(f"[dim]{grid.left_out()}[/]")
+        if left_out := grid.left_out():
+            err_console.print(f"[dim]{left_out}[/]")
         if dry_run:
             plan = [(p.spec.as_record(), p.done["status"] if p.done else None) for p in job.plan()]
             console.print(grid_table(plan, grid.out, grid.shared_options()))
