@@ -5,21 +5,17 @@ Every domain error (GcbenchError) and every usage error becomes one line on stde
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from gcbench.errors import GcbenchError
+from gcbench.cli_options import ALL, domain_errors, step_progress, with_spec_options
+from gcbench.grid import one_value_each
 from gcbench.spec import RunSpec, spec_options, with_bare_switches
 
 app = typer.Typer(
@@ -62,75 +58,9 @@ def _root(ctx: typer.Context, _version: Annotated[
         raise typer.Exit(0)
 
 
-@contextmanager
-def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Iterator[None]:
-    """GcbenchError -> one line on stderr, exit code 2. Ctrl-C or SIGTERM -> the line `interrupted()` gives (what
-    was kept, what to do next), exit code 130."""
-    try:
-        yield
-    except GcbenchError as e:
-        typer.echo(f"gcbench: error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        typer.echo(f"gcbench: {interrupted()}", err=True)
-        raise typer.Exit(130) from None
-
-
-ALL = "all"
 ESTIMATE_AXES = ("model", "seq_len", "batch_size", "policy", "precision", "optimizer", "optim_in_backward",
                  "grad_accum")
 ESTIMATE_FIELDS = (*ESTIMATE_AXES, "layers", "attn")
-
-
-def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
-                 defaults: dict[str, Any] | None = None) -> Callable[[Callable], Callable]:
-    """Give a command one option per RunSpec field (spec.py declares them: flag, help, metavar), before its own.
-
-    The command receives `spec_values`: {flag: value as typed} for the options given or with a default here
-    (`defaults`, by field name; the others keep RunSpec's). `several`: the fields that take comma-separated values
-    here (ALL: every one); `fields`: which RunSpec fields the command has (None: all).
-    """
-    options = {n: o for n, o in spec_options().items() if fields is None or n in fields}
-    defaults = defaults or {}
-    runspec_defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
-
-    def add_options(command: Callable) -> Callable:
-        hints = {k: v for k, v in get_type_hints(command, include_extras=True).items() if k != "spec_values"}
-        # typer reads Annotated[..., typer.Option] from the signature: give it the evaluated hints
-        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
-               for p in inspect.signature(command).parameters.values() if p.name != "spec_values"]
-        added = []
-        for name, opt in options.items():
-            many = several == ALL or name in several
-            help = opt.help + ("; comma-separated for several" if many and several != ALL else "")
-            if name not in defaults and runspec_defaults.get(name) not in (None, "", dataclasses.MISSING):
-                help += f" (default: {runspec_defaults[name]})"  # applied by RunSpec, so that a TOML file can set it
-            metavar = f"<{opt.metavar.lower()}{',...' if many else ''}>"
-            hint = Annotated[str | None, typer.Option(f"--{opt.flag}", help=help, metavar=metavar)]
-            default = str(defaults[name]) if name in defaults else None
-            added.append(inspect.Parameter(f"spec__{name}", inspect.Parameter.KEYWORD_ONLY, default=default,
-                                           annotation=hint))
-            hints[f"spec__{name}"] = hint
-
-        @functools.wraps(command)
-        def with_options(**kwargs: Any) -> Any:
-            given = {options[name].flag: kwargs.pop(f"spec__{name}") for name in options}
-            return command(spec_values={flag: v for flag, v in given.items() if v is not None}, **kwargs)
-
-        with_options.__signature__ = inspect.Signature([*added, *own])  # type: ignore[attr-defined]
-        with_options.__annotations__ = hints
-        return with_options
-
-    return add_options
-
-
-def one_value_each(values: dict[str, tuple], why: str) -> dict[str, Any]:
-    """{field: (value,)} -> {field: value}; GcbenchError naming the option given several values."""
-    for name, given in values.items():
-        if len(given) > 1:
-            raise GcbenchError(f"--{spec_options()[name].flag} takes one value here, got {len(given)}"
-                               + (f": {why}" if why else ""))
-    return {name: given[0] for name, given in values.items()}
 
 
 @app.command()
@@ -155,7 +85,7 @@ def run(
         check_appendable(out)  # before measuring: an output that cannot take the record is known now
         # --steps auto: how many steps is not known in advance; the bar pulses and the text counts them
         fixed = spec.budget.fixed
-        with _step_progress(spec.warmup_steps + fixed + 4 if fixed else None) as advance:
+        with step_progress(err_console, spec.warmup_steps + fixed + 4 if fixed else None) as advance:
             record = run_spec(spec, progress=advance, refuse_unfit=True)
         try:
             dropped = append_record(out, record, written=lambda: written.append(True))
@@ -169,19 +99,6 @@ def run(
     console.print(f"[dim]record appended to {out}[/]")
     if record["status"] != "ok":
         raise typer.Exit(1)
-
-
-@contextmanager
-def _step_progress(total: int | None):
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    # Not on a pipe or a log file: a bar there is noise, and its last refresh leaves an empty line.
-    with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
-        task = bar.add_task("starting", total=total)
-
-        def advance(description: str) -> None:
-            bar.update(task, description=description, advance=1)
-
-        yield advance
 
 
 @app.command()
@@ -211,14 +128,14 @@ def models() -> None:
 @app.command()
 def policies() -> None:
     """List the checkpoint policies, their options and what they do."""
-    from gcbench.policies import POLICIES
+    from gcbench.policies import POLICIES, option_fields
 
     table = Table(title="checkpoint policies (N = number of blocks)")
     table.add_column("name")
     table.add_column("options")
     table.add_column("meaning")
     for name, cls in POLICIES.items():
-        opts = ", ".join(f"{f.name}={f.default} ({f.metadata.get('help', '')})" for f in dataclasses.fields(cls))
+        opts = ", ".join(f"{f.name}={f.default} ({f.metadata.get('help', '')})" for f in option_fields(cls))
         table.add_row(name, opts or "-", cls.summary)
     console.print(table)
 
@@ -355,6 +272,54 @@ def sweep(
         raise typer.Exit(1)
 
 
+FIT_FIELDS = tuple(n for n in spec_options() if n != "memory_cap_bytes")  # --memory is fit's budget
+
+
+@app.command()
+@with_spec_options(several=("policy",), fields=FIT_FIELDS)
+def fit(
+    spec_values: dict[str, Any],
+    vary: Annotated[str, typer.Option(help="what to search: batch (the sequence fixed by --seq) | seq (the batch "
+                                           "fixed by --batch, default 1)")] = "batch",
+    range_: Annotated[str | None, typer.Option("--range", help="sizes to search, LO..HI (default: batch 1..4096, "
+                                                               "seq 16..the model's longest)", metavar="<lo..hi>")]
+    = None,
+    multiple_of: Annotated[int, typer.Option(help="search only multiples of this (e.g. 64 for seq)")] = 1,
+    memory: Annotated[str | None, typer.Option(help="the budget, e.g. 24GiB: a memory cap on every trial (\"what if "
+                                                    "I had a 24 GiB card\"); default: the GPU's free memory (on "
+                                                    "CPU required)", metavar="<size>")] = None,
+    headroom: Annotated[str, typer.Option(help="part of the budget kept free, e.g. 5%", metavar="<percent>")] = "0%",
+    out: Annotated[Path, typer.Option(help="JSON Lines file every trial's record is appended to",
+                                      metavar="<path>")] = Path("results/fit.jsonl"),
+    timeout: Annotated[float, typer.Option(help="seconds per trial before its child is killed")] = 600.0,
+    isolation: Annotated[str, typer.Option(help="process: a fresh child per trial | none: in this process")]
+    = "process",
+    no_paired: Annotated[bool, typer.Option("--no-paired", help="do not time the policies' largest configs "
+                                                               "interleaved (rank them by their own runs)")] = False,
+) -> None:
+    """The largest batch (or sequence) each policy runs in a memory budget, by real trials: predicted, bracketed,
+    bisected; then the fastest recommended, with the `gcbench run` command that measures it again."""
+    from gcbench.fits.command import fit_job
+    from gcbench.grid import parse_options
+    from gcbench.report.fit_tables import fit_table, recommendation_lines
+
+    with domain_errors(lambda: f"interrupted; the finished trials are in {out}"):
+        values, _ = parse_options(spec_values, fields=FIT_FIELDS)
+        job, fields = fit_job(values, vary, range_, multiple_of, memory, headroom, out, timeout, isolation,
+                              not no_paired, err_console)
+        field_name = job.spec.vary
+        fits, rec = job.run()
+    title = f"{fields['model']} · largest {vary} per policy · " + (
+        f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
+    console.print(fit_table(fits, field_name, job.cap, title))
+    for line in recommendation_lines(rec, field_name) if rec else ["no policy fits the budget at the range's "
+                                                                    "smallest size"]:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"[dim]records in {out} (fit {job.fit_id})[/]")
+    if any(f.error for f in fits):
+        raise typer.Exit(1)
+
+
 @app.command()
 @with_spec_options(several=ESTIMATE_AXES, fields=ESTIMATE_FIELDS, defaults={"seq_len": 2048, "batch_size": 1})
 def estimate(
@@ -367,6 +332,16 @@ def estimate(
                                                         "column")] = None,
     output_format: Annotated[str, typer.Option("--format", help="table | json (one JSON object per config and "
                                                                 "method, one per line)")] = "table",
+    fit_: Annotated[bool, typer.Option("--fit", help="per policy, the largest batch (--vary) predicted to fit "
+                                                     "--gpu or --gpu-memory, and its predicted step time")] = False,
+    gpu: Annotated[str | None, typer.Option(help="with --fit: a GPU by name (h100-80gb, h200-141gb, a100-80gb, "
+                                                 "a100-40gb, l4-24gb, rtx4090-24gb, ...; docs/fit.md)",
+                                            metavar="<name>")] = None,
+    vary: Annotated[str, typer.Option(help="with --fit: batch | seq")] = "batch",
+    headroom: Annotated[str, typer.Option(help="with --fit: part of the memory kept free, e.g. 5%",
+                                          metavar="<percent>")] = "0%",
+    efficiency: Annotated[float, typer.Option(help="with --fit: the fraction of the GPU's dense bf16 peak a step "
+                                                   "reaches, recompute included (an assumption)")] = 0.4,
 ) -> None:
     """Predict the peak memory of a training step without running it (no GPU needed): params, grads, optimizer
     state and activations per config, by formulas and by a fake-tensor simulation."""
@@ -384,6 +359,10 @@ def estimate(
         grid, _ = parse_options(spec_values, fields=ESTIMATE_FIELDS)
         if "model" not in grid:
             raise GcbenchError("no --model given: which model to estimate (see `gcbench models`)")
+        if fit_:
+            return _estimate_fit(grid, memory, gpu, vary, headroom, efficiency, device, output_format)
+        if gpu is not None:
+            raise GcbenchError("--gpu goes with --fit (without it, --gpu-memory adds a fits column)")
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         methods = [m.strip() for m in method.split(",") if m.strip()]
         if not methods or len(set(methods)) < len(methods):
@@ -399,6 +378,24 @@ def estimate(
     else:
         # piped output has no width of its own: do not squeeze the columns into rich's default 80
         (console if console.is_terminal else Console(width=140)).print(estimate_table(rows, memory))
+
+
+def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
+                  efficiency: float, device: str, output_format: str) -> None:
+    """`gcbench estimate --fit`: per policy, the largest size predicted to fit a GPU, and its predicted step time."""
+    import json
+
+    from gcbench.fits.command import predicted_fits
+    from gcbench.report.fit_tables import predicted_fit_table
+
+    with err_console.status("predicting"):
+        rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, efficiency, device)
+    if output_format == "json":
+        for row in rows:
+            typer.echo(json.dumps(row))
+        return
+    (console if console.is_terminal else Console(width=100)).print(
+        predicted_fit_table(rows, field_name, title, caption))
 
 
 def main() -> None:

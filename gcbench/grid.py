@@ -202,3 +202,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise GcbenchError(f"{path}: not a TOML file (TOML is UTF-8 text)") from None
     except tomllib.TOMLDecodeError as e:
         raise GcbenchError(f"{path}: malformed TOML: {e}") from None
+
+
+def one_value_each(values: dict[str, tuple], why: str) -> dict[str, Any]:
+    """{field: (value,)} -> {field: value}; GcbenchError naming the option given several values."""
+    for name, given in values.items():
+        if len(given) > 1:
+            raise GcbenchError(f"--{spec_options()[name].flag} takes one value here, got {len(given)}"
+                               + (f": {why}" if why else ""))
+    return {name: given[0] for name, given in values.items()}

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import psutil
 import torch
 
-from gcbench.measure import LiveTensorTracker, PhasePeaks, peak_flops
+from gcbench.gpus import peak_flops
+from gcbench.measure import LiveTensorTracker, PhasePeaks
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
 
 

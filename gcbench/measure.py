@@ -155,6 +155,28 @@ class SavedActivations:
 _RECORDING: ContextVar[SavedActivations | None] = ContextVar("gcbench_saved_activations", default=None)
 
 
+# A model of a GPU's allocator that runs on CPU tensors (the simulation), listening for activations an offloading
+# policy moves to host memory: on CPU the "copy" is the tensor itself, which the model must then stop counting
+# until it is brought back. Real runs register nothing (on CUDA the copy is real, on CPU the host is the device).
+_HOST_MOVES: ContextVar[Callable[[torch.Tensor, bool], None] | None] = ContextVar("gcbench_host_moves", default=None)
+
+
+@contextmanager
+def listening_to_host_moves(listener: Callable[[torch.Tensor, bool], None]):
+    token = _HOST_MOVES.set(listener)
+    try:
+        yield
+    finally:
+        _HOST_MOVES.reset(token)
+
+
+def moved_to_host(t: torch.Tensor, back: bool = False) -> None:
+    """An offloading policy moved `t` to host memory (back=True: brought it back to the device)."""
+    listener = _HOST_MOVES.get()
+    if listener is not None:
+        listener(t, back)
+
+
 def note_saved(tensors: Iterable[torch.Tensor]) -> None:
     """Count `tensors` in the SavedActivations recording in progress, if any.
 
@@ -172,28 +194,3 @@ def counting_flops():
     """FLOPs of everything run inside (forward, backward and any recompute); read `.get_total_flops()`."""
     with FlopCounterMode(display=False) as counter:
         yield counter
-
-
-# Dense bf16 tensor-core peak FLOP/s (no sparsity), matched against torch.cuda.get_device_name(); first match wins.
-PEAK_BF16_FLOPS: list[tuple[str, float]] = [
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A10", 125e12),
-]
-
-
-def peak_flops(device_name: str) -> float | None:
-    """The device's dense bf16 peak in FLOP/s, or None when unknown."""
-    for key, value in PEAK_BF16_FLOPS:
-        if key in device_name:
-            return value
-    return None

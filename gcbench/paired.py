@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gcbench.estimators import resolve_plan
 from gcbench.instruments import Progress, instrument_for
 from gcbench.models import build_model, find_blocks
 from gcbench.results.schema import policy_label
@@ -41,23 +42,28 @@ def choose_baseline(records: Sequence[dict[str, Any]]) -> str:
 
 
 def run_paired(specs: Sequence[RunSpec], baseline: str, progress: Progress | None = None) -> dict[str, dict[str, Any]]:
-    """Time `specs` (one configuration under several policies) interleaved; per policy label its paired fields
+    """Time `specs` (one configuration under several policies; each may have its own seq and batch) interleaved;
+    per policy label its paired fields
     (timing.paired_fields: time_ratio to `baseline`, its interval, the step times) and how the rounds stopped.
     torch.OutOfMemoryError propagates: the caller records why nothing was paired."""
     progress = progress or (lambda _: None)
+    specs = [resolve_plan(s) for s in specs]
     first = specs[0]
     labels = [policy_label(s.as_record()) for s in specs]
     if baseline not in labels or len(set(labels)) < 2:
         raise ValueError(f"paired timing needs two policies or more, the baseline {baseline!r} among them")
-    config, _ = first.model_config()
+    # The model of the longest sequence (its position tables hold every other); each spec its own batch, so that
+    # the largest batch of each policy (gcbench fit) is timed paired too.
+    config, _ = max(specs, key=lambda s: s.seq_len).model_config()
     instrument = instrument_for(first.device, first.memory_cap_bytes)
     with torch_threads(first.threads), instrument.session():
         progress("building model")
         torch.manual_seed(first.seed)
         model = build_model(config, first.device, first.param_dtype)
         blocks = find_blocks(model)
-        step = TrainingStep(model, make_optimizer(first, model), make_batch(first, config, first.device),
-                            first)
+        optimizer = make_optimizer(first, model)
+        steps = {label: TrainingStep(model, optimizer, make_batch(spec, spec.model_config()[0], first.device), spec)
+                 for label, spec in zip(labels, specs)}
         by_label = dict(zip(labels, specs))
 
         @contextmanager
@@ -66,7 +72,7 @@ def run_paired(specs: Sequence[RunSpec], baseline: str, progress: Progress | Non
             # list (`attn` switches the attention modules' config), and removing it restores everything.
             spec = by_label[label]
             undo = spec.policy.apply(blocks)
-            spec.policy.prepare(step)
+            spec.policy.prepare(steps[label])
             try:
                 yield
             finally:
@@ -74,11 +80,12 @@ def run_paired(specs: Sequence[RunSpec], baseline: str, progress: Progress | Non
 
         def timed(label: str) -> float:
             with policy(label):
-                return instrument.timed(step)
+                return instrument.timed(steps[label])
 
         for label in labels:
             with policy(label):
-                instrument.warm_up(step, first.warmup_steps, lambda text, label=label: progress(f"{label}: {text}"))
+                instrument.warm_up(steps[label], first.warmup_steps,
+                                   lambda text, label=label: progress(f"{label}: {text}"))
         times, stop = paired_rounds({label: (lambda label=label: timed(label)) for label in labels}, baseline,
                                     first.budget, instrument.clock, progress)
     return {label: {**paired_fields(times, label, baseline), "paired_rounds": len(times[label]), "paired_stop": stop}

@@ -29,10 +29,11 @@ from torch import nn
 
 from gcbench.env import capture_env
 from gcbench.errors import WontFit
-from gcbench.estimators import predict_for_run
+from gcbench.estimators import predict_for_run, resolve_plan
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
+from gcbench.policies import Plan
 from gcbench.results.schema import new_record
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes, param_shapes
@@ -124,6 +125,9 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     `oom` result)."""
     spec.check_runnable()
     record = new_record(spec.as_record())
+    spec = resolve_plan(spec)  # a plan's mix, chosen for this shape before anything is allocated
+    if isinstance(spec.policy, Plan):
+        record["plan_mix"] = spec.policy.mix
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
     # (CUDA) or peak_tracked_bytes (CPU) should read.
     record.update(predict_for_run(spec))

@@ -1,6 +1,8 @@
 """What several test modules share: the tiny models, the classic policies, a small spec, and the gradient check.
 Test modules import these from here, never from each other or from conftest."""
 
+import dataclasses
+
 import torch
 
 from gcbench.models import build_model, find_blocks
@@ -14,15 +16,25 @@ TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
 CLASSIC = tuple(str(cls()) for cls in POLICIES.values() if cls.__module__ == classic.__name__)
 
 
+def policy_examples() -> list[str]:
+    """Every registered policy as one would give it: its name, or its example where an option is required."""
+    return [cls.example or name for name, cls in POLICIES.items()]
+
+
 def tiny_spec(model="tiny-llama", policy="none", **overrides) -> RunSpec:
     fields = dict(model=model, seq_len=128, batch_size=2, policy=policy, device="cpu", warmup_steps=1,
                   measure_steps=1)
     return RunSpec(**(fields | overrides))
 
 
-def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str = "cpu", **overrides):
-    """(loss, gradients in parameter order) of one fp32 forward+backward under `policy`."""
-    spec = tiny_spec(model_name, policy, device=device, precision="fp32", **overrides)
+def gradients(model_name: str, policy, dropout_seed: int = 1, device: str = "cpu", **overrides):
+    """(loss, gradients in parameter order) of one fp32 forward+backward under `policy` (a string, or a Policy:
+    a plan with its mix chosen)."""
+    if isinstance(policy, str):
+        spec = tiny_spec(model_name, policy, device=device, precision="fp32", **overrides)
+    else:
+        spec = dataclasses.replace(tiny_spec(model_name, "none", device=device, precision="fp32", **overrides),
+                                   policy=policy)
     config, _ = spec.model_config()
     torch.manual_seed(0)
     model = build_model(config, device, torch.float32)
@@ -34,7 +46,7 @@ def gradients(model_name: str, policy: str, dropout_seed: int = 1, device: str =
     return loss.detach(), [p.grad for p in params]
 
 
-def assert_gradients_equal_none(model_name: str, policy: str, device: str = "cpu", **overrides) -> None:
+def assert_gradients_equal_none(model_name: str, policy, device: str = "cpu", **overrides) -> None:
     """The policy's loss and every parameter's gradient equal those of `none` (same seeds, dropout on)."""
     loss_ref, ref = gradients(model_name, "none", device=device, **overrides)
     loss, got = gradients(model_name, policy, device=device, **overrides)

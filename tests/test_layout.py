@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gcbench"
 
 # Top to bottom: a module may import its own layer (without a circle) or any layer below, never one above.
 LAYERS = [
-    ("cli", "__main__"),
-    ("sweeps",),
+    ("cli", "cli_options", "__main__"),
+    ("sweeps", "fits"),
     ("grid",),
     ("runner", "paired"),
     ("estimators",),
@@ -28,7 +28,7 @@ LAYERS = [
     ("step", "policies", "models", "presets", "hub", "optimizers"),
     ("instruments",),
     ("measure", "timing"),
-    ("results", "units", "errors", "__init__"),
+    ("results", "units", "gpus", "errors", "__init__"),
 ]
 # Readers of results: they import results and the small helpers beside it, nothing that measures.
 READERS = {"report": ("report", "results", "units", "errors", "__init__"), "compare": ("results", "units", "errors",

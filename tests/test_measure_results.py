@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gcbench.errors import GcbenchError
-from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops, peak_flops
+from gcbench.gpus import peak_flops
+from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops
 from gcbench.timing import Stats
 from gcbench.results.frame import load
 from gcbench.results.store import append_record, read_records

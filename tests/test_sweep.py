@@ -22,6 +22,7 @@ from gcbench.results.schema import config_key as spec_key
 from gcbench.grid import SweepSpec
 from gcbench.sweeps.orchestrate import OomFrontier
 from gcbench.runner import run
+from tests.helpers import policy_examples
 
 runner = CliRunner()
 FAST = dict(device="cpu", warmup=1, steps=1)
@@ -74,9 +75,7 @@ def test_smoke_toml_is_the_16_config_tiny_cpu_grid():
 
 def test_runspec_json_round_trip():
     """What resume and the child rely on, for every registered policy (with its default options)."""
-    from gcbench.policies import POLICIES
-
-    for policy in ("every-k:k=3", "segments:k=2", *POLICIES):
+    for policy in ("every-k:k=3", "segments:k=2", *policy_examples()):
         spec = RunSpec("tiny-gpt2", 32, 2, policy, layers=3, device="cpu", memory_cap_bytes=10**9, seed=7)
         stored = json.loads(json.dumps({**spec.as_record(), "status": "ok", "step_ms": [1.0]}))
         assert RunSpec.from_record(stored) == spec

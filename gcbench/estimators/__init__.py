@@ -17,11 +17,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators import analytic, simulate
+from gcbench.estimators import analytic, plan, simulate
 from gcbench.estimators.prediction import Estimate, Unavailable
 from gcbench.spec import RunSpec
 
-__all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run"]
+__all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run",
+           "resolve_plan"]
+
+
+def resolve_plan(spec: RunSpec) -> RunSpec:
+    """`spec` with the mix of its `plan` policy chosen for its device (estimators/plan.py); any other as it is."""
+    return plan.resolve(spec, "cuda" if spec.device.startswith("cuda") else "cpu")
 
 # By the module, not the function: binding `analytic` here to the function would hide the submodule of that name.
 _PREDICTORS = {"analytic": analytic.analytic, "simulate": simulate.simulate}
@@ -29,13 +35,16 @@ METHODS = tuple(_PREDICTORS)
 TARGETS = ("cuda", "cpu")  # what is predicted: max_memory_allocated on a CUDA GPU | peak_tracked_bytes on CPU
 
 
-def estimate(spec: RunSpec, method: str = "simulate", target: str = "cuda") -> Estimate:
-    """Predict the peak memory of one training step of `spec` on `target` (cuda | cpu) by `method`."""
+def estimate(spec: RunSpec, method: str = "simulate", target: str = "cuda", flops: bool = False) -> Estimate:
+    """Predict the peak memory of one training step of `spec` on `target` (cuda | cpu) by `method`; `flops`: the
+    simulation also counts the step's FLOPs with recompute (Estimate.flops)."""
     if method not in METHODS:
         raise GcbenchError(f"unknown estimate method {method!r} ({', '.join(METHODS)})")
     if target not in TARGETS:
         raise GcbenchError(f"unknown estimate target {target!r} ({', '.join(TARGETS)})")
-    return _PREDICTORS[method](spec, target)
+    spec = plan.resolve(spec, target)
+    return simulate.simulate(spec, target, flops=True) if method == "simulate" and flops else \
+        _PREDICTORS[method](spec, target)
 
 
 def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",

@@ -33,6 +33,7 @@ class Estimate:
     n_params: int  # parameters (tied weights once): model state per parameter = (params + grads + optim.) / this
     attention_kernel: str  # the SDPA kernel the prediction assumes (flash, efficient, math, cpu-flash, eager)
     seconds: float  # how long the prediction took
+    flops: int | None = None  # of one step's forward and backward, recompute included (simulate; analytic: None)
     # Set when this prediction stands in for another method's, which could not make it: why that one could not
     # (the analytic model for a policy or family it has no formulas for, predicted by the simulation instead).
     stands_in: str | None = None

@@ -11,6 +11,7 @@ workspace, the multi-tensor optimizer path and the allocator's 512-byte blocks. 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import dataclasses
 import math
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gcbench.errors import GcbenchError, quiet_logger
 from gcbench.estimators.prediction import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
-from gcbench.measure import LiveTensorTracker, PhasePeaks, storage_bytes
+from gcbench.measure import LiveTensorTracker, PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import build_model, count_params, find_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
@@ -33,11 +34,15 @@ from gcbench.step import TrainingStep, make_optimizer
 from gcbench.units import round_up
 
 
-def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
-    """Run one warm-up step and one tracked step of `spec` on fake tensors; nothing is allocated for real."""
+def simulate(spec: RunSpec, target: str = "cuda", flops: bool = False) -> Estimate:
+    """Run one warm-up step and one tracked step of `spec` on fake tensors; nothing is allocated for real.
+    `flops`: then one more forward and backward counting the FLOPs with recompute (Estimate.flops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
+    # Reference cycles an earlier simulation left (SAC's caches make some) would otherwise be collected at a moment
+    # of the garbage collector's choosing inside this one's tracked step: the same spec would give another peak.
+    gc.collect()
     # The fakes are CPU tensors whatever the target (autocast, too, must act on CPU tensors); see the module docstring.
     spec = dataclasses.replace(spec, device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
@@ -65,6 +70,12 @@ def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
             tracker.track(step.params() + step.grads() + state + [ids])
             with tracker:
                 step(phases)
+            # Apart from the tracked step: FlopCounterMode's module hooks keep tensors alive, which would be counted
+            counted = None
+            if flops:
+                with counting_flops() as counter:
+                    step.forward_backward()
+                counted = counter.get_total_flops()
             parts = [storage_bytes(tensors, tracker.granularity_bytes)
                      for tensors in (step.params(), step.grads(), state)]
     except GcbenchError:
@@ -79,7 +90,8 @@ def simulate(spec: RunSpec, target: str = "cuda") -> Estimate:
         optimizer_bytes=parts[2], activation_bytes=peak - sum(parts), peak_phase=peaks["peak_phase"],
         forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
         optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=count_params(model),
-        attention_kernel=attention_kernel(spec, config, target), seconds=time.perf_counter() - start)
+        attention_kernel=attention_kernel(spec, config, target), flops=counted,
+        seconds=time.perf_counter() - start)
 
 
 def _device_state(step: TrainingStep, cuda: bool) -> list[torch.Tensor]:
@@ -189,6 +201,32 @@ class AllocatorModel(LiveTensorTracker):
     def __init__(self, cuda: bool):
         super().__init__(granularity_bytes=CUDA_BLOCK_BYTES if cuda else 1)
         self.cuda = cuda
+        self._listening = listening_to_host_moves(self._host_move) if cuda else contextlib.nullcontext()
+
+    def __enter__(self):
+        self._listening.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._listening.__exit__(*exc)
+
+    def _host_move(self, t: torch.Tensor, back: bool) -> None:
+        """An offloaded activation leaves the GPU (its bytes stop counting) or comes back (they count again): on
+        the CPU fakes the tensor itself stands for both copies."""
+        key = id(t.untyped_storage())
+        if key not in self._live:
+            return
+        nbytes = round_up(t.untyped_storage().nbytes(), self.granularity_bytes)
+        if back and self._live[key] == 0:
+            self._live[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        elif not back and self._live[key]:
+            self.current -= self._live[key]
+            self._live[key] = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)

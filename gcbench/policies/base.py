@@ -44,6 +44,11 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (), within: tu
     return dataclasses.field(default=default, metadata={"help": help, **rule})
 
 
+def option_fields(policy: type[Policy] | Policy) -> list[dataclasses.Field]:
+    """The options a user gives (`name:key=value`): the policy's fields but those it fills in itself (`chosen`)."""
+    return [f for f in dataclasses.fields(policy) if not f.metadata.get("chosen")]
+
+
 class StandsFor(nn.Module):
     """A module that stands in the block list for a block: an attribute it lacks is the block's. Block loops read
     them: ModernBERT picks each layer's mask by `layer.attention_type`."""
@@ -118,6 +123,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    # The policy as one would give it, where the name alone is not a policy (a required option): docs and tests.
+    example: ClassVar[str] = ""
     # The first step compiles: the runner times it against the next one before warm-up (compile_ms), so that
     # compiling never lands in the timed steps.
     compiles: ClassVar[bool] = False
@@ -128,7 +135,7 @@ class Policy:
 
     def validate(self, n_blocks: int) -> None:
         """Raise GcbenchError when an option breaks its rule (see `option`) for a model of `n_blocks` blocks."""
-        for f in dataclasses.fields(self):
+        for f in option_fields(self):
             value, rule = getattr(self, f.name), f.metadata
             if rule.get("choices") and value not in rule["choices"]:
                 use = " or ".join(f"{f.name}={c}" for c in rule["choices"])
@@ -177,7 +184,7 @@ class Policy:
         return None
 
     def options(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in option_fields(self)}
 
     def __str__(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options().items())
@@ -195,7 +202,7 @@ def parse_policy(text: str) -> Policy:
     cls = POLICIES.get(name)
     if cls is None:
         raise GcbenchError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in option_fields(cls)}
     known = ", ".join(fields) or "none"
     if colon and not rest.strip():
         raise GcbenchError(f"policy {text.strip()!r}: empty option list after ':' (give key=value options, or "

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gcbench.measure import moved_to_host
 from gcbench.policies.base import Policy, StandsFor, option, register
 from gcbench.policies.classic import EveryK
 
@@ -34,11 +35,16 @@ class HostOffload(torch.autograd.graph.save_on_cpu):
                 return False, t
             # The saved-bytes recording cannot see what leaves the device: only this hook knows these bytes.
             self.offloaded_bytes += t.numel() * t.element_size()  # each save is its own host copy
+            moved_to_host(t)
             return True, to_host(t)
 
         def unpack(packed):
             on_host, payload = packed
-            return from_host(payload) if on_host else payload
+            if not on_host:
+                return payload
+            t = from_host(payload)
+            moved_to_host(t, back=True)
+            return t
 
         self.pack_hook, self.unpack_hook = pack, unpack
 

@@ -109,6 +109,7 @@ class Record(SpecFields, total=False):
     num_alloc_retries: int  # CUDA: allocator retries during the measured steps
     saved_activation_bytes: int  # saved for backward (saved_tensors_hooks), parameters excluded
     offloaded_bytes: int  # offload policy: bytes one step puts in host memory
+    plan_mix: dict[str, int]  # plan policy: the mix chosen for this shape, kind of block -> blocks
     # compute
     flops: int | None  # with recompute
     model_flops: int  # without the policy: the MFU numerator
@@ -151,6 +152,16 @@ def lever_text(record: Mapping[str, Any], names: tuple[str, ...] = LEVER_FIELDS)
         elif value is not None:
             words.append(str(value))
     return " · ".join(w for w in words if w)
+# What a block of the `plan` policy may be, least recompute first (policies/plan.py).
+PLAN_KINDS = ("none", "attn", "sac", "full", "offload")
+
+
+def mix_text(counts: Mapping[str, int]) -> str:
+    """A plan's chosen mix (a record's plan_mix) in a few words, the most saving kinds first: "full 4 · sac 8 ·
+    none 20"."""
+    return " · ".join(f"{kind} {counts[kind]}" for kind in reversed(PLAN_KINDS) if counts.get(kind))
+
+
 # The fields that make two records the same configuration (memory_cap_kind is derived from device).
 IDENTITY_KEYS = tuple(k for k in SpecFields.__annotations__ if k != "memory_cap_kind")
 # Fields that say how long to measure, not what: two runs differing only in these measure the same configuration.

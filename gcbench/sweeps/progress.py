@@ -55,6 +55,11 @@ class SweepProgress:
                        f"{len(specs)} policies paired")
         self._bar.update(self._task, description=f"{self._label} · starting")
 
+    def shrink(self, by: int) -> None:
+        """`by` fewer configs to run than the total said (a fit's search ended before its bound)."""
+        self.total -= by
+        self._bar.update(self._task, total=self.total)
+
     def phase(self, text: str) -> None:
         self._bar.update(self._task, description=f"{self._label} · {text}")
 

@@ -1,0 +1,90 @@
+"""How the command line is made from the RunSpec declarations (one option per field, spec.py) and how a command's
+domain errors reach the shell (one line on stderr, exit code 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, get_type_hints
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from gcbench.errors import GcbenchError
+from gcbench.spec import RunSpec, spec_options
+
+ALL = "all"
+
+
+@contextmanager
+def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Iterator[None]:
+    """GcbenchError -> one line on stderr, exit code 2. Ctrl-C or SIGTERM -> the line `interrupted()` gives (what
+    was kept, what to do next), exit code 130."""
+    try:
+        yield
+    except GcbenchError as e:
+        typer.echo(f"gcbench: error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo(f"gcbench: {interrupted()}", err=True)
+        raise typer.Exit(130) from None
+
+
+def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
+                 defaults: dict[str, Any] | None = None) -> Callable[[Callable], Callable]:
+    """Give a command one option per RunSpec field (spec.py declares them: flag, help, metavar), before its own.
+
+    The command receives `spec_values`: {flag: value as typed} for the options given or with a default here
+    (`defaults`, by field name; the others keep RunSpec's). `several`: the fields that take comma-separated values
+    here (ALL: every one); `fields`: which RunSpec fields the command has (None: all).
+    """
+    options = {n: o for n, o in spec_options().items() if fields is None or n in fields}
+    defaults = defaults or {}
+    runspec_defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
+
+    def add_options(command: Callable) -> Callable:
+        hints = {k: v for k, v in get_type_hints(command, include_extras=True).items() if k != "spec_values"}
+        # typer reads Annotated[..., typer.Option] from the signature: give it the evaluated hints
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
+               for p in inspect.signature(command).parameters.values() if p.name != "spec_values"]
+        added = []
+        for name, opt in options.items():
+            many = several == ALL or name in several
+            help = opt.help + ("; comma-separated for several" if many and several != ALL else "")
+            if name not in defaults and runspec_defaults.get(name) not in (None, "", dataclasses.MISSING):
+                help += f" (default: {runspec_defaults[name]})"  # applied by RunSpec, so that a TOML file can set it
+            metavar = f"<{opt.metavar.lower()}{',...' if many else ''}>"
+            hint = Annotated[str | None, typer.Option(f"--{opt.flag}", help=help, metavar=metavar)]
+            default = str(defaults[name]) if name in defaults else None
+            added.append(inspect.Parameter(f"spec__{name}", inspect.Parameter.KEYWORD_ONLY, default=default,
+                                           annotation=hint))
+            hints[f"spec__{name}"] = hint
+
+        @functools.wraps(command)
+        def with_options(**kwargs: Any) -> Any:
+            given = {options[name].flag: kwargs.pop(f"spec__{name}") for name in options}
+            return command(spec_values={flag: v for flag, v in given.items() if v is not None}, **kwargs)
+
+        with_options.__signature__ = inspect.Signature([*added, *own])  # type: ignore[attr-defined]
+        with_options.__annotations__ = hints
+        return with_options
+
+    return add_options
+
+
+@contextmanager
+def step_progress(err_console: Console, total: int | None):
+    """A step counter on stderr for `gcbench run`; yields advance(description)."""
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    # Not on a pipe or a log file: a bar there is noise, and its last refresh leaves an empty line.
+    with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
+        task = bar.add_task("starting", total=total)
+
+        def advance(description: str) -> None:
+            bar.update(task, description=description, advance=1)
+
+        yield advance

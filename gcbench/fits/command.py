@@ -1,0 +1,133 @@
+"""What `gcbench fit` and `gcbench estimate --fit` make of their options: the validated FitSpec (every bad input one
+GcbenchError, before anything runs) and the rows of predicted fits. The CLI prints; nothing here does."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from gcbench.errors import GcbenchError
+from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_LO, VARY, Fit, FitSpec, \
+    canonical_policy
+from gcbench.fits.predict import predict_fit
+from gcbench.fits.search import Search
+from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
+from gcbench.grid import one_value_each
+from gcbench.spec import RunSpec, spec_options
+from gcbench.units import fmt_bytes, parse_bytes
+
+
+def parse_fraction(text: str, what: str) -> float:
+    """'5%' or '0.05' -> 0.05, within [0, 1)."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise GcbenchError(f"{what} {text!r}: give a percentage such as 5% (or a fraction such as 0.05)") from None
+    if not 0 <= value < 1:
+        raise GcbenchError(f"{what} {text!r} must be at least 0% and below 100%")
+    return value
+
+
+def fit_range(text: str | None, vary: str, values: dict[str, Any]) -> tuple[int, int]:
+    """--range LO..HI, or the default of what --vary searches: batch 1..4096, seq 16..the model's longest."""
+    if text is None:
+        if vary == "batch_size":
+            return DEFAULT_BATCH_RANGE
+        config, _ = RunSpec(**{**values, "seq_len": DEFAULT_SEQ_LO, "policy": "none"}).model_config()
+        longest = getattr(config, "max_position_embeddings", None) or 131_072
+        return DEFAULT_SEQ_LO, int(longest)
+    lo, sep, hi = text.partition("..")
+    try:
+        lo_value, hi_value = int(lo), int(hi)
+    except ValueError:
+        raise GcbenchError(f"--range {text!r}: give LO..HI, two integers such as 1..256") from None
+    if not sep or lo_value < 1 or hi_value < lo_value:
+        raise GcbenchError(f"--range {text!r} is empty: LO..HI with 1 <= LO <= HI")
+    return lo_value, hi_value
+
+
+def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of: int, memory: str | None,
+            headroom: str, out: Path, timeout: float, isolation: str, paired: bool,
+            console: Console | None) -> tuple[Fit, dict[str, Any]]:
+    """The Fit the options describe (values: RunSpec field -> its values, as parse_options gives them), and the
+    fields every trial shares."""
+    if vary not in VARY:
+        raise GcbenchError(f"unknown --vary {vary!r} (batch, seq)")
+    field_name = VARY[vary]
+    if "model" not in values:
+        raise GcbenchError("no --model given: which model to fit (see `gcbench models`)")
+    if field_name in values:
+        raise GcbenchError(f"--{spec_options()[field_name].flag} is what --vary {vary} searches: give its range "
+                           f"with --range LO..HI")
+    values = dict(values)
+    policies = values.pop("policy", DEFAULT_POLICIES)
+    fields = one_value_each(values, "gcbench fit searches one setup; the policies take several values")
+    if field_name == "batch_size" and "seq_len" not in fields:
+        raise GcbenchError("--vary batch needs the sequence length: give --seq")
+    fields.setdefault("batch_size", 1)
+    if isolation not in ("process", "none"):
+        raise GcbenchError(f"unknown --isolation {isolation!r} (process, none)")
+    if multiple_of < 1:
+        raise GcbenchError(f"--multiple-of must be at least 1, got {multiple_of}")
+    if timeout <= 0:
+        raise GcbenchError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+    fields.pop(field_name, None)
+    lo, hi = fit_range(range_, field_name, fields)
+    if -(-lo // multiple_of) * multiple_of > hi:
+        raise GcbenchError(f"--range {lo}..{hi} holds no multiple of {multiple_of}")
+    job = Fit(FitSpec(fields, tuple(policies), field_name, lo, hi, multiple_of,
+                      parse_bytes(memory) if memory is not None else None, parse_fraction(headroom, "--headroom"),
+                      out, timeout, isolation, paired), console=console)
+    return job, fields
+
+
+def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
+                   efficiency: float, device: str) -> tuple[list[dict[str, Any]], str, str, list[str]]:
+    """(rows, the varied field, title, caption) of `gcbench estimate --fit`: per policy the largest size predicted
+    to fit, its peak, the next size's peak, and with a named GPU the predicted step time and tokens/s."""
+    if vary not in VARY:
+        raise GcbenchError(f"unknown --vary {vary!r} (batch, seq)")
+    if (memory is None) == (gpu_name is None):
+        raise GcbenchError("--fit needs the memory to fit: --gpu NAME or --gpu-memory SIZE (one of them)")
+    if not 0 < efficiency <= 1:
+        raise GcbenchError(f"--efficiency must be above 0 and at most 1, got {efficiency:g}")
+    card = gpu(gpu_name) if gpu_name is not None else None
+    usable = card.usable_bytes if card is not None else memory
+    cap = math.floor(usable * (1 - parse_fraction(headroom, "--headroom")))
+    field_name = VARY[vary]
+    policies = grid.pop("policy", None) or DEFAULT_POLICIES
+    policies = [canonical_policy(p, cap) for p in policies]
+    fields = one_value_each({k: v for k, v in grid.items() if k != field_name},
+                            "--fit predicts one setup; the policies take several values")
+    fields.setdefault("seq_len", 2048)
+    fields.setdefault("batch_size", 1)
+    lo, hi = fit_range(None, field_name, {k: v for k, v in fields.items() if k != field_name})
+    rows = []
+    for policy in policies:
+        found = predict_fit({k: v for k, v in fields.items() if k != field_name}, policy, field_name,
+                            Search(lo, hi, cap), device, flops=True)
+        spec_fields = {**fields, field_name: found.value} if found.value else fields
+        step_s = found.step_seconds(card.peak_flops if card else None, efficiency)
+        tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
+        rows.append({"policy": policy, "value": found.value, "peak": found.estimate.peak_bytes
+                     if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
+                     "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
+                     "predictions": found.predictions, "flops": found.flops, "budget_bytes": cap,
+                     "gpu": card.name if card else None, "efficiency": efficiency if card else None})
+    where = (f"{card.name}: {card.memory_mib:,} MiB (nvidia-smi's total) less {fmt_bytes(CUDA_CONTEXT_BYTES)} of "
+             f"CUDA context (assumed)" if card else f"--gpu-memory {fmt_bytes(memory)}")
+    caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
+               "PREDICTED, nothing ran: peaks by the method in `by`; step s = FLOPs with recompute / (dense bf16 "
+               f"peak x {efficiency:g})" if card else "PREDICTED, nothing ran: peaks by the method in `by`; step "
+               "time needs --gpu (its peak FLOP/s)"]
+    best = max((r for r in rows if r["tokens_per_s"]), key=lambda r: r["tokens_per_s"], default=None)
+    if best is not None:
+        caption.append(f"predicted fastest: {best['policy']} at {vary} {best['value']}; measure it on the card "
+                       f"with: gcbench fit --model {fields['model']} ... --policy {best['policy']}")
+    title = f"{fields['model']} · largest {vary} predicted to fit · " + (
+        f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
+    return rows, field_name, title, caption

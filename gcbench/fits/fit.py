@@ -1,0 +1,233 @@
+"""`gcbench fit`: per policy, the largest batch (or sequence) that runs in a memory budget, found by real trials,
+then the winners timed paired and the fastest recommended.
+
+Each trial is one config run like a sweep's (a fresh child process, a timeout; an OOM is a result) and appended to
+the results file as a normal record with the search it belonged to (`fit_id`, `fit_vary`, `fit_budget_bytes`,
+`fit_trial`). The search (search.py) starts from the predicted maximum (predict.py) and ends exact: the maximum ran
+and the next size ran out of memory. The budget is a memory cap on every trial (--memory, less --headroom), or on a
+GPU without --memory its free memory.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from gcbench.errors import GcbenchError, WontFit
+from gcbench.fits.predict import spec_at, try_predict
+from gcbench.fits.search import Search, Trial, extrapolate
+from gcbench.instruments import free_without_context
+from gcbench.paired import choose_baseline, pairable
+from gcbench.policies import Plan, parse_policy
+from gcbench.policies.plan import canonical_size
+from gcbench.results.schema import config_label, peak_bytes, policy_label
+from gcbench.results.store import append_record, check_appendable
+from gcbench.runner import check_fits, model_size
+from gcbench.spec import RunSpec, spec_options
+from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner
+from gcbench.sweeps.progress import SweepProgress
+
+VARY = {"batch": "batch_size", "seq": "seq_len"}  # --vary -> the RunSpec field it searches
+DEFAULT_POLICIES = ("none", "full", "sqrtn", "sac", "plan")
+DEFAULT_OUT = Path("results/fit.jsonl")
+DEFAULT_BATCH_RANGE = (1, 4096)
+DEFAULT_SEQ_LO = 16
+
+
+@dataclass(frozen=True)
+class FitSpec:
+    fields: Mapping[str, Any]  # RunSpec fields shared by every trial (not the policy, not the varied one)
+    policies: tuple[str, ...]
+    vary: str  # a RunSpec field: batch_size | seq_len
+    lo: int
+    hi: int
+    multiple: int = 1
+    memory: int | None = None  # --memory: the budget; None: the GPU's free memory
+    headroom: float = 0.0  # fraction of the budget kept free
+    out: Path = DEFAULT_OUT
+    timeout_s: float = 600.0
+    isolation: str = "process"
+    paired: bool = True
+
+
+@dataclass
+class PolicyFit:
+    """One policy's search and what it found."""
+
+    policy: str  # as typed on the command line, canonical
+    search: Search
+    predicted: int | None  # the prediction the search started from
+    records: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None  # a trial that neither ran nor ran out of memory stopped the search
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The record of the largest size that ran (None: nothing fit, or the search stopped)."""
+        if self.error is not None or self.search.maximum is None:
+            return None
+        return next(r for r in self.records if r[self.search_field] == self.search.maximum and r["status"] == "ok")
+
+    @property
+    def next_record(self) -> dict[str, Any] | None:
+        if self.error is not None or self.search.next_up is None:
+            return None
+        return next(r for r in self.records if r[self.search_field] == self.search.next_up)
+
+    search_field: str = "batch_size"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    record: dict[str, Any]
+    tokens_per_s: float
+    paired: bool  # ranked by paired timing (all winners timed interleaved) rather than separate runs
+    command: str
+
+
+class Fit:
+    """Runs the searches of a FitSpec. Everything is validated when made (every policy at the range's ends, the
+    budget against the model state), before anything runs or is written."""
+
+    def __init__(self, spec: FitSpec, console: Console | None = None):
+        self.spec = spec
+        self.console = console
+        self.fit_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+        first = spec_at(spec.fields, "none", spec.vary, spec.lo)
+        self.device = first.device
+        self.budget = self._budget(first)
+        self.cap = math.floor(self.budget * (1 - spec.headroom))
+        # A cap on every trial where the budget is not the device itself: on CPU always (the tracker enforces it)
+        self.trial_cap = self.cap if spec.memory is not None or spec.headroom > 0 else None
+        self.policies = [canonical_policy(p, self.cap) for p in spec.policies]
+        for policy in self.policies:  # bad input fails now: both ends of the range, every policy
+            for value in (spec.lo, spec.hi):
+                spec_at({**spec.fields, "memory_cap_bytes": self.trial_cap}, policy, spec.vary, value)
+        try:
+            check_fits(first, model_size(first), None if self.trial_cap else self.budget)
+            if self.trial_cap:
+                check_fits(spec_at({**spec.fields, "memory_cap_bytes": self.cap}, "none", spec.vary, spec.lo),
+                           model_size(first), None)
+        except WontFit as e:
+            raise GcbenchError(f"the budget is below what the model needs before any activation: {e}") from None
+        check_appendable(spec.out)
+
+    def _budget(self, first: RunSpec) -> int:
+        if self.spec.memory is not None:
+            return self.spec.memory
+        if not first.device.startswith("cuda"):
+            raise GcbenchError("on CPU give --memory: the budget the live-tensor tracker holds each trial to "
+                               "(e.g. --memory 12MiB)")
+        free = free_without_context(first.device)
+        if free is None:
+            raise GcbenchError(f"cannot read the free memory of {first.device} (NVML): give --memory")
+        return free
+
+    def run(self) -> tuple[list[PolicyFit], Recommendation | None]:
+        spec = self.spec
+        runner = (ProcessRunner if spec.isolation == "process" else InProcessRunner)(
+            spec.timeout_s, models=[spec.fields["model"]])
+        fits = [PolicyFit(p, Search(spec.lo, spec.hi, self.cap, spec.multiple), None, search_field=spec.vary)
+                for p in self.policies]
+        target = "cuda" if self.device.startswith("cuda") else "cpu"
+        pending: list[dict[str, Any]] = []  # the winners, appended once the paired timing is in them
+        with SweepProgress(self.console, sum(f.search.bound for f in fits), 0) as view:
+            try:
+                for fit in fits:
+                    view.phase(f"{fit.policy}: predicting the largest {spec.vary.split('_')[0]}")
+                    fit.predicted = try_predict(spec.fields, fit.policy, spec.vary,
+                                                Search(spec.lo, spec.hi, self.cap, spec.multiple), target)
+                    self._search(fit, runner, view)
+                    best = fit.best
+                    for record in fit.records:
+                        if record is best:
+                            pending.append(record)
+                        else:
+                            append_record(spec.out, record)
+                    view.shrink(fit.search.bound - len(fit.records))
+                if spec.paired:
+                    self._pair([f for f in fits if f.best is not None], runner, view)
+            finally:
+                for record in pending:
+                    append_record(spec.out, record)
+        return fits, recommend([f.best for f in fits if f.best is not None], self._command)
+
+    def _search(self, fit: PolicyFit, runner, view: SweepProgress) -> None:
+        search = fit.search
+        while not search.done:
+            value = search.next_value(*extrapolate(search, fit.predicted))
+            trial_spec = spec_at({**self.spec.fields, "memory_cap_bytes": self.trial_cap}, fit.policy,
+                                 self.spec.vary, value)
+            view.started(trial_spec)
+            record = runner(trial_spec, view.phase)
+            record = {**record, "fit_id": self.fit_id, "fit_vary": self.spec.vary, "fit_budget_bytes": self.cap,
+                      "fit_trial": len(search.trials) + 1}
+            view.finished(record)
+            fit.records.append(record)
+            if record["status"] == "ok":
+                state = sum(record.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+                search.add(Trial(value, True, peak_bytes(record), state or None))
+            elif record["status"] == "oom":
+                search.add(Trial(value, False))
+            else:
+                fit.error = f"{config_label(record)}: {record['status']}: {record.get('error')}"
+                return
+
+    def _pair(self, fits: list[PolicyFit], runner, view: SweepProgress) -> None:
+        """Time the winners interleaved in one process; each gets its paired tokens/s."""
+        winners = [(spec_at({**self.spec.fields, "memory_cap_bytes": self.trial_cap}, f.policy, self.spec.vary,
+                            f.search.maximum), f.best) for f in fits]
+        winners = [(s, r) for s, r in winners if pairable(s)]
+        if len(winners) < 2:
+            return
+        view.pairing([s for s, _ in winners])
+        result = runner.paired([s for s, _ in winners], choose_baseline([r for _, r in winners]), view.phase)
+        for spec, record in winners:
+            if "error" in result:
+                record["paired_error"] = f"paired timing failed: {result['error']}"
+                continue
+            record.update(result[policy_label(record)])
+            tokens = spec.batch_size * spec.seq_len * spec.grad_accum
+            record["paired_tokens_per_s"] = tokens / (statistics.median(record["paired_step_ms"]) / 1e3)
+
+    def _command(self, record: Mapping[str, Any]) -> str:
+        """The `gcbench run` command that measures `record`'s config again."""
+        options = spec_options()
+        given = {**self.spec.fields, "seq_len": record["seq_len"], "batch_size": record["batch_size"],
+                 "policy": policy_label(record)}
+        if self.trial_cap:
+            given["memory_cap_bytes"] = canonical_size(f"{self.trial_cap}B")
+        words = ["gcbench", "run"]
+        for name, opt in options.items():
+            value = given.get(name)
+            if value is None or name in ("measure_steps", "max_steps", "max_time_s", "warmup_steps", "threads"):
+                continue
+            text = ("on" if value else "off") if isinstance(value, bool) else str(value)
+            words += [f"--{opt.flag}", text]
+        return " ".join(words)
+
+
+def recommend(best: list[dict[str, Any]], command) -> Recommendation | None:
+    """The fastest of the policies' largest configs: by paired tokens/s when every one was timed paired, else by
+    each run's own tokens/s."""
+    if not best:
+        return None
+    paired = all(r.get("paired_tokens_per_s") for r in best)
+    key = "paired_tokens_per_s" if paired else "tokens_per_s"
+    top = max(best, key=lambda r: r[key])
+    return Recommendation(top, top[key], paired, command(top))
+
+
+def canonical_policy(policy: str, cap: int | None) -> str:
+    """A policy as typed, canonical; `plan` without its memory gets the fit's budget."""
+    parsed = parse_policy(policy)
+    if isinstance(parsed, Plan) and not parsed.memory and cap is not None:
+        parsed = parse_policy(f"plan:memory={cap}B,allow_offload={parsed.allow_offload}")
+    return str(parsed)

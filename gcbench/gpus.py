@@ -1,0 +1,82 @@
+"""GPUs gcbench knows by name: their memory and dense bf16 peak, for `gcbench estimate --fit --gpu NAME` (a card
+one does not have) and for MFU (the peak of the card a run is on). Importing this module is cheap (no torch).
+
+Where each number comes from:
+- `memory_mib`: the total memory `nvidia-smi` reports for the board (MiB), as NVIDIA's board, which is what the
+  driver exposes after ECC and its own reservations (a few hundred MiB below the marketing size).
+- `CUDA_CONTEXT_BYTES`: what a PyTorch process's CUDA context takes before the first tensor (CUDA 12 with lazy
+  module loading, the default). An assumption, not a measurement of gcbench's: `gcbench fit` on a GPU reads the
+  device's real free memory instead, and benchmarks/gpu/validate.sh records the context on the card it runs on.
+- `peak_flops`: dense bf16 tensor-core FLOP/s with FP32 accumulation, no sparsity, from NVIDIA's datasheets
+  (the URL beside each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gcbench.errors import GcbenchError
+
+CUDA_CONTEXT_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str  # as --gpu takes it
+    board: str  # what torch.cuda.get_device_name() says contains `match`
+    match: str  # matched against the device name (first match in GPUS wins)
+    memory_mib: int | None  # nvidia-smi's total; None: the name is matched for its peak only
+    peak_flops: float
+    source: str
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory_mib is None else self.memory_mib * 2**20
+
+    @property
+    def usable_bytes(self) -> int | None:
+        """Memory a PyTorch process can allocate: the total minus the CUDA context."""
+        return None if self.memory_mib is None else self.memory_bytes - CUDA_CONTEXT_BYTES
+
+
+# Order matters for matching a device name: the more specific names first ("H100 PCIe" before "H100").
+GPUS: list[Gpu] = [
+    Gpu("h200-141gb", "NVIDIA H200", "H200", 143_771, 989e12,
+        "https://www.nvidia.com/en-us/data-center/h200/"),
+    Gpu("h100-pcie-80gb", "NVIDIA H100 PCIe", "H100 PCIe", 81_559, 756e12,
+        "https://www.nvidia.com/en-us/data-center/h100/"),
+    Gpu("h100-nvl", "NVIDIA H100 NVL", "H100 NVL", None, 835e12,
+        "https://www.nvidia.com/en-us/data-center/h100/"),
+    Gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", "H100", 81_559, 989e12,
+        "https://www.nvidia.com/en-us/data-center/h100/"),
+    Gpu("gh200", "NVIDIA GH200", "GH200", None, 989e12,
+        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/"),
+    Gpu("b200", "NVIDIA B200", "B200", None, 2250e12, "https://www.nvidia.com/en-us/data-center/dgx-b200/"),
+    Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB", 81_920, 312e12,
+        "https://www.nvidia.com/en-us/data-center/a100/"),
+    Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", "A100", 40_960, 312e12, "https://www.nvidia.com/en-us/data-center/a100/"),
+    Gpu("a800", "NVIDIA A800", "A800", None, 312e12, "https://www.nvidia.com/en-us/data-center/a800/"),
+    Gpu("l40s-48gb", "NVIDIA L40S", "L40S", 46_068, 362e12, "https://www.nvidia.com/en-us/data-center/l40s/"),
+    Gpu("l40", "NVIDIA L40", "L40", None, 181e12, "https://www.nvidia.com/en-us/data-center/l40/"),
+    Gpu("l4-24gb", "NVIDIA L4", "L4", 23_034, 121e12, "https://www.nvidia.com/en-us/data-center/l4/"),
+    Gpu("a10", "NVIDIA A10", "A10", None, 125e12, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"),
+    Gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", "RTX 4090", 24_564, 165.2e12,
+        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"),
+]
+
+
+def gpu(name: str) -> Gpu:
+    """The table's entry for --gpu NAME (one with a memory size); GcbenchError naming the known ones."""
+    known = [g for g in GPUS if g.memory_mib is not None]
+    for g in known:
+        if g.name == name.strip().lower():
+            return g
+    raise GcbenchError(f"unknown --gpu {name!r}; known: {', '.join(g.name for g in known)} (or give --gpu-memory)")
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak in FLOP/s of the card torch.cuda.get_device_name() names, or None when unknown."""
+    for g in GPUS:
+        if g.match in device_name:
+            return g.peak_flops
+    return None

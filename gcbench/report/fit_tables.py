@@ -1,0 +1,92 @@
+"""The tables `gcbench fit` and `gcbench estimate --fit` print: per policy the largest size that fits the budget,
+its throughput and peak, and how it was found. Plain values in, rich Tables out: nothing here runs a search."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from gcbench.results.schema import mix_text, peak_bytes, policy_label
+from gcbench.units import fmt_bytes
+
+SIZE_WORD = {"batch_size": "batch", "seq_len": "seq"}
+
+
+def _table(title: str, caption: list[str], columns: list[str]) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  caption="\n".join(caption), caption_justify="left")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("policy", "note") else "right",
+                         no_wrap=col != "note")
+    return table
+
+
+def fit_table(fits: Sequence[Any], vary: str, budget: int, title: str) -> Table:
+    """`gcbench fit`: one row per policy (fits: fit.PolicyFit). tokens/s is the run's own; `paired` the winners
+    timed interleaved in one process, when they were."""
+    word = SIZE_WORD[vary]
+    paired = any(f.best is not None and f.best.get("paired_tokens_per_s") for f in fits)
+    columns = ["policy", f"max {word}", "tokens/s", *(["paired"] if paired else []), "peak", "trials", "note"]
+    notes: dict[str, int] = {}
+    rows = []
+    for f in fits:
+        best = f.best
+        if f.error is not None:
+            note = f.error
+        elif best is None:
+            note = f"{word} {f.search.lo} does not fit"
+        elif f.search.next_up is None:
+            note = f"{word} {f.search.hi} (the range's top) fits"
+        else:
+            nxt = f.next_record or {}
+            note = f"{word} {f.search.next_up}: {nxt.get('status', 'oom')}"
+        if best is not None and best.get("plan_mix"):
+            note += f"; mix {mix_text(best['plan_mix'])}"
+        mark = f"({notes.setdefault(note, len(notes) + 1)})"
+        rows.append([f.policy if not f.policy.startswith("plan:") else "plan", str(f.search.maximum) if best else "-",
+                     f"{best['tokens_per_s']:,.0f}" if best else "-",
+                     *([f"{best['paired_tokens_per_s']:,.0f}" if best and best.get("paired_tokens_per_s") else "-"]
+                       if paired else []),
+                     fmt_bytes(peak_bytes(best)) if best else "-",
+                     f"{len(f.records)}/{f.search.bound}", mark])
+    caption = [f"budget {fmt_bytes(budget)} per trial; trials: run / the search's bound (ceil(log2 sizes) + 2); "
+               f"each max ran and the next {word} ran out of memory, both in the results file"]
+    if paired:
+        caption.append("paired: tokens/s of the winners timed interleaved in one process (drift-free ranking)")
+    plan = next((f.policy for f in fits if f.policy.startswith("plan:")), None)
+    if plan:
+        caption.append(f"plan = {plan}")
+    caption += [f"({n}) {escape(text)}" for text, n in notes.items()]
+    table = _table(title, caption, columns)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, caption: list[str]) -> Table:
+    """`gcbench estimate --fit`: one row per policy (rows: policy, value, peak, next_peak, step_s, tokens_per_s,
+    method, predictions)."""
+    word = SIZE_WORD[vary]
+    table = _table(title, caption, ["policy", f"max {word}", "peak", f"{word} + 1", "step s", "tokens/s", "by"])
+    for r in rows:
+        fits = r["value"] is not None
+        table.add_row(r["policy"] if not r["policy"].startswith("plan:") else "plan",
+                      str(r["value"]) if fits else "-", fmt_bytes(r["peak"]) if fits else "-",
+                      fmt_bytes(r["next_peak"]) if r["next_peak"] else "-",
+                      f"{r['step_s']:.2f}" if r.get("step_s") else "-",
+                      f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-", r["method"])
+    return table
+
+
+def recommendation_lines(rec: Any, vary: str) -> list[str]:
+    """The recommended policy and size, and the command that measures it again."""
+    record = rec.record
+    how = "paired" if rec.paired else "each run's own timing"
+    label = policy_label(record)
+    return [f"recommended: {label} at seq {record['seq_len']} x batch {record['batch_size']}: "
+            f"{rec.tokens_per_s:,.0f} tokens/s ({how}), peak {fmt_bytes(peak_bytes(record))}",
+            f"  {rec.command}"]

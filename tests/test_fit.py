@@ -1,0 +1,218 @@
+"""`gcbench fit`, `estimate --fit` and the `plan` policy: the search's bound and exactness, the recommendation,
+the plan's choice, and bad input."""
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.errors import GcbenchError
+from gcbench.estimators import estimate
+from gcbench.estimators.plan import KindCost, choose, solve
+from gcbench.fits.fit import Fit, FitSpec, recommend
+from gcbench.fits.search import Search, Trial, extrapolate
+from gcbench.policies import parse_policy
+from gcbench.results.store import read_records
+from gcbench.runner import run
+from tests.helpers import assert_gradients_equal_none, tiny_spec
+
+runner = CliRunner()
+FAST = {"warmup_steps": 1, "measure_steps": 2}
+
+
+# ----------------------------------------------------------------------------------------------- the search
+
+def _search_with(true_max: int, lo: int, hi: int, guess, multiple: int = 1) -> Search:
+    """A search against a memory that grows 100 bytes per size above 1000 bytes of model state."""
+    search = Search(lo, hi, 1000 + 100 * true_max + 50, multiple)
+
+    def attempt(value: int) -> Trial:
+        fits = value <= true_max
+        return Trial(value, fits, 1000 + 100 * value if fits else None, 1000)
+
+    return search.run(attempt, guess)
+
+
+def test_the_search_is_exact_and_within_its_bound_whatever_the_prediction():
+    rng = random.Random(0)
+    for _ in range(2000):
+        lo, multiple = rng.randint(1, 9), rng.choice([1, 1, 4, 64])
+        hi = rng.randint(lo + multiple, 5000)
+        true_max = rng.randint(lo - 1, hi + 1)
+        prediction = rng.choice([None, true_max, true_max + 1, true_max - 1, round(true_max * 1.05),
+                                 rng.randint(-5, 9000)])
+        search = _search_with(true_max, lo, hi, lambda s: extrapolate(s, prediction), multiple)
+        candidates = [v for v in range(search.lo, hi + 1, multiple) if v <= true_max]
+        assert search.maximum == (max(candidates) if candidates else None)
+        assert len(search.trials) <= math.ceil(math.log2(search.n)) + 2 == search.bound
+        if search.maximum is not None and search.next_up is not None:  # both ends tried: exact
+            tried = {t.value: t.fits for t in search.trials}
+            assert tried[search.maximum] is True and tried[search.next_up] is False
+
+
+def test_a_right_prediction_takes_two_trials_and_one_off_three():
+    for prediction, trials in ((300, 2), (301, 3), (299, 3)):
+        search = _search_with(300, 1, 4096, lambda s, p=prediction: extrapolate(s, p))
+        assert search.maximum == 300 and 2 <= len(search.trials) <= trials, (prediction, search.trials)
+    # up to 5% low: the first trial's measured peak puts the next two on the maximum and the size after it
+    search = _search_with(300, 1, 4096, lambda s: extrapolate(s, 285))
+    assert search.maximum == 300 and len(search.trials) == 3
+    # more than one size high, the first trials run out of memory and measure nothing: two more
+    search = _search_with(300, 1, 4096, lambda s: extrapolate(s, 314))
+    assert search.maximum == 300 and len(search.trials) <= 5
+
+
+def test_the_search_refuses_memory_that_is_not_monotone():
+    search = Search(1, 10, 100)
+    search.add(Trial(5, False))
+    with pytest.raises(ValueError, match="not monotone"):
+        search.add(Trial(7, True))
+
+
+# ----------------------------------------------------------------------------------------------- the plan's solver
+
+def test_the_plan_solver_is_the_exact_optimum_of_its_linear_model():
+    rng = random.Random(1)
+    for _ in range(200):
+        costs = [KindCost("none", 0, 0)] + [KindCost(k, rng.uniform(0, 10), rng.choice([0, rng.uniform(0, 5)]))
+                                            for k in ("attn", "sac", "full")]
+        n, need = rng.randint(1, 6), rng.uniform(-5, 50)
+        got = solve(costs, n, need)
+        brute = [dict(zip(("none", "attn", "sac", "full"), c)) for c in itertools.product(range(n + 1), repeat=4)
+                 if sum(c) == n]
+        by_kind = {c.kind: c for c in costs}
+        feasible = [m for m in brute if sum(k * by_kind[kind].saves for kind, k in m.items()) >= need - 1e-9]
+        if not feasible:
+            assert got is None
+            continue
+        best = min(sum(k * by_kind[kind].recompute for kind, k in m.items()) for m in feasible)
+        assert got is not None and sum(got.values()) == n
+        assert sum(k * by_kind[kind].saves for kind, k in got.items()) >= need - 1e-6
+        assert sum(k * by_kind[kind].recompute for kind, k in got.items()) == pytest.approx(best, abs=1e-6)
+
+
+def test_plan_needs_a_memory_and_keeps_its_label():
+    with pytest.raises(GcbenchError, match="plan needs the memory"):
+        tiny_spec(policy="plan")
+    assert str(parse_policy("plan:memory=1.5GiB")) == "plan:memory=1536MiB,allow_offload=false"
+    with pytest.raises(GcbenchError, match="cannot read"):
+        parse_policy("plan:memory=lots")
+
+
+def test_plan_gradients_equal_none_with_every_kind_of_block():
+    plan = parse_policy("plan:memory=64MiB,allow_offload=true").with_mix({"offload": 1, "full": 1, "sac": 1,
+                                                                         "attn": 1})
+    assert plan.chosen == ("offload", "full", "sac", "attn")  # tiny-llama's 4 blocks, most saving first
+    assert_gradients_equal_none("tiny-llama", plan)
+
+
+@pytest.mark.slow  # a run per policy
+def test_plan_fits_where_none_does_not_and_recomputes_least_among_what_fits():
+    shape = dict(seq_len=64, batch_size=8)
+    peaks = {p: estimate(tiny_spec(policy=p, **shape), "simulate", "cpu").peak_bytes for p in ("none", "full")}
+    budget = (peaks["none"] + peaks["full"]) // 2  # none does not fit, full does
+    records = {p: run(tiny_spec(policy=p, memory_cap_bytes=budget, **shape, **FAST))
+               for p in ("none", "full", "every-k:k=2", "sqrtn", f"plan:memory={budget}B")}
+    assert records["none"]["status"] == "oom"
+    plan = records[f"plan:memory={budget}B"]
+    assert plan["status"] == "ok" and plan["peak_tracked_bytes"] <= budget and plan["plan_mix"]
+    recompute = {p: r["flops"] - r["model_flops"] for p, r in records.items() if r["status"] == "ok"}
+    assert recompute[f"plan:memory={budget}B"] < recompute["full"]
+    assert all(recompute[f"plan:memory={budget}B"] <= v for v in recompute.values())
+
+
+@pytest.mark.slow  # five simulations
+def test_the_plan_choice_fits_its_memory_by_the_simulation():
+    spec = tiny_spec(policy="plan:memory=20MiB", seq_len=64, batch_size=8)
+    choice = choose(spec, "cpu")
+    none = estimate(tiny_spec(seq_len=64, batch_size=8), "simulate", "cpu").peak_bytes
+    assert none > 20 * 2**20 and choice.fits and choice.predicted_peak <= 20 * 2**20
+    assert sum(choice.counts.values()) == spec.model_config()[0].num_hidden_layers
+
+
+# ----------------------------------------------------------------------------------------------- real fits on CPU
+
+def _fit(tmp_path, policies, **kw) -> tuple:
+    spec = FitSpec({"model": "tiny-llama", "seq_len": 64, "device": "cpu", **FAST}, tuple(policies), "batch_size",
+                   1, 64, memory=12 * 2**20, out=tmp_path / "fit.jsonl", isolation="none", **kw)
+    fits, rec = Fit(spec).run()
+    return fits, rec, read_records(spec.out)
+
+
+@pytest.mark.slow  # two searches of real runs
+def test_fit_finds_the_exact_maximum_per_policy_within_the_bound(tmp_path):
+    fits, rec, records = _fit(tmp_path, ["none", "full"], paired=False)
+    assert len(records) == sum(len(f.records) for f in fits)
+    for f in fits:
+        assert f.best is not None and f.best["status"] == "ok" and f.best["peak_tracked_bytes"] <= 12 * 2**20
+        nxt = f.next_record
+        assert nxt["batch_size"] == f.search.maximum + 1 and nxt["status"] == "oom"
+        assert not nxt.get("oom_predicted")  # it ran and ran out of memory
+        assert len(f.records) <= f.search.bound
+        assert {r["fit_id"] for r in f.records} == {fits[0].records[0]["fit_id"]}
+    by = {f.policy: f.search.maximum for f in fits}
+    assert by["full"] > by["none"]
+    assert rec.record is max((f.best for f in fits), key=lambda r: r["tokens_per_s"]) and not rec.paired
+    assert rec.command.startswith("gcbench run --model tiny-llama --seq 64 --batch ") and "--memory-cap 12MiB" \
+        in rec.command
+
+
+def test_the_recommendation_is_the_best_tokens_per_s_paired_when_all_were_paired():
+    a = {"tokens_per_s": 100.0, "paired_tokens_per_s": 90.0}
+    b = {"tokens_per_s": 95.0, "paired_tokens_per_s": 99.0}
+    assert recommend([a, b], lambda r: "cmd").record is b  # paired ranking wins
+    assert recommend([a, {"tokens_per_s": 95.0}], lambda r: "cmd").record is a  # not all paired: own timing
+    assert recommend([], lambda r: "cmd") is None
+
+
+@pytest.mark.slow  # a fit of three policies with paired timing, in children
+def test_fit_command_prints_the_table_and_the_command(tmp_path):
+    out = tmp_path / "f.jsonl"
+    result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--vary", "batch", "--memory",
+                                 "12MiB", "--device", "cpu", "--policy", "none,full,sqrtn", "--steps", "2",
+                                 "--warmup", "1", "--out", str(out), "--range", "1..32"])
+    assert result.exit_code == 0, result.output
+    assert "max batch" in result.stdout and "recommended:" in result.stdout and "gcbench run --model" in \
+        result.stdout
+    best = [r for r in read_records(out) if r.get("paired_tokens_per_s")]
+    assert len(best) == 3
+
+
+FIT_BAD = [
+    (["--memory", "1KiB"], "below what the model needs"),
+    (["--memory", "12MiB", "--vary", "layers"], "unknown --vary"),
+    (["--memory", "12MiB", "--range", "9..3"], "is empty"),
+    (["--memory", "12MiB", "--batch", "4"], "what --vary batch searches"),
+    (["--memory", "12MiB", "--headroom", "150%"], "below 100%"),
+    ([], "on CPU give --memory"),
+    (["--memory", "12MiB", "--policy", "bogus"], "unknown policy"),
+]
+
+
+@pytest.mark.parametrize("args,message", FIT_BAD)
+def test_fit_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    out = tmp_path / "f.jsonl"
+    result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--device", "cpu", "--out",
+                                 str(out), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_estimate_fit_predicts_per_policy_for_a_named_gpu():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu-memory",
+                                 "12MiB", "--device", "cpu", "--policy", "none,full", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["policy"]: r for r in map(json.loads, result.stdout.splitlines())}
+    assert rows["full"]["value"] > rows["none"]["value"] >= 1
+    assert all(r["peak"] <= 12 * 2**20 < r["next_peak"] for r in rows.values())
+    named = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu", "l4-24gb",
+                                "--policy", "none"])
+    assert named.exit_code == 0, named.output
+    assert "PREDICTED" in named.stdout and "l4-24gb" in named.stdout
+    bad = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--fit", "--gpu", "tpu-v9"])
+    assert bad.exit_code == 2 and "unknown --gpu" in bad.stderr
