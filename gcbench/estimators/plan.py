@@ -79,14 +79,13 @@ def _choose(spec: RunSpec, target: str) -> PlanChoice:
              for kind, e in runs.items()]
     floor = base.optimizer_peak_bytes or 0  # the optimizer step's peak: no mix lowers it
     budget, tried = plan.memory_bytes, []
+    most_saving = {max(costs, key=lambda c: c.saves).kind: n}
     for _ in range(TIGHTEN_ROUNDS):
-        counts = solve(costs, n, _fwd_bwd(base) - budget)
-        if counts is None:  # the linear model says nothing fits: the mix that saves most
-            counts = {max(costs, key=lambda c: c.saves).kind: n}
+        counts = solve(costs, n, _fwd_bwd(base) - budget) or most_saving  # None: the linear model says none fits
         found = simulate(dataclasses.replace(spec, policy=plan.with_mix(counts)), target, flops=True)
         tried.append(PlanChoice(counts, found.peak_bytes, max((found.flops or 0) - (base.flops or 0), 0),
                                 max(found.peak_bytes, floor) <= plan.memory_bytes))
-        if tried[-1].fits or len(counts) == 1 and tried[-1].counts == {max(costs, key=lambda c: c.saves).kind: n}:
+        if tried[-1].fits or counts == most_saving:
             break
         budget -= found.peak_bytes - plan.memory_bytes  # the linear model was optimistic by this much
     fitting = [c for c in tried if c.fits]

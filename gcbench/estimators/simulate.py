@@ -201,9 +201,11 @@ class AllocatorModel(LiveTensorTracker):
     def __init__(self, cuda: bool):
         super().__init__(granularity_bytes=CUDA_BLOCK_BYTES if cuda else 1)
         self.cuda = cuda
-        self._listening = listening_to_host_moves(self._host_move) if cuda else contextlib.nullcontext()
+        self._listening = contextlib.nullcontext()
 
     def __enter__(self):
+        # a fresh listener per entry (a context manager from @contextmanager is good for one use)
+        self._listening = listening_to_host_moves(self._host_move) if self.cuda else contextlib.nullcontext()
         self._listening.__enter__()
         return super().__enter__()
 

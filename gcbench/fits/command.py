@@ -105,11 +105,11 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                             "--fit predicts one setup; the policies take several values")
     fields.setdefault("seq_len", 2048)
     fields.setdefault("batch_size", 1)
-    lo, hi = fit_range(None, field_name, {k: v for k, v in fields.items() if k != field_name})
+    fixed = {k: v for k, v in fields.items() if k != field_name}  # what every prediction shares
+    lo, hi = fit_range(None, field_name, fixed)
     rows = []
     for policy in policies:
-        found = predict_fit({k: v for k, v in fields.items() if k != field_name}, policy, field_name,
-                            Search(lo, hi, cap), device, flops=True)
+        found = predict_fit(fixed, policy, field_name, Search(lo, hi, cap), device, flops=True)
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         step_s = found.step_seconds(card.peak_flops if card else None, efficiency)
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)

@@ -109,15 +109,16 @@ class Fit:
         self.policies = [canonical_policy(p, self.cap) for p in spec.policies]
         for policy in self.policies:  # bad input fails now: both ends of the range, every policy
             for value in (spec.lo, spec.hi):
-                spec_at({**spec.fields, "memory_cap_bytes": self.trial_cap}, policy, spec.vary, value)
-        try:
-            check_fits(first, model_size(first), None if self.trial_cap else self.budget)
-            if self.trial_cap:
-                check_fits(spec_at({**spec.fields, "memory_cap_bytes": self.cap}, "none", spec.vary, spec.lo),
-                           model_size(first), None)
+                self._trial_spec(policy, value)
+        try:  # the model state against the cap, or without one against the device's free memory
+            check_fits(self._trial_spec("none", spec.lo), model_size(first), None if self.trial_cap else self.budget)
         except WontFit as e:
             raise GcbenchError(f"the budget is below what the model needs before any activation: {e}") from None
         check_appendable(spec.out)
+
+    def _trial_spec(self, policy: str, value: int) -> RunSpec:
+        """The config of one trial: the shared fields, the policy, the size, the fit's cap."""
+        return spec_at({**self.spec.fields, "memory_cap_bytes": self.trial_cap}, policy, self.spec.vary, value)
 
     def _budget(self, first: RunSpec) -> int:
         if self.spec.memory is not None:
@@ -163,8 +164,7 @@ class Fit:
         search = fit.search
         while not search.done:
             value = search.next_value(*extrapolate(search, fit.predicted))
-            trial_spec = spec_at({**self.spec.fields, "memory_cap_bytes": self.trial_cap}, fit.policy,
-                                 self.spec.vary, value)
+            trial_spec = self._trial_spec(fit.policy, value)
             view.started(trial_spec)
             record = runner(trial_spec, view.phase)
             record = {**record, "fit_id": self.fit_id, "fit_vary": self.spec.vary, "fit_budget_bytes": self.cap,
@@ -182,8 +182,7 @@ class Fit:
 
     def _pair(self, fits: list[PolicyFit], runner, view: SweepProgress) -> None:
         """Time the winners interleaved in one process; each gets its paired tokens/s."""
-        winners = [(spec_at({**self.spec.fields, "memory_cap_bytes": self.trial_cap}, f.policy, self.spec.vary,
-                            f.search.maximum), f.best) for f in fits]
+        winners = [(self._trial_spec(f.policy, f.search.maximum), f.best) for f in fits]
         winners = [(s, r) for s, r in winners if pairable(s)]
         if len(winners) < 2:
             return
