@@ -74,9 +74,12 @@ def gpu(name: str) -> Gpu:
     raise GcbenchError(f"unknown --gpu {name!r}; known: {', '.join(g.name for g in known)} (or give --gpu-memory)")
 
 
+def matching(device_name: str) -> Gpu | None:
+    """The table's entry of the card torch.cuda.get_device_name() names (it may have no memory size), or None."""
+    return next((g for g in GPUS if g.match in device_name), None)
+
+
 def peak_flops(device_name: str) -> float | None:
     """The dense bf16 peak in FLOP/s of the card torch.cuda.get_device_name() names, or None when unknown."""
-    for g in GPUS:
-        if g.match in device_name:
-            return g.peak_flops
-    return None
+    g = matching(device_name)
+    return g.peak_flops if g else None

@@ -296,6 +296,15 @@ def test_gpu_validation_script_runs_every_step_and_resumes(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results = tmp_path / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
     counts = {f.name: Counter(r["status"] for r in read_records(f)) for f in results.glob("*.jsonl")}
+    fits = read_records(results / "fit.jsonl")
+    assert len({r["fit_id"] for r in fits}) == 2 and {"ok", "oom"} <= {r["status"] for r in fits}
+    assert {r["policy"] for r in fits} == {"none", "full", "plan"}
+    for name in ("tiny-llama-4layers-seq64", "tiny-llama-seq128"):
+        assert "recommended:" in (results / f"fit-{name}.txt").read_text()
+        assert "PREDICTED" in (results / f"estimate-fit-{name}.txt").read_text()
+    assert "outside the allocator after the context" in (results / "cuda-context.txt").read_text()
+    assert "largest batch that fits" in (results / "report/report.md").read_text()
+    del counts["fit.jsonl"]
     assert counts == {"tiny-llama-canonical.jsonl": {"ok": 5}, "tiny-llama-4layers.jsonl": {"ok": 16},
                       "tiny-gpt2.jsonl": {"ok": 5}, "tiny-llama-oom-line.jsonl": {"ok": 6, "oom": 2},
                       "tiny-llama-4layers-levers.jsonl": {"ok": 2 * 3 * 2}}  # 2 policies x 3 optimizers x in bwd
@@ -306,9 +315,9 @@ def test_gpu_validation_script_runs_every_step_and_resumes(tmp_path):
 
     second = subprocess.run(validate, env=subprocess_env(log), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "harness overhead: done earlier" in second.stdout
+    assert "harness overhead: done earlier" in second.stdout and "fit tiny-llama-seq128: done earlier" in second.stdout
     assert {f.name: len(read_records(f)) for f in results.glob("*.jsonl")} == {
-        name: sum(c.values()) for name, c in counts.items()}
+        "fit.jsonl": len(fits), **{name: sum(c.values()) for name, c in counts.items()}}
     assert sum(c.name == "set_device" for c in read_log(log)) == measured  # no config measured again
 
 
@@ -318,7 +327,9 @@ def test_gpu_validation_plan_prints_without_a_gpu():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     for step in ("GPU tests", "llama-7b-canonical: 5 configs", "llama-7b-8layers: 32 configs", "gpt2: 5 configs",
-                 "llama-7b-oom-line: 32 configs", "harness overhead", "report", "dry run: nothing was run"):
+                 "llama-7b-oom-line: 32 configs", "harness overhead", "CUDA context", "fit llama-7b-8layers-seq2048",
+                 "fit llama-7b-8layers-seq8192", "estimate --fit llama-7b-seq2048", "report",
+                 "dry run: nothing was run"):
         assert step in result.stdout
     refused = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh")], capture_output=True, text=True,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)  # on a GPU machine too

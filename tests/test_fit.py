@@ -4,9 +4,13 @@ the plan's choice, and bad input."""
 import itertools
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from gcbench.cli import app
@@ -16,7 +20,8 @@ from gcbench.estimators.plan import KindCost, choose, solve
 from gcbench.fits.fit import Fit, FitSpec, recommend
 from gcbench.fits.search import Search, Trial, extrapolate
 from gcbench.policies import parse_policy
-from gcbench.results.store import read_records
+from gcbench.results.frame import fit_summary, load, results_frame
+from gcbench.results.store import append_record, read_records
 from gcbench.runner import run
 from tests.helpers import assert_gradients_equal_none, tiny_spec
 
@@ -64,6 +69,14 @@ def test_a_right_prediction_takes_two_trials_and_one_off_three():
     # more than one size high, the first trials run out of memory and measure nothing: two more
     search = _search_with(300, 1, 4096, lambda s: extrapolate(s, 314))
     assert search.maximum == 300 and len(search.trials) <= 5
+
+
+def test_a_prediction_far_too_high_is_given_up_after_three_failures():
+    """Stepping a wrong prior down by 5% at a time would spend the whole bound; after three failures the search
+    bisects until a trial runs, then extrapolates from the measured peak."""
+    search = _search_with(6, 1, 4096, lambda s: extrapolate(s, 32))
+    assert [t.value for t in search.trials][:3] == [32, 31, 28] and not any(t.fits for t in search.trials[:3])
+    assert search.maximum == 6 and len(search.trials) <= 8
 
 
 def test_the_search_refuses_memory_that_is_not_monotone():
@@ -216,3 +229,93 @@ def test_estimate_fit_predicts_per_policy_for_a_named_gpu():
     assert "PREDICTED" in named.stdout and "l4-24gb" in named.stdout
     bad = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--fit", "--gpu", "tpu-v9"])
     assert bad.exit_code == 2 and "unknown --gpu" in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------- the report
+
+@pytest.fixture(scope="module")
+def fit_records():
+    """Records as `gcbench fit` writes them, made from one real run: two budgets, three policies (plan's memory
+    follows the budget), a policy where nothing fit, and an older search of the same budget that a newer one
+    replaces."""
+    base = run(tiny_spec(policy="none", seq_len=32, batch_size=1, **FAST))
+    assert base["status"] == "ok"
+
+    def trial(fit_id, budget, policy, batch, status, rate=None, paired=None, **options):
+        r = {**base, "policy": policy, "policy_options": options, "batch_size": batch, "status": status,
+             "fit_id": fit_id, "fit_vary": "batch_size", "fit_budget_bytes": budget, "memory_cap_bytes": budget,
+             "tokens_per_s": rate}
+        if paired is not None:
+            r["paired_tokens_per_s"] = paired
+        if policy == "plan":
+            r["plan_mix"] = {"full": 1, "none": 1}
+        return r if status == "ok" else {k: v for k, v in r.items() if not k.startswith(("peak_", "tokens_"))}
+
+    mib = 2**20
+    return [
+        trial("20260101-000000-aaaa", 8 * mib, "none", 9, "ok", 500.0, 500.0),  # replaced by the newer search
+        trial("20260102-000000-bbbb", 8 * mib, "none", 2, "ok", 300.0, 290.0),
+        trial("20260102-000000-bbbb", 8 * mib, "none", 3, "oom"),
+        trial("20260102-000000-bbbb", 8 * mib, "full", 6, "oom"),
+        trial("20260102-000000-bbbb", 8 * mib, "full", 5, "ok", 280.0, 310.0),  # faster paired: the best
+        trial("20260102-000000-bbbb", 8 * mib, "sqrtn", 1, "oom"),  # nothing fit
+        trial("20260103-000000-cccc", 16 * mib, "none", 4, "ok", 400.0, None),  # not paired: own timing ranks
+        trial("20260103-000000-cccc", 16 * mib, "none", 5, "oom"),
+        trial("20260103-000000-cccc", 16 * mib, "plan", 12, "ok", 350.0, None, memory="16MiB", allow_offload="false"),
+        trial("20260103-000000-cccc", 16 * mib, "plan", 14, "oom", memory="16MiB", allow_offload="false"),
+        trial("20260103-000000-cccc", 16 * mib, "plan", 13, "oom", memory="16MiB", allow_offload="false"),
+        trial("20260104-000000-dddd", 8 * mib, "plan", 4, "ok", 200.0, 150.0, memory="8MiB", allow_offload="false"),
+    ]
+
+
+@pytest.fixture
+def fit_file(tmp_path, fit_records):
+    path = tmp_path / "fit.jsonl"
+    for r in fit_records:
+        append_record(path, r)
+    return path
+
+
+def test_the_fit_summary_keeps_each_search_latest_max_next_and_best(fit_file):
+    summary = fit_summary(results_frame(load(fit_file)))
+    rows = {(r["budget_bytes"] // 2**20, r["policy"]): r for r in summary.to_dict("records")}
+    assert set(rows) == {(8, "none"), (8, "full"), (8, "sqrtn"), (8, "plan"), (16, "none"), (16, "plan")}
+    assert rows[8, "none"]["maximum"] == 2 and rows[8, "none"]["fit_id"].endswith("bbbb")  # the newer search
+    assert (rows[8, "none"]["next_value"], rows[8, "none"]["next_status"]) == (3, "oom")
+    assert rows[8, "full"]["maximum"] == 5 and rows[8, "full"]["best"] and not rows[8, "none"]["best"]
+    assert rows[8, "full"]["rate"] == 310.0 and rows[8, "full"]["rate_paired"]  # all paired: full beats none
+    assert math.isnan(rows[8, "sqrtn"]["maximum"]) and rows[8, "sqrtn"]["next_value"] == 1  # nothing fit
+    assert rows[16, "plan"]["maximum"] == 12 and rows[16, "plan"]["next_value"] == 13  # the size above the max
+    assert rows[16, "plan"]["plan_mix"] == "full 1 · none 1"
+    assert rows[16, "none"]["best"] and rows[16, "none"]["rate"] == 400.0 and not rows[16, "none"]["rate_paired"]
+    assert rows[8, "plan"]["maximum"] == 4 and not rows[8, "plan"]["best"]  # a search of its own, ranked too
+
+
+def test_the_report_shows_the_fit_table_and_the_frontier_figure(tmp_path, fit_file):
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", str(fit_file), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    assert "largest batch that fits · tiny-llama" in md and "| full (best) | 5 |" in md and md.count("(best) |") == 2
+    assert "none fit" in md and "3: OOM" in md and "full 1 · none 1" in md
+    with Image.open(out / "figures" / "7-fit-frontier.png") as im:
+        im.verify()
+        assert im.size[0] > 400
+    assert "Throughput at the largest fit vs memory budget" in md
+    # a fit's trials are not a grid: the grid figures leave them out (here: nothing else, so not drawn)
+    assert "only `gcbench fit` trials here" in md and not (out / "figures" / "1-peak-vs-seq.png").exists()
+    assert "Largest config that fit" not in md and "1 fit(s)" not in md and "4 fit(s) of 12 trials" in md
+    narrow = subprocess.run([sys.executable, "-m", "gcbench", "report", str(fit_file)], capture_output=True,
+                            text=True, env={**os.environ, "COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stderr
+    table = narrow.stdout[narrow.stdout.index("largest batch that fits"):]
+    assert "full (best)" in table and max(map(len, narrow.stdout.splitlines())) <= 80
+
+
+def test_a_report_without_fits_has_no_fit_table_or_figure(tmp_path):
+    record = run(tiny_spec(policy="none", seq_len=32, batch_size=1, **FAST))
+    append_record(tmp_path / "r.jsonl", record)
+    result = runner.invoke(app, ["report", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    assert "gcbench fit" not in (tmp_path / "rep" / "report.md").read_text()
+    assert not (tmp_path / "rep" / "figures" / "7-fit-frontier.png").exists()

@@ -157,6 +157,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_batch():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_accumulation_counts_every_micro_batch_in_tokens_and_flops():
     one, accum = [run(tiny_spec(policy="full", seq_len=32, batch_size=2, grad_accum=n)) for n in (1, 3)]
     assert accum["model_flops"] == 3 * one["model_flops"] and accum["flops"] == 3 * one["flops"]

@@ -55,11 +55,13 @@ def test_gradients_equal_none_on_cuda(model_name, policy):
     assert_gradients_equal_none(model_name, policy, device="cuda")
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model_name", TINY)
 def test_all_runs_ok(records, model_name):
     assert {p: s for p, s in field(records, model_name, "status").items() if s != "ok"} == {}
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model_name", TINY)
 def test_flops_between_none_and_full(records, model_name):
     flops = field(records, model_name, "flops")
@@ -72,6 +74,7 @@ def test_flops_between_none_and_full(records, model_name):
     assert flops["offload:what=inputs,k=2"] == flops["every-k:k=2"]
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model_name", TINY)
 def test_saved_bytes_between_full_and_none(records, model_name):
     saved = field(records, model_name, "saved_activation_bytes")
@@ -80,6 +83,7 @@ def test_saved_bytes_between_full_and_none(records, model_name):
     assert saved["sac:mm=alternate"] < saved["sac"]
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model_name", TINY)
 def test_offload_moves_the_saved_bytes_to_the_host(records, model_name):
     saved = field(records, model_name, "saved_activation_bytes")
@@ -129,6 +133,7 @@ def test_runner_reads_the_facts_budget_declares(monkeypatch, classic_records):
         assert got[name] == ref[name], name
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model_name", TINY)
 def test_tracked_peak(records, model_name):
     peak = field(records, model_name, "peak_tracked_bytes")
@@ -183,6 +188,7 @@ def test_sac_policy_decisions():
     assert every(forward, cpu_flash, q, q, q, dropout_p=0.1) == again
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_sac_counts_cached_outputs_as_saved(records):
     """Without note_saved, sac would report only the block inputs, like full."""
     saved = field(records, "tiny-llama", "saved_activation_bytes")

@@ -48,11 +48,13 @@ if [ "$smoke" = 0 ]; then
   large=llama-7b small=gpt2 layers=8 seq=512 long_seqs=2048,4096 long_batches=1,4 small_seq=1024 small_batch=8
   line_seqs=512,1024,2048,4096 line_batches=1,2,4,8 line_cap=() rounds=30 lever_seq=2048 lever_batch=4
   lever_policies=none,full,sqrtn lever_optimizers=adamw,adamw-loop,adamw-fused,adafactor
+  fit_seqs=(2048 8192) fit_full_seq=2048 fit_budget=() fit_policies=()
 else  # the same plan on tiny models; a memory cap puts the OOM line within reach
   dir="results/gpu-smoke/$slug" report="results/gpu-smoke/$slug/report"
   large=tiny-llama small=tiny-gpt2 layers=4 seq=64 long_seqs=64 long_batches=1,2 small_seq=64 small_batch=2
   line_seqs=64,128 line_batches=1,4 line_cap=(--memory-cap 16MiB) rounds=2 lever_seq=64 lever_batch=2
   lever_policies=none,full lever_optimizers=adamw,adamw-loop
+  fit_seqs=(64) fit_full_seq=128 fit_budget=(--memory 16MiB) fit_policies=(--policy none,full,plan)
 fi
 
 # stop_if_interrupted <exit status>: a step stopped by a signal (>= 128, e.g. 130 after Ctrl-C) stops the validation
@@ -145,6 +147,37 @@ once "harness overhead" "$dir/overhead.txt" "$python" benchmarks/overhead.py --m
 
 # Step-time stability (CV of the measured steps, GPU clocks at the start and end): the target is CV <= 2%.
 once "timing stability" "$dir/timing-cv.md" "$python" benchmarks/gpu/timing_cv.py "$dir"
+
+# What a process takes outside the allocator (the CUDA context, cuBLAS): estimate --fit assumes 512 MiB.
+once "CUDA context" "$dir/cuda-context.txt" "$python" benchmarks/gpu/cuda_context.py
+
+# gcbench fit (docs/fit.md): per policy the largest batch that runs on this GPU (its free memory; the smoke run
+# caps it), then the fastest by paired timing. Beside each, what `estimate --fit` predicts for the same card from
+# the GPU table (gcbench/gpus.py) without running anything: the two tables the README quotes side by side.
+card=$("$python" -c 'import sys; from gcbench.gpus import matching; g = matching(sys.argv[1])
+print(g.name if g and g.memory_mib else "")' "$gpu" 2>/dev/null || true)
+if [ "$smoke" = 1 ]; then
+  card_args=(--gpu-memory 16MiB)
+elif [ -n "$card" ]; then
+  card_args=(--gpu "$card")
+elif [ "$dry_run" = 1 ]; then
+  card_args=(--gpu "<this GPU's name in gcbench/gpus.py>")
+else  # a card the table does not know: its total memory
+  card_args=(--gpu-memory "$("$python" -c 'import torch; print(torch.cuda.mem_get_info()[1])' 2>/dev/null || echo 0)B")
+fi
+# fit_pair <name> <model options>...: the measured fit and the predicted one
+fit_pair() {
+  local name=$1
+  shift
+  once "fit $name" "$dir/fit-$name.txt" "$python" -m gcbench fit "$@" --warmup 2 --steps 5 \
+    ${fit_budget[@]+"${fit_budget[@]}"} ${fit_policies[@]+"${fit_policies[@]}"} --out "$dir/fit.jsonl"
+  once "estimate --fit $name" "$dir/estimate-fit-$name.txt" "$python" -m gcbench estimate "$@" --fit \
+    "${card_args[@]}" ${fit_policies[@]+"${fit_policies[@]}"}
+}
+for fit_seq in "${fit_seqs[@]}"; do
+  fit_pair "$large-${layers}layers-seq$fit_seq" --model "$large" --layers "$layers" --seq "$fit_seq"
+done
+fit_pair "$large-seq$fit_full_seq" --model "$large" --seq "$fit_full_seq"
 
 # A resumed sweep does not run its `error` configs again: count them in every call, not only the first.
 if [ "$dry_run" = 0 ]; then

@@ -28,7 +28,7 @@ from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
 from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
-from gcbench.results.schema import config_label, peak_bytes, policy_label
+from gcbench.results.schema import config_label, fastest, peak_bytes, policy_label
 from gcbench.results.store import append_record, check_appendable
 from gcbench.runner import check_fits, model_size
 from gcbench.spec import RunSpec, spec_options
@@ -173,7 +173,9 @@ class Fit:
             fit.records.append(record)
             if record["status"] == "ok":
                 state = sum(record.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
-                search.add(Trial(value, True, peak_bytes(record), state or None))
+                # On CUDA the allocator's reserve is what runs out (whole segments), so it guides the next guess.
+                peak = record.get("peak_reserved_bytes") or peak_bytes(record)
+                search.add(Trial(value, True, peak, state or None))
             elif record["status"] == "oom":
                 search.add(Trial(value, False))
             else:
@@ -192,7 +194,8 @@ class Fit:
             if "error" in result:
                 record["paired_error"] = f"paired timing failed: {result['error']}"
                 continue
-            record.update(result[policy_label(record)])
+            # Its own step times only: a time ratio compares one seq and batch, and the winners differ in size.
+            record["paired_step_ms"] = result[policy_label(record)]["paired_step_ms"]
             tokens = spec.batch_size * spec.seq_len * spec.grad_accum
             record["paired_tokens_per_s"] = tokens / (statistics.median(record["paired_step_ms"]) / 1e3)
 
@@ -214,14 +217,11 @@ class Fit:
 
 
 def recommend(best: list[dict[str, Any]], command) -> Recommendation | None:
-    """The fastest of the policies' largest configs: by paired tokens/s when every one was timed paired, else by
-    each run's own tokens/s."""
-    if not best:
+    """The fastest of the policies' largest configs (results.schema.fastest), with the command that runs it."""
+    if (top := fastest(best)) is None:
         return None
-    paired = all(r.get("paired_tokens_per_s") for r in best)
-    key = "paired_tokens_per_s" if paired else "tokens_per_s"
-    top = max(best, key=lambda r: r[key])
-    return Recommendation(top, top[key], paired, command(top))
+    record, tokens_per_s, paired = top
+    return Recommendation(record, tokens_per_s, paired, command(record))
 
 
 def canonical_policy(policy: str, cap: int | None) -> str:

@@ -122,7 +122,8 @@ def extrapolate(search: Search, prior: int | None = None, exponent: float = 1.0)
     """(a guess of the largest size whose peak stays within the budget, whether it comes from measured peaks):
     through the two known peaks nearest the budget (a secant), else from one peak and its model state (the rest
     of the peak grows as size ** exponent), else `prior` (a prediction made before any trial). A prior that ran
-    out of memory is stepped down: to the size below the smallest that did not fit, then 5% below it."""
+    out of memory is stepped down twice: to the size below it, then 5% below that; a third failure means the
+    prediction is far off, and the search bisects (None) until a trial runs and gives a measured peak."""
     known = sorted((t for t in search.trials if t.peak is not None), key=lambda t: abs(t.peak - search.budget))
     if len(known) >= 2:
         a, b = sorted(known[:2], key=lambda t: t.value)
@@ -138,4 +139,6 @@ def extrapolate(search: Search, prior: int | None = None, exponent: float = 1.0)
     if not failed:
         return prior, False
     below = min(failed) - search.multiple
+    if len(failed) > 2:
+        return None, False
     return (below if len(failed) == 1 else math.floor(below * 0.95)), False

@@ -8,10 +8,12 @@ import math
 import matplotlib as mpl
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 
 from gcbench.results.frame import policy_rank
 
+Drawn = tuple[Figure, str] | str | None  # (figure, caption) | why nothing was drawn | None: does not apply
 PANEL_IN = (4.4, 3.3)  # inches per panel
 MAX_PANELS = 12  # larger grids show their largest configs; the caption says so
 STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
@@ -49,8 +51,11 @@ def figure_legend(fig: Figure, axes: list[Axes], extra: list[tuple[object, str]]
     order = list(seen)
     seen = dict(sorted(seen.items(), key=lambda kv: (0, *policy_rank(kv[0])) if kv[0] in policies
                        else (1, order.index(kv[0]), "")))
-    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", frameon=False,
-               ncols=min(len(seen), 4))
+    # As many columns as the figure's width holds for its longest label (about 0.6 em per character + the mark).
+    size = FontProperties(size=mpl.rcParams["legend.fontsize"]).get_size_in_points()
+    entry_pt = 0.6 * size * max(map(len, seen), default=1) + 40
+    ncols = max(1, min(len(seen), 4, int(fig.get_figwidth() * 72 // entry_pt)))
+    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", frameon=False, ncols=ncols)
 
 
 def log2_axis(ax: Axes, values) -> None:

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import matplotlib as mpl
 import pandas as pd
-from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from gcbench.report.analysis import pareto_front
-from gcbench.report.figure_layout import (OOM_MARK, STYLE, figure_legend, largest_panels, log2_axis, oom_handle,
-                                          panel_figure, policy_colors)
-from gcbench.results.frame import policy_rank
+from gcbench.report.figure_layout import (OOM_MARK, STYLE, Drawn, figure_legend, largest_panels, log2_axis,
+                                          oom_handle, panel_figure, policy_colors)
+from gcbench.report.fit_figures import fit_frontier
+from gcbench.results.frame import policy_rank, without_fit_trials
 from gcbench.units import byte_unit, fmt_bytes
 
 PNG_DPI = 90  # modest: the figures are embedded in report.html
-Drawn = tuple[Figure, str] | str | None  # (figure, caption) | why nothing was drawn | None: does not apply
 PHASE_WORDS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
 STATE_COLORS = {"params": "#4c72b0", "grads": "#8fb0de", "optimizer state": "#dd8452", "activations": "#55a868"}
 
@@ -358,7 +357,10 @@ FIGURES: list[tuple[str, str, Callable]] = [
     ("4-memory-breakdown", "Memory breakdown", memory_breakdown),
     ("5-throughput-vs-batch", "Throughput vs batch size", throughput_vs_batch),
     ("6-predicted-vs-measured", "Predicted vs measured peak memory", predicted_vs_measured),
+    ("7-fit-frontier", "Throughput at the largest fit vs memory budget", fit_frontier),
 ]
+# Figures of every record; the others draw grids of runs and sweeps, without a fit's trials (figure 7 has them).
+ALL_RECORDS = {"6-predicted-vs-measured", "7-fit-frontier"}
 
 
 def slug(text: str) -> str:
@@ -369,15 +371,19 @@ def write_figures(frame: pd.DataFrame, root: Path, folder: str = "figures") -> d
     """Draw every figure for every device into root/folder as PNG and SVG; per device label, what was written
     (or why a figure was not drawn). File names carry the device when there is more than one."""
     (root / folder).mkdir(parents=True, exist_ok=True)
-    colors = policy_colors(frame["policy_label"])
+    colors = policy_colors([*frame["policy_label"], *frame["fit_policy"].dropna()])
     several = frame["device_label"].nunique() > 1
     written: dict[str, list[FigureFile]] = {}
     for device, dev in frame.groupby("device_label", sort=False):
         files = written.setdefault(device, [])
         for stem, title, draw in FIGURES:
             name = f"{stem}-{slug(device)}" if several else stem
+            rows = dev if stem in ALL_RECORDS else without_fit_trials(dev)
+            if rows.empty:
+                files.append(FigureFile(stem, title, "only `gcbench fit` trials here (figure 7 and the fit table)"))
+                continue
             with mpl.rc_context(STYLE):
-                result = draw(dev, colors)
+                result = draw(rows, colors)
                 if result is None:
                     continue
                 if isinstance(result, str):

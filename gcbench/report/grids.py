@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from gcbench.results.frame import FAILED, as_int, given, policy_rank
+from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank
 from gcbench.units import byte_unit, fmt_bytes
 
 ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
@@ -43,6 +43,9 @@ def results_grid(part: pd.DataFrame) -> Grid:
                "step ms", "IQR ms", "time x none", "tokens/s", "recompute FLOPs"]
     if predicted:
         headers += [f"predicted peak {unit}", "prediction error"]
+    planned = part["plan_mix_text"].notna().any()
+    if planned:
+        headers.append("plan mix")
     size = lambda v: f"{v / scale:,.2f}" if given(v) else "-"  # noqa: E731
 
     def ratio(v: Any, r: dict) -> str:
@@ -75,6 +78,8 @@ def results_grid(part: pd.DataFrame) -> Grid:
         if predicted:
             row += [size(r["predicted_peak_bytes"]),
                     f"{r['prediction_error']:+.1%}" if ok and given(r["prediction_error"]) else "-"]
+        if planned:
+            row.append(r["plan_mix_text"] if given(r["plan_mix_text"]) else "")
         rows.append(row)
         nxt = records[i + 1] if i + 1 < len(records) else None
         if nxt is None or (nxt["seq_len"], nxt["batch_size"]) != (r["seq_len"], r["batch_size"]):
@@ -93,10 +98,13 @@ def results_grid(part: pd.DataFrame) -> Grid:
     if "oom_predicted" in part and (part["oom_predicted"] == True).any():  # noqa: E712 - NaN where absent
         caption += (" OOM* = not run: its model state or predicted peak was past the memory (the record's `error` "
                     "says which).")
-    optional = [headers.index(h) for h in ("IQR ms", f"predicted peak {unit}", "tokens/s", "prediction error",
-                                           "recompute FLOPs") if h in headers]
+    if planned:
+        caption += " plan mix = blocks of each kind the plan chose for that shape."
+    optional = [headers.index(h) for h in ("plan mix", "IQR ms", f"predicted peak {unit}", "tokens/s",
+                                           "prediction error", "recompute FLOPs") if h in headers]
+    text = {headers.index(h) for h in ("peak in", "plan mix") if h in headers}
     return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,
-                numeric=set(range(4, len(headers))) - {headers.index("peak in")} | {0, 1}, section_ends=ends,
+                numeric=set(range(4, len(headers))) - text | {0, 1}, section_ends=ends,
                 optional=optional)
 
 
@@ -173,6 +181,51 @@ def largest_fit_grid(dev: pd.DataFrame) -> Grid:
                 caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5}, optional=[5])
 
 
+def fit_grids(dev: pd.DataFrame) -> list[Grid]:
+    """`gcbench fit`'s answers in one device's records: per setup and fixed size, a row per memory budget and
+    policy with the largest size that ran, its throughput and peak, and the size above it that did not."""
+    summary = fit_summary(dev)
+    grids = []
+    for (setup, vary, fixed), g in summary.groupby(["fit_setup", "vary", "fixed"], sort=False):
+        word = SIZE_WORDS[vary]
+        scale, unit = byte_unit(g["peak_bytes"].max())
+        paired = g["paired_tokens_per_s"].notna().any()
+        rows, ends = [], set()
+        records = g.to_dict("records")
+        for i, r in enumerate(records):
+            fits = given(r["maximum"])
+            nxt = f"{as_int(r['next_value'])}: {FAILED.get(r['next_status'], r['next_status'])}" \
+                if given(r["next_value"]) else "range top"
+            first = i == 0 or records[i - 1]["budget_bytes"] != r["budget_bytes"]  # each budget named once
+            rows.append([fmt_bytes(r["budget_bytes"]) if first else "", r["policy"] + (" (best)" if r["best"] else ""),
+                         str(as_int(r["maximum"])) if fits else "none fit",
+                         f"{r['tokens_per_s']:,.0f}" if fits else "-",
+                         *([f"{r['paired_tokens_per_s']:,.0f}" if given(r["paired_tokens_per_s"]) else "-"]
+                           if paired else []),
+                         f"{r['peak_bytes'] / scale:,.2f}" if fits and given(r["peak_bytes"]) else "-",
+                         str(r["trials"]), nxt, r["plan_mix"] if given(r["plan_mix"]) else ""])
+            if i + 1 == len(records) or records[i + 1]["budget_bytes"] != r["budget_bytes"]:
+                ends.add(i)
+        headers = ["budget", "policy", f"max {word}", "tokens/s", *(["paired tokens/s"] if paired else []),
+                   f"peak {unit}", "trials", f"next {word}", "plan mix"]
+        if not g["plan_mix"].notna().any():
+            headers.pop()
+            rows = [row[:-1] for row in rows]
+        caption = (f"gcbench fit: per budget and policy the largest {word} that ran (max) and the {word} above it, "
+                   f"which did not (next; both are records in the results file); budget = the trials' memory "
+                   f"budget after headroom; trials = runs the search took. (best) = the fastest at its budget, by "
+                   + ("paired tokens/s (the winners timed interleaved in one process)" if g["rate_paired"].all()
+                      else "paired tokens/s where every policy of the budget has one, else each run's own tokens/s"
+                      if paired else "each run's own tokens/s") + ".")
+        if "plan mix" in headers:
+            caption += " plan = plan:memory=<the budget>; plan mix = blocks of each kind it chose."
+        numeric = {headers.index(h) for h in headers if h not in ("budget", "policy", f"next {word}", "plan mix")}
+        grids.append(Grid(headers, rows, title=f"largest {word} that fits · {setup} · {fixed}", caption=caption,
+                          numeric=numeric, section_ends=ends,
+                          optional=[headers.index(h) for h in ("plan mix", "trials", "tokens/s") if h in headers]))
+    return grids
+
+
 PREDICTION_METHODS = ("simulate", "analytic")
 
 
@@ -228,4 +281,8 @@ def grid_grid(dev: pd.DataFrame) -> Grid:
         ["configs", f"{len(dev)}: " + ", ".join(f"{n} {FAILED.get(s, s)}" for s, n in statuses.items())],
         ["results files", ", ".join(sources)],
     ]
+    trials = dev["fit_id"].notna()
+    if trials.any():
+        rows.insert(-1, ["gcbench fit", f"{dev.loc[trials, 'fit_id'].nunique()} fit(s) of {trials.sum()} trials, "
+                                       "among the configs above"])
     return Grid(["", "value"], rows)

@@ -12,9 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from gcbench.report.grids import PHASE_SHORT, Grid, largest_fit_grid, prediction_grid, results_grid
-from gcbench.results.frame import FAILED
-from gcbench.results.schema import PHASES, half_width, lever_text, peak_bytes, policy_label
+from gcbench.report.grids import PHASE_SHORT, Grid, fit_grids, largest_fit_grid, prediction_grid, results_grid
+from gcbench.results.frame import FAILED, without_fit_trials
+from gcbench.results.schema import PHASES, half_width, lever_text, mix_text, peak_bytes, policy_label
 from gcbench.units import byte_unit, fmt_bytes, human_count
 
 
@@ -59,6 +59,8 @@ def run_table(record: dict[str, Any]) -> Table:
         table.add_row("peak reached in", f"[bold]{record['peak_phase']}[/]", _phase_text(record))
     table.add_row("activation peak", fmt_bytes(record["activation_peak_bytes"]), "fwd+bwd peak above model state")
     table.add_row("saved activations", fmt_bytes(record["saved_activation_bytes"]), "kept for backward after forward")
+    if record.get("plan_mix"):
+        table.add_row("plan mix", mix_text(record["plan_mix"]), "blocks of each kind the plan chose for this shape")
     if record.get("offloaded_bytes") is not None:
         table.add_row("offloaded to host", fmt_bytes(record["offloaded_bytes"]), "host copies per forward (offload)")
     if record.get("compile_ms") is not None:
@@ -234,9 +236,11 @@ def terminal_tables(frame: pd.DataFrame, width: int | None = None) -> list[Table
         out.append(f"[bold]{dev_label}[/] — {len(dev)} configs; peak memory = {dev['peak_label'].iloc[0]}")
         for _, part in dev.groupby("setup", sort=False):
             out.append(rich_table(results_grid(part), width))
-        fits = largest_fit_grid(dev)
-        fits.title = "largest config that fit, per policy"
-        out.append(rich_table(fits, width))
+        if not (runs := without_fit_trials(dev)).empty:
+            largest = largest_fit_grid(runs)
+            largest.title = "largest config that fit, per policy"
+            out.append(rich_table(largest, width))
+        out += [rich_table(grid, width) for grid in fit_grids(dev)]
         for _, part in dev.groupby("setup", sort=False):
             predictions = prediction_grid(part)
             if predictions is not None:

@@ -14,7 +14,8 @@ from typing import Any
 import pandas as pd
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import half_width, lever_text, policy_label, record_problem
+from gcbench.results.schema import (fastest, fit_policy, half_width, lever_text, mix_text, policy_label,
+                                    record_problem)
 from gcbench.results.store import read_records, result_files
 from gcbench.units import fmt_bytes
 
@@ -29,20 +30,26 @@ EXPECTED = ["peak_allocated_bytes", "peak_tracked_bytes", "activation_peak_bytes
             "env.gpu_name", "env.gpu_memory_bytes", "env.cpu", "env.cpu_count", "env.torch_threads", "env.gcbench",
             "threads", "timing_stable", "timing_notes", "step_ms_ci", "step_ms_rel_iqr", "time_ratio", "time_ratio_ci",
             "time_ratio_vs", "paired_error", "peak_phase", "forward_peak_bytes", "backward_peak_bytes",
-            "optimizer_peak_bytes", "n_params", "grad_accum", "optim_in_backward"]
+            "optimizer_peak_bytes", "n_params", "grad_accum", "optim_in_backward",
+            # `gcbench fit`'s trials (fits/fit.py): the search a record belonged to
+            "fit_id", "fit_vary", "fit_budget_bytes", "fit_trial", "fit_policy", "paired_tokens_per_s", "plan_mix_text"]
 FAILED = {"oom": "OOM", "timeout": "timeout", "error": "error", "skipped": "skipped"}  # status -> how it is shown
 
 
 def load(*paths: str | Path) -> pd.DataFrame:
     """Every record of the given files/directories as one DataFrame, a row per config; `env` is flattened
     to `env.*` columns, `source` names the file and `policy_label` is the policy with its options ("every-k:k=2";
-    flattening would otherwise scatter the options over NaN-padded `policy_options.*` columns)."""
+    flattening would otherwise scatter the options over NaN-padded `policy_options.*` columns); a fit's trials
+    also get `fit_policy` (results.schema.fit_policy), a plan's records `plan_mix_text` ("full 4 · none 28")."""
     rows = []
     for path in result_files(paths or ("results",)):
         for i, record in enumerate(read_records(path), 1):
             if (problem := record_problem(record)) is not None:
                 raise GcbenchError(f"{path}: record {i} is not a gcbench record: {problem}")
-            rows.append({**record, "policy_label": policy_label(record), "source": str(path)})
+            extra = {"fit_policy": fit_policy(record)} if record.get("fit_id") else {}
+            if record.get("plan_mix"):
+                extra["plan_mix_text"] = mix_text(record["plan_mix"])
+            rows.append({**record, "policy_label": policy_label(record), **extra, "source": str(path)})
     return pd.json_normalize(rows, max_level=1) if rows else pd.DataFrame()
 
 
@@ -170,3 +177,68 @@ def results_frame(df: pd.DataFrame) -> pd.DataFrame:
     frame = frame.reset_index(drop=True)
     frame.attrs["superseded"] = int(superseded.sum())
     return frame
+
+
+def without_fit_trials(frame: pd.DataFrame) -> pd.DataFrame:
+    """The records of runs and sweeps: a fit's trials are one size each around a maximum, not a grid, and are read
+    through fit_summary instead."""
+    return frame[frame["fit_id"].isna()] if "fit_id" in frame else frame
+
+
+SIZE_WORDS = {"batch_size": "batch", "seq_len": "seq"}  # a fit's varied size (fit_vary) in a word
+FIT_KEYS = ["device_label", "fit_setup", "vary", "fixed", "budget_bytes", "policy"]  # one search's place
+
+
+def fit_summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """`gcbench fit`'s searches in a `results_frame`: a row per search (a fit and a policy), the latest search kept
+    per FIT_KEYS. Columns: FIT_KEYS, where fit_setup is the setup without the trials' memory cap (the budget is
+    its own column), vary the size searched (batch_size | seq_len) and fixed the other one ("seq 64"); then
+    policy_label, maximum (None: nothing fit), tokens_per_s, paired_tokens_per_s, peak_bytes, trials, next_value
+    and next_status (the size above the maximum and what it did; None at the range's top), plan_mix (its text),
+    fit_id, and rate (the tokens/s ranked by, results.schema.fastest), rate_paired and best (the fastest at its
+    budget)."""
+    columns = [*FIT_KEYS, "policy_label", "maximum", "tokens_per_s", "paired_tokens_per_s", "peak_bytes", "trials",
+               "next_value", "next_status", "plan_mix", "fit_id", "rate", "rate_paired", "best"]
+    fits = frame[frame["fit_id"].notna()] if "fit_id" in frame else frame.iloc[:0]
+    rows = []
+    for (fit_id, policy), g in fits.groupby(["fit_id", "fit_policy"], sort=False):
+        first = g.iloc[0]
+        vary = first["fit_vary"]
+        other = "seq_len" if vary == "batch_size" else "batch_size"
+        ok = g[g["status"] == "ok"]
+        best = ok.loc[ok[vary].idxmax()] if len(ok) else None
+        above = g[(g["status"] != "ok") & ((g[vary] > best[vary]) if best is not None else True)]
+        nxt = above.loc[above[vary].idxmin()] if len(above) else None
+        rows.append({
+            "device_label": first["device_label"],
+            "fit_setup": setup_label({**first.to_dict(), "memory_cap_bytes": None}),
+            "vary": vary, "fixed": f"{SIZE_WORDS[other]} {as_int(first[other])}",
+            "budget_bytes": int(first["fit_budget_bytes"]), "policy": policy,
+            "policy_label": (best if best is not None else first)["policy_label"],
+            "maximum": as_int(best[vary]) if best is not None else None,
+            "tokens_per_s": best["tokens_per_s"] if best is not None else None,
+            "paired_tokens_per_s": best["paired_tokens_per_s"] if best is not None and given(
+                best["paired_tokens_per_s"]) else None,
+            "peak_bytes": best["peak_bytes"] if best is not None else None,
+            "trials": len(g),
+            "next_value": as_int(nxt[vary]) if nxt is not None else None,
+            "next_status": nxt["status"] if nxt is not None else None,
+            "plan_mix": best["plan_mix_text"] if best is not None and given(best["plan_mix_text"]) else None,
+            "fit_id": fit_id})
+    summary = pd.DataFrame(rows, columns=columns[:-3])
+    summary = summary.sort_values("fit_id", kind="stable").drop_duplicates(FIT_KEYS, keep="last")
+    summary[["rate", "rate_paired", "best"]] = None
+    for _, g in summary.groupby(FIT_KEYS[:-1]):  # the fastest at each budget, whichever search found it
+        winners = [{"tokens_per_s": r["tokens_per_s"], "_index": i,  # NaN is no paired timing, not a truthy one
+                    "paired_tokens_per_s": r["paired_tokens_per_s"] if given(r["paired_tokens_per_s"]) else None}
+                   for i, r in g[g["maximum"].notna()].iterrows()]
+        if (top := fastest(winners)) is not None:
+            paired = top[2]
+            for r in winners:
+                summary.loc[r["_index"], "rate"] = r["paired_tokens_per_s" if paired else "tokens_per_s"]
+                summary.loc[r["_index"], "rate_paired"] = paired
+            summary.loc[top[0]["_index"], "best"] = True
+    summary["best"] = summary["best"].fillna(False).astype(bool)
+    summary = summary.assign(_rank=summary["policy"].map(policy_rank))
+    return summary.sort_values(["device_label", "fit_setup", "vary", "fixed", "budget_bytes", "_rank"]) \
+        .drop(columns="_rank").reset_index(drop=True)

@@ -9,7 +9,7 @@ every consumer keys a configuration with `config_key`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 SCHEMA_VERSION = 2  # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks)
@@ -160,6 +160,26 @@ def mix_text(counts: Mapping[str, int]) -> str:
     """A plan's chosen mix (a record's plan_mix) in a few words, the most saving kinds first: "full 4 · sac 8 ·
     none 20"."""
     return " · ".join(f"{kind} {counts[kind]}" for kind in reversed(PLAN_KINDS) if counts.get(kind))
+
+
+def fastest(best: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], float, bool] | None:
+    """The fastest of several policies' largest configs (a fit's winners): (record, tokens/s, paired). Ranked by
+    paired tokens/s when every one was timed paired (drift-free), else by each run's own tokens/s."""
+    if not best:
+        return None
+    paired = all(r.get("paired_tokens_per_s") for r in best)
+    key = "paired_tokens_per_s" if paired else "tokens_per_s"
+    top = max(best, key=lambda r: r[key])
+    return top, top[key], paired
+
+
+def fit_policy(record: Mapping[str, Any]) -> str:
+    """A record's policy as one line of a fit across budgets: its label, but a plan's memory (which follows the
+    budget) left out: "plan", "plan:allow_offload=true", "every-k:k=2"."""
+    if record["policy"] != "plan":
+        return policy_label(record)
+    offload = (record.get("policy_options") or {}).get("allow_offload") in (True, "true")
+    return "plan:allow_offload=true" if offload else "plan"
 
 
 # The fields that make two records the same configuration (memory_cap_kind is derived from device).

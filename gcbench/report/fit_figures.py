@@ -1,0 +1,69 @@
+"""The figure of `gcbench fit`'s answers: throughput at each policy's largest fitting size against the memory
+budget, one line per policy (the frontier a user picks a card and a policy from)."""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.axes import Axes
+
+from gcbench.report.figure_layout import (OOM_MARK, Drawn, figure_legend, largest_panels, oom_handle,
+                                          panel_figure)
+from gcbench.results.frame import SIZE_WORDS, as_int, fit_summary, policy_rank
+from gcbench.units import byte_unit
+
+
+def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
+    summary = fit_summary(dev)
+    if summary.empty:
+        return None  # no `gcbench fit` records: the figure does not apply
+    groups = list(summary.groupby(["fit_setup", "vary", "fixed"], sort=False))
+    groups, note = largest_panels(groups)
+    scale, unit = byte_unit(summary["budget_bytes"].max())
+    fig, axes = panel_figure(len(groups), "Throughput at the largest size that fits, vs memory budget",
+                             dev["device_label"].iloc[0])
+    none_fit = paired_any = False
+    for ax, ((setup, vary, fixed), g) in zip(axes, groups):
+        word = SIZE_WORDS[vary]
+        labels: list[tuple[float, float, str, str]] = []
+        for policy, p in sorted(g.groupby("policy"), key=lambda kv: policy_rank(kv[0])):
+            fits = p[p["maximum"].notna()]
+            ax.plot(fits["budget_bytes"] / scale, fits["rate"].astype(float), marker="o", ms=5,
+                    color=colors[policy], label=policy)
+            labels += [(r["budget_bytes"] / scale, float(r["rate"]), f"{as_int(r['maximum'])}", colors[policy])
+                       for _, r in fits.iterrows()]
+            best = fits[fits["best"]]
+            ax.scatter(best["budget_bytes"] / scale, best["rate"].astype(float), s=130, facecolors="none",
+                       edgecolors="black", linewidths=1.2, zorder=5, label="fastest at its budget")
+            nothing = p[p["maximum"].isna()]
+            if len(nothing):
+                none_fit = True
+                ax.scatter(nothing["budget_bytes"] / scale, [0] * len(nothing), color=colors[policy], clip_on=False,
+                           **OOM_MARK)
+        paired_any |= bool(g["rate_paired"].fillna(False).any())
+        budgets = sorted(set(g["budget_bytes"] / scale))
+        ax.set_xticks(budgets, [f"{b:,.4g}" for b in budgets])
+        ax.set_xlim(budgets[0] - 0.15 * (budgets[-1] - budgets[0] or budgets[0]),
+                    budgets[-1] + 0.25 * (budgets[-1] - budgets[0] or budgets[0]))
+        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9) * 1.08)
+        _stacked_labels(ax, labels)
+        ax.set_title(f"{setup}\nlargest {word} (the numbers) at {fixed}")
+        ax.set_xlabel(f"memory budget ({unit})")
+        ax.set_ylabel("throughput (tokens/s)")
+    extra = [(oom_handle(), "nothing fit (drawn at 0)")] if none_fit else []
+    figure_legend(fig, axes, extra, colors)
+    how = ("paired tokens/s where the fit timed its winners interleaved in one process, else each run's own"
+           if paired_any else "each run's own tokens/s")
+    return fig, (f"One point per policy and budget, at the largest size that ran (the number beside it; the next "
+                 f"size ran out of memory); y = {how}; ringed = the fastest at its budget, the fit's "
+                 f"recommendation. Higher is better." + note)
+
+
+def _stacked_labels(ax: Axes, labels: list[tuple[float, float, str, str]]) -> None:
+    """Text labels (x, y, text, colour) right of their points, moved up where two at one x would overlap."""
+    x0, x1 = ax.get_xlim()
+    gap = 0.06 * ax.get_ylim()[1]
+    for x in sorted({x for x, *_ in labels}):
+        placed = None
+        for _, y, text, color in sorted((lab for lab in labels if lab[0] == x), key=lambda lab: lab[1]):
+            placed = y if placed is None else max(y, placed + gap)
+            ax.text(x + 0.02 * (x1 - x0), placed, text, fontsize=7, color=color, va="center")
