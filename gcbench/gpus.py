@@ -39,8 +39,11 @@ class Gpu:
         return None if self.memory_mib is None else self.memory_bytes - CUDA_CONTEXT_BYTES
 
 
-# Order matters for matching a device name: the more specific names first ("H100 PCIe" before "H100").
+# Order matters for matching a device name: the more specific names first ("H100 PCIe" before "H100", "GH200"
+# before "H200").
 GPUS: list[Gpu] = [
+    Gpu("gh200", "NVIDIA GH200", "GH200", None, 989e12,
+        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/"),
     Gpu("h200-141gb", "NVIDIA H200", "H200", 143_771, 989e12,
         "https://www.nvidia.com/en-us/data-center/h200/"),
     Gpu("h100-pcie-80gb", "NVIDIA H100 PCIe", "H100 PCIe", 81_559, 756e12,
@@ -49,8 +52,6 @@ GPUS: list[Gpu] = [
         "https://www.nvidia.com/en-us/data-center/h100/"),
     Gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", "H100", 81_559, 989e12,
         "https://www.nvidia.com/en-us/data-center/h100/"),
-    Gpu("gh200", "NVIDIA GH200", "GH200", None, 989e12,
-        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/"),
     Gpu("b200", "NVIDIA B200", "B200", None, 2250e12, "https://www.nvidia.com/en-us/data-center/dgx-b200/"),
     Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB", 81_920, 312e12,
         "https://www.nvidia.com/en-us/data-center/a100/"),
@@ -77,6 +78,14 @@ def gpu(name: str) -> Gpu:
 def matching(device_name: str) -> Gpu | None:
     """The table's entry of the card torch.cuda.get_device_name() names (it may have no memory size), or None."""
     return next((g for g in GPUS if g.match in device_name), None)
+
+
+def for_device(device_name: str, total_bytes: int) -> Gpu | None:
+    """The table's entry for a device at hand: its name matches and its memory is the device's total (within 1%),
+    so that `estimate --fit --gpu` predicts for the same memory; None otherwise (an 80 GB PCIe A100 is not the
+    40 GB entry "A100" matches)."""
+    g = matching(device_name)
+    return g if g and g.memory_bytes and abs(g.memory_bytes - total_bytes) <= 0.01 * total_bytes else None
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -328,9 +328,17 @@ def test_gpu_validation_plan_prints_without_a_gpu():
     assert result.returncode == 0, result.stderr
     for step in ("GPU tests", "llama-7b-canonical: 5 configs", "llama-7b-8layers: 32 configs", "gpt2: 5 configs",
                  "llama-7b-oom-line: 32 configs", "harness overhead", "CUDA context", "fit llama-7b-8layers-seq2048",
-                 "fit llama-7b-8layers-seq8192", "estimate --fit llama-7b-seq2048", "report",
+                 "fit llama-7b-8layers-seq4096", "estimate --fit llama-7b-seq2048", "report",
                  "dry run: nothing was run"):
         assert step in result.stdout
+    # Each fit's model, layers and seq make a config gcbench accepts (a seq past the model's positions would not)
+    fits = [line.split("gcbench fit ")[1].split(" --warmup")[0].split() for line in result.stdout.splitlines()
+            if line.startswith("== fit ")]
+    assert len(fits) == 3
+    for words in fits:
+        given = dict(zip(words[::2], words[1::2]))
+        RunSpec(model=given["--model"], seq_len=int(given["--seq"]), batch_size=1, device="cpu",
+                layers=int(given["--layers"]) if "--layers" in given else None).model_config()
     refused = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh")], capture_output=True, text=True,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)  # on a GPU machine too
     assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr

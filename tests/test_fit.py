@@ -19,8 +19,10 @@ from gcbench.estimators import estimate
 from gcbench.estimators.plan import KindCost, choose, solve
 from gcbench.fits.fit import Fit, FitSpec, recommend
 from gcbench.fits.search import Search, Trial, extrapolate
+from gcbench.gpus import for_device, peak_flops
 from gcbench.policies import parse_policy
 from gcbench.results.frame import fit_summary, load, results_frame
+from gcbench.results.schema import fit_policy
 from gcbench.results.store import append_record, read_records
 from gcbench.runner import run
 from tests.helpers import assert_gradients_equal_none, tiny_spec
@@ -236,8 +238,9 @@ def test_estimate_fit_predicts_per_policy_for_a_named_gpu():
 @pytest.fixture(scope="module")
 def fit_records():
     """Records as `gcbench fit` writes them, made from one real run: two budgets, three policies (plan's memory
-    follows the budget), a policy where nothing fit, and an older search of the same budget that a newer one
-    replaces."""
+    follows the budget), a policy where nothing fit, a search stopped by an error, a search whose maximum is the
+    range's top, two searches of one budget, an older search that a newer one replaces, and a sweep's record of
+    the same config as a trial."""
     base = run(tiny_spec(policy="none", seq_len=32, batch_size=1, **FAST))
     assert base["status"] == "ok"
 
@@ -252,6 +255,8 @@ def fit_records():
         return r if status == "ok" else {k: v for k, v in r.items() if not k.startswith(("peak_", "tokens_"))}
 
     mib = 2**20
+    plan16 = {"memory": "16MiB", "allow_offload": "false"}
+    sweep_twin = {k: v for k, v in trial("x", 8 * mib, "none", 2, "ok", 999.0).items() if not k.startswith("fit_")}
     return [
         trial("20260101-000000-aaaa", 8 * mib, "none", 9, "ok", 500.0, 500.0),  # replaced by the newer search
         trial("20260102-000000-bbbb", 8 * mib, "none", 2, "ok", 300.0, 290.0),
@@ -259,12 +264,17 @@ def fit_records():
         trial("20260102-000000-bbbb", 8 * mib, "full", 6, "oom"),
         trial("20260102-000000-bbbb", 8 * mib, "full", 5, "ok", 280.0, 310.0),  # faster paired: the best
         trial("20260102-000000-bbbb", 8 * mib, "sqrtn", 1, "oom"),  # nothing fit
-        trial("20260103-000000-cccc", 16 * mib, "none", 4, "ok", 400.0, None),  # not paired: own timing ranks
+        sweep_twin,  # a sweep's record of bbbb's none at batch 2: neither replaces the other
+        trial("20260103-000000-cccc", 16 * mib, "none", 4, "ok", 400.0, None),
         trial("20260103-000000-cccc", 16 * mib, "none", 5, "oom"),
-        trial("20260103-000000-cccc", 16 * mib, "plan", 12, "ok", 350.0, None, memory="16MiB", allow_offload="false"),
-        trial("20260103-000000-cccc", 16 * mib, "plan", 14, "oom", memory="16MiB", allow_offload="false"),
-        trial("20260103-000000-cccc", 16 * mib, "plan", 13, "oom", memory="16MiB", allow_offload="false"),
-        trial("20260104-000000-dddd", 8 * mib, "plan", 4, "ok", 200.0, 150.0, memory="8MiB", allow_offload="false"),
+        trial("20260103-000000-cccc", 16 * mib, "plan", 12, "ok", 350.0, None, **plan16),
+        trial("20260103-000000-cccc", 16 * mib, "plan", 14, "oom", **plan16),
+        trial("20260103-000000-cccc", 16 * mib, "plan", 13, "oom", **plan16),
+        trial("20260103-000000-cccc", 16 * mib, "sqrtn", 3, "ok", 900.0, None),
+        trial("20260103-000000-cccc", 16 * mib, "sqrtn", 6, "error"),  # stopped: no answer, never the best
+        trial("20260105-000000-eeee", 16 * mib, "full", 7, "ok", 100.0, 999.0),  # another search, range top
+        trial("20260104-000000-dddd", 32 * mib, "plan", 4, "ok", 200.0, 150.0, memory="32MiB",
+              allow_offload="false"),
     ]
 
 
@@ -277,18 +287,33 @@ def fit_file(tmp_path, fit_records):
 
 
 def test_the_fit_summary_keeps_each_search_latest_max_next_and_best(fit_file):
-    summary = fit_summary(results_frame(load(fit_file)))
+    frame = results_frame(load(fit_file))
+    assert len(frame[(frame["batch_size"] == 2) & (frame["policy"] == "none")]) == 2  # the trial and the sweep's
+    summary = fit_summary(frame)
     rows = {(r["budget_bytes"] // 2**20, r["policy"]): r for r in summary.to_dict("records")}
-    assert set(rows) == {(8, "none"), (8, "full"), (8, "sqrtn"), (8, "plan"), (16, "none"), (16, "plan")}
+    assert set(rows) == {(8, "none"), (8, "full"), (8, "sqrtn"), (16, "none"), (16, "plan"), (16, "sqrtn"),
+                         (16, "full"), (32, "plan")}
     assert rows[8, "none"]["maximum"] == 2 and rows[8, "none"]["fit_id"].endswith("bbbb")  # the newer search
     assert (rows[8, "none"]["next_value"], rows[8, "none"]["next_status"]) == (3, "oom")
     assert rows[8, "full"]["maximum"] == 5 and rows[8, "full"]["best"] and not rows[8, "none"]["best"]
-    assert rows[8, "full"]["rate"] == 310.0 and rows[8, "full"]["rate_paired"]  # all paired: full beats none
+    assert rows[8, "full"]["rate"] == 310.0 and rows[8, "full"]["rate_paired"]  # one search, paired: full wins
     assert math.isnan(rows[8, "sqrtn"]["maximum"]) and rows[8, "sqrtn"]["next_value"] == 1  # nothing fit
     assert rows[16, "plan"]["maximum"] == 12 and rows[16, "plan"]["next_value"] == 13  # the size above the max
     assert rows[16, "plan"]["plan_mix"] == "full 1 · none 1"
-    assert rows[16, "none"]["best"] and rows[16, "none"]["rate"] == 400.0 and not rows[16, "none"]["rate_paired"]
-    assert rows[8, "plan"]["maximum"] == 4 and not rows[8, "plan"]["best"]  # a search of its own, ranked too
+    stopped = rows[16, "sqrtn"]
+    assert stopped["stopped"] and math.isnan(stopped["maximum"]) and not stopped["best"]
+    assert (stopped["next_value"], stopped["next_status"]) == (6, "error")
+    assert rows[16, "full"]["maximum"] == 7 and math.isnan(rows[16, "full"]["next_value"])  # the range's top
+    # two searches at 16 MiB: their paired timings are not one ranking, so each run's own tokens/s decides
+    assert rows[16, "none"]["best"] and not rows[16, "full"]["rate_paired"] and rows[16, "full"]["rate"] == 100.0
+    assert rows[32, "plan"]["maximum"] == 4 and rows[32, "plan"]["best"]  # alone at its budget
+
+
+def test_fit_policy_keeps_a_plan_memory_given_apart_from_the_budget():
+    record = {"policy": "plan", "fit_budget_bytes": 16 * 2**20}
+    assert fit_policy({**record, "policy_options": {"memory": "16MiB", "allow_offload": "false"}}) == "plan"
+    assert fit_policy({**record, "policy_options": {"memory": "8GiB", "allow_offload": "true"}}) == \
+        "plan:memory=8GiB,allow_offload=true"
 
 
 def test_the_report_shows_the_fit_table_and_the_frontier_figure(tmp_path, fit_file):
@@ -296,15 +321,16 @@ def test_the_report_shows_the_fit_table_and_the_frontier_figure(tmp_path, fit_fi
     result = runner.invoke(app, ["report", str(fit_file), "--out", str(out)])
     assert result.exit_code == 0, result.output
     md = (out / "report.md").read_text()
-    assert "largest batch that fits · tiny-llama" in md and "| full (best) | 5 |" in md and md.count("(best) |") == 2
-    assert "none fit" in md and "3: OOM" in md and "full 1 · none 1" in md
+    assert "largest batch that fits · tiny-llama" in md and "| full (best) | 5 |" in md and md.count("(best) |") == 3
+    assert "none fit" in md and "3: OOM" in md and "full 1 · none 1" in md and "6: error" in md
+    assert "| sqrtn | stopped |" in md and "range top" in md
     with Image.open(out / "figures" / "7-fit-frontier.png") as im:
         im.verify()
         assert im.size[0] > 400
     assert "Throughput at the largest fit vs memory budget" in md
     # a fit's trials are not a grid: the grid figures leave them out (here: nothing else, so not drawn)
-    assert "only `gcbench fit` trials here" in md and not (out / "figures" / "1-peak-vs-seq.png").exists()
-    assert "Largest config that fit" not in md and "1 fit(s)" not in md and "4 fit(s) of 12 trials" in md
+    assert "Largest config that fit" in md  # the sweep's record; the fit trials are not in that table
+    assert "5 fit(s) of 15 trials" in md
     narrow = subprocess.run([sys.executable, "-m", "gcbench", "report", str(fit_file)], capture_output=True,
                             text=True, env={**os.environ, "COLUMNS": "80"})
     assert narrow.returncode == 0, narrow.stderr
@@ -319,3 +345,11 @@ def test_a_report_without_fits_has_no_fit_table_or_figure(tmp_path):
     assert result.exit_code == 0, result.output
     assert "gcbench fit" not in (tmp_path / "rep" / "report.md").read_text()
     assert not (tmp_path / "rep" / "figures" / "7-fit-frontier.png").exists()
+
+
+def test_the_gpu_table_names_a_device_only_when_its_memory_is_that_entrys():
+    h100 = for_device("NVIDIA H100 80GB HBM3", 81_559 * 2**20)
+    assert h100 is not None and h100.name == "h100-80gb"
+    assert for_device("NVIDIA A100 80GB PCIe", 81_920 * 2**20) is None  # "A100" alone is the 40 GB entry
+    assert for_device("NVIDIA GH200 480GB", 97_871 * 2**20) is None  # not the H200 entry, whose name it contains
+    assert peak_flops("NVIDIA GH200 480GB") == 989e12

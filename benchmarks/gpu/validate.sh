@@ -48,7 +48,7 @@ if [ "$smoke" = 0 ]; then
   large=llama-7b small=gpt2 layers=8 seq=512 long_seqs=2048,4096 long_batches=1,4 small_seq=1024 small_batch=8
   line_seqs=512,1024,2048,4096 line_batches=1,2,4,8 line_cap=() rounds=30 lever_seq=2048 lever_batch=4
   lever_policies=none,full,sqrtn lever_optimizers=adamw,adamw-loop,adamw-fused,adafactor
-  fit_seqs=(2048 8192) fit_full_seq=2048 fit_budget=() fit_policies=()
+  fit_seqs=(2048 4096) fit_full_seq=2048 fit_budget=() fit_policies=()  # 4096: llama-7b's positions
 else  # the same plan on tiny models; a memory cap puts the OOM line within reach
   dir="results/gpu-smoke/$slug" report="results/gpu-smoke/$slug/report"
   large=tiny-llama small=tiny-gpt2 layers=4 seq=64 long_seqs=64 long_batches=1,2 small_seq=64 small_batch=2
@@ -154,16 +154,17 @@ once "CUDA context" "$dir/cuda-context.txt" "$python" benchmarks/gpu/cuda_contex
 # gcbench fit (docs/fit.md): per policy the largest batch that runs on this GPU (its free memory; the smoke run
 # caps it), then the fastest by paired timing. Beside each, what `estimate --fit` predicts for the same card from
 # the GPU table (gcbench/gpus.py) without running anything: the two tables the README quotes side by side.
-card=$("$python" -c 'import sys; from gcbench.gpus import matching; g = matching(sys.argv[1])
-print(g.name if g and g.memory_mib else "")' "$gpu" 2>/dev/null || true)
+# The card's entry in gcbench/gpus.py when its name and total memory match; else its total less the context the
+# table assumes, so that both tables are for the same memory.
+card=$("$python" -c 'import sys, torch; from gcbench.gpus import CUDA_CONTEXT_BYTES, for_device
+total = torch.cuda.get_device_properties(0).total_memory; g = for_device(sys.argv[1], total)
+print(f"--gpu {g.name}" if g else f"--gpu-memory {total - CUDA_CONTEXT_BYTES}B")' "$gpu" 2>/dev/null || true)
 if [ "$smoke" = 1 ]; then
   card_args=(--gpu-memory 16MiB)
-elif [ -n "$card" ]; then
-  card_args=(--gpu "$card")
-elif [ "$dry_run" = 1 ]; then
+elif [ "$dry_run" = 1 ] || [ -z "$card" ]; then
   card_args=(--gpu "<this GPU's name in gcbench/gpus.py>")
-else  # a card the table does not know: its total memory
-  card_args=(--gpu-memory "$("$python" -c 'import torch; print(torch.cuda.mem_get_info()[1])' 2>/dev/null || echo 0)B")
+else
+  read -r -a card_args <<<"$card"
 fi
 # fit_pair <name> <model options>...: the measured fit and the predicted one
 fit_pair() {
@@ -182,7 +183,8 @@ fit_pair "$large-seq$fit_full_seq" --model "$large" --seq "$fit_full_seq"
 # A resumed sweep does not run its `error` configs again: count them in every call, not only the first.
 if [ "$dry_run" = 0 ]; then
   for f in "$dir"/*.jsonl; do
-    [ -f "$f" ] || continue
+    # fit.jsonl: a search that errored fails its own step, which runs again next time (its error stays a record)
+    [ -f "$f" ] && [ "$(basename "$f")" != fit.jsonl ] || continue
     n=$(grep -c '"status": "error"' "$f" || true)
     [ "$n" = 0 ] || failed+=("$f: $n config(s) with status error (see their \"error\" field)")
   done

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.axes import Axes
 
-from gcbench.report.figure_layout import (OOM_MARK, Drawn, figure_legend, largest_panels, oom_handle,
-                                          panel_figure)
+from gcbench.report.figure_layout import MAX_PANELS, OOM_MARK, Drawn, figure_legend, oom_handle, panel_figure
 from gcbench.results.frame import SIZE_WORDS, as_int, fit_summary, policy_rank
 from gcbench.units import byte_unit
 
@@ -17,7 +16,8 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     if summary.empty:
         return None  # no `gcbench fit` records: the figure does not apply
     groups = list(summary.groupby(["fit_setup", "vary", "fixed"], sort=False))
-    groups, note = largest_panels(groups)
+    note = f" Showing {MAX_PANELS} of {len(groups)} setups." if len(groups) > MAX_PANELS else ""
+    groups = groups[:MAX_PANELS]
     scale, unit = byte_unit(summary["budget_bytes"].max())
     fig, axes = panel_figure(len(groups), "Throughput at the largest size that fits, vs memory budget",
                              dev["device_label"].iloc[0])
@@ -34,12 +34,12 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
             best = fits[fits["best"]]
             ax.scatter(best["budget_bytes"] / scale, best["rate"].astype(float), s=130, facecolors="none",
                        edgecolors="black", linewidths=1.2, zorder=5, label="fastest at its budget")
-            nothing = p[p["maximum"].isna()]
+            nothing = p[p["maximum"].isna() & ~p["stopped"]]  # a stopped search has no answer to draw
             if len(nothing):
                 none_fit = True
                 ax.scatter(nothing["budget_bytes"] / scale, [0] * len(nothing), color=colors[policy], clip_on=False,
                            **OOM_MARK)
-        paired_any |= bool(g["rate_paired"].fillna(False).any())
+        paired_any |= bool(g["rate_paired"].any())
         budgets = sorted(set(g["budget_bytes"] / scale))
         ax.set_xticks(budgets, [f"{b:,.4g}" for b in budgets])
         ax.set_xlim(budgets[0] - 0.15 * (budgets[-1] - budgets[0] or budgets[0]),
@@ -51,11 +51,11 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_ylabel("throughput (tokens/s)")
     extra = [(oom_handle(), "nothing fit (drawn at 0)")] if none_fit else []
     figure_legend(fig, axes, extra, colors)
-    how = ("paired tokens/s where the fit timed its winners interleaved in one process, else each run's own"
+    how = ("paired tokens/s where one search timed all of a budget's winners interleaved, else each run's own"
            if paired_any else "each run's own tokens/s")
-    return fig, (f"One point per policy and budget, at the largest size that ran (the number beside it; the next "
-                 f"size ran out of memory); y = {how}; ringed = the fastest at its budget, the fit's "
-                 f"recommendation. Higher is better." + note)
+    return fig, (f"One point per policy and budget, at the largest size that ran (the number beside it; the "
+                 f"fit table gives the size above it and what it did); y = {how}; ringed = the fastest at its "
+                 f"budget. Higher is better." + note)
 
 
 def _stacked_labels(ax: Axes, labels: list[tuple[float, float, str, str]]) -> None:

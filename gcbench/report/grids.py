@@ -190,21 +190,22 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
         word = SIZE_WORDS[vary]
         scale, unit = byte_unit(g["peak_bytes"].max())
         paired = g["paired_tokens_per_s"].notna().any()
+        ranked = g.loc[g["maximum"].notna(), "rate_paired"]
         rows, ends = [], set()
         records = g.to_dict("records")
         for i, r in enumerate(records):
             fits = given(r["maximum"])
             nxt = f"{as_int(r['next_value'])}: {FAILED.get(r['next_status'], r['next_status'])}" \
                 if given(r["next_value"]) else "range top"
-            first = i == 0 or records[i - 1]["budget_bytes"] != r["budget_bytes"]  # each budget named once
+            first = i == 0 or records[i - 1]["budget_key"] != r["budget_key"]  # each budget named once
             rows.append([fmt_bytes(r["budget_bytes"]) if first else "", r["policy"] + (" (best)" if r["best"] else ""),
-                         str(as_int(r["maximum"])) if fits else "none fit",
+                         str(as_int(r["maximum"])) if fits else "stopped" if r["stopped"] else "none fit",
                          f"{r['tokens_per_s']:,.0f}" if fits else "-",
                          *([f"{r['paired_tokens_per_s']:,.0f}" if given(r["paired_tokens_per_s"]) else "-"]
                            if paired else []),
                          f"{r['peak_bytes'] / scale:,.2f}" if fits and given(r["peak_bytes"]) else "-",
                          str(r["trials"]), nxt, r["plan_mix"] if given(r["plan_mix"]) else ""])
-            if i + 1 == len(records) or records[i + 1]["budget_bytes"] != r["budget_bytes"]:
+            if i + 1 == len(records) or records[i + 1]["budget_key"] != r["budget_key"]:
                 ends.add(i)
         headers = ["budget", "policy", f"max {word}", "tokens/s", *(["paired tokens/s"] if paired else []),
                    f"peak {unit}", "trials", f"next {word}", "plan mix"]
@@ -214,9 +215,12 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
         caption = (f"gcbench fit: per budget and policy the largest {word} that ran (max) and the {word} above it, "
                    f"which did not (next; both are records in the results file); budget = the trials' memory "
                    f"budget after headroom; trials = runs the search took. (best) = the fastest at its budget, by "
-                   + ("paired tokens/s (the winners timed interleaved in one process)" if g["rate_paired"].all()
-                      else "paired tokens/s where every policy of the budget has one, else each run's own tokens/s"
-                      if paired else "each run's own tokens/s") + ".")
+                   + ("paired tokens/s (the winners timed interleaved in one process)" if ranked.all()
+                      else "paired tokens/s where one search timed all of a budget's winners together, else each "
+                      "run's own tokens/s" if ranked.any() else "each run's own tokens/s") + ".")
+        if g["stopped"].any():
+            caption += (" stopped = the search ended on a trial that neither ran nor ran out of memory (next says "
+                        "which; the record's error says why): it has no answer.")
         if "plan mix" in headers:
             caption += " plan = plan:memory=<the budget>; plan mix = blocks of each kind it chose."
         numeric = {headers.index(h) for h in headers if h not in ("budget", "policy", f"next {word}", "plan mix")}

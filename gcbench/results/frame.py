@@ -127,8 +127,8 @@ def _time_ratios(frame: pd.DataFrame) -> pd.DataFrame:
                                                                                         False: None}))
     frame["time_x_paired"] = paired
     frame["timing_trusted"] = frame["timing_stable"].map(lambda v: not (given(v) and not v)).astype(bool)
-    trusted_none = frame.set_index(GROUP_KEYS).loc[lambda f: (f["policy"] == "none") & (f["status"] == "ok"),
-                                                   "timing_trusted"]
+    trusted_none = latest_per_group(frame[(frame["policy"] == "none") & (frame["status"] == "ok")]) \
+        .set_index(GROUP_KEYS)["timing_trusted"]
     none_ok = frame.join(trusted_none.rename("_none_trusted"), on=GROUP_KEYS)["_none_trusted"]
     frame["ratio_trusted"] = [
         paired_ratio_trusted(ratio, ci) if is_paired else (bool(own) and none_ok_ == True)  # noqa: E712
@@ -143,10 +143,16 @@ def paired_ratio_trusted(ratio: float, interval: Any) -> bool:
     return half is not None and half <= RATIO_HALF_WIDTH_LIMIT
 
 
+def latest_per_group(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per GROUP_KEYS, the last (a fit's trial and a sweep's record of one config are both kept)."""
+    return rows.drop_duplicates(GROUP_KEYS, keep="last")
+
+
 def results_frame(df: pd.DataFrame) -> pd.DataFrame:
     """`load()`'s DataFrame made ready to report: device and setup labels, the peak this device can measure
     (`peak_bytes`), model state, and `x none` ratios. A config recorded twice keeps its latest record — results
-    are never averaged; `attrs["superseded"]` counts the records that were replaced."""
+    are never averaged; `attrs["superseded"]` counts the records that were replaced. A fit's trials are kept with
+    their search (fit_summary reads them), beside any other record of the same config."""
     if df.empty:
         raise GcbenchError("no records to report")
     frame = df.reindex(columns=list(dict.fromkeys([*df.columns, *EXPECTED]))).reset_index(drop=True)
@@ -160,10 +166,15 @@ def results_frame(df: pd.DataFrame) -> pd.DataFrame:
     frame["state_bytes"] = frame["param_bytes"] + frame["grad_bytes"] + frame["optimizer_bytes"]
     frame["tokens"] = frame["seq_len"] * frame["batch_size"]
     frame["device_memory_bytes"] = frame["env.gpu_memory_bytes"].where(cuda).astype(float)
-    superseded = frame.duplicated([*GROUP_KEYS, "policy_label", "schema_version"], keep="last")
+    # A fit's trials belong to their search: they neither replace nor are replaced by another record of the config.
+    search = frame["fit_id"].astype(object).fillna("")
+    superseded = frame.assign(_search=search).duplicated([*GROUP_KEYS, "policy_label", "schema_version", "_search"],
+                                                         keep="last")
     frame = frame[~superseded]
+    # A fit's winners are timed paired at different sizes: their time ratios are not `x none` ratios.
+    frame.loc[frame["fit_id"].notna(), ["time_ratio", "time_ratio_ci", "time_ratio_vs"]] = None
 
-    ok_none = frame[(frame["policy"] == "none") & (frame["status"] == "ok")]
+    ok_none = latest_per_group(frame[(frame["policy"] == "none") & (frame["status"] == "ok")])
     baseline = ok_none.set_index(GROUP_KEYS)[["peak_bytes", "step_ms_median"]].add_suffix("_none")
     frame = frame.join(baseline, on=GROUP_KEYS)
     frame["has_baseline"] = frame["peak_bytes_none"].notna()
@@ -186,51 +197,57 @@ def without_fit_trials(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 SIZE_WORDS = {"batch_size": "batch", "seq_len": "seq"}  # a fit's varied size (fit_vary) in a word
-FIT_KEYS = ["device_label", "fit_setup", "vary", "fixed", "budget_bytes", "policy"]  # one search's place
+# One search's place. budget_key: the budget to 3 significant figures, so that a GPU's free memory, read anew by
+# each fit, names the same budget again.
+FIT_KEYS = ["device_label", "fit_setup", "vary", "fixed", "budget_key", "policy"]
+SEARCH_ENDS = ("ok", "oom")  # trial statuses a search goes on from; any other stopped it (fits/fit.py)
 
 
 def fit_summary(frame: pd.DataFrame) -> pd.DataFrame:
     """`gcbench fit`'s searches in a `results_frame`: a row per search (a fit and a policy), the latest search kept
     per FIT_KEYS. Columns: FIT_KEYS, where fit_setup is the setup without the trials' memory cap (the budget is
-    its own column), vary the size searched (batch_size | seq_len) and fixed the other one ("seq 64"); then
-    policy_label, maximum (None: nothing fit), tokens_per_s, paired_tokens_per_s, peak_bytes, trials, next_value
-    and next_status (the size above the maximum and what it did; None at the range's top), plan_mix (its text),
-    fit_id, and rate (the tokens/s ranked by, results.schema.fastest), rate_paired and best (the fastest at its
-    budget)."""
-    columns = [*FIT_KEYS, "policy_label", "maximum", "tokens_per_s", "paired_tokens_per_s", "peak_bytes", "trials",
-               "next_value", "next_status", "plan_mix", "fit_id", "rate", "rate_paired", "best"]
+    its own column, budget_bytes), vary the size searched (batch_size | seq_len) and fixed the other one ("seq
+    64"); then policy_label, maximum (None: nothing fit, or the search stopped), tokens_per_s,
+    paired_tokens_per_s, peak_bytes, trials, next_value and next_status (the size above the maximum and what it
+    did, or the trial that stopped the search: `error`, `timeout`; None at the range's top), stopped, plan_mix
+    (its text), fit_id, and rate (the tokens/s ranked by), rate_paired and best (the fastest at its budget:
+    results.schema.fastest, paired only among the winners of one search, which were timed together)."""
+    columns = [*FIT_KEYS, "budget_bytes", "policy_label", "maximum", "tokens_per_s", "paired_tokens_per_s",
+               "peak_bytes", "trials", "next_value", "next_status", "stopped", "plan_mix", "fit_id"]
     fits = frame[frame["fit_id"].notna()] if "fit_id" in frame else frame.iloc[:0]
     rows = []
     for (fit_id, policy), g in fits.groupby(["fit_id", "fit_policy"], sort=False):
         first = g.iloc[0]
         vary = first["fit_vary"]
         other = "seq_len" if vary == "batch_size" else "batch_size"
-        ok = g[g["status"] == "ok"]
+        stop = g[~g["status"].isin(SEARCH_ENDS)]
+        ok = g[g["status"] == "ok"] if stop.empty else g.iloc[:0]  # a stopped search has no answer
         best = ok.loc[ok[vary].idxmax()] if len(ok) else None
-        above = g[(g["status"] != "ok") & ((g[vary] > best[vary]) if best is not None else True)]
+        above = stop if len(stop) else g[(g["status"] == "oom") & ((g[vary] > best[vary]) if best is not None
+                                                                    else True)]
         nxt = above.loc[above[vary].idxmin()] if len(above) else None
+        answer = (lambda col: best[col] if best is not None and given(best[col]) else None)  # noqa: E731
         rows.append({
             "device_label": first["device_label"],
             "fit_setup": setup_label({**first.to_dict(), "memory_cap_bytes": None}),
             "vary": vary, "fixed": f"{SIZE_WORDS[other]} {as_int(first[other])}",
-            "budget_bytes": int(first["fit_budget_bytes"]), "policy": policy,
+            "budget_key": float(f"{first['fit_budget_bytes']:.3g}"), "policy": policy,
+            "budget_bytes": int(first["fit_budget_bytes"]),
             "policy_label": (best if best is not None else first)["policy_label"],
             "maximum": as_int(best[vary]) if best is not None else None,
-            "tokens_per_s": best["tokens_per_s"] if best is not None else None,
-            "paired_tokens_per_s": best["paired_tokens_per_s"] if best is not None and given(
-                best["paired_tokens_per_s"]) else None,
-            "peak_bytes": best["peak_bytes"] if best is not None else None,
-            "trials": len(g),
+            "tokens_per_s": answer("tokens_per_s"), "paired_tokens_per_s": answer("paired_tokens_per_s"),
+            "peak_bytes": answer("peak_bytes"), "trials": len(g),
             "next_value": as_int(nxt[vary]) if nxt is not None else None,
             "next_status": nxt["status"] if nxt is not None else None,
-            "plan_mix": best["plan_mix_text"] if best is not None and given(best["plan_mix_text"]) else None,
-            "fit_id": fit_id})
-    summary = pd.DataFrame(rows, columns=columns[:-3])
+            "stopped": len(stop) > 0, "plan_mix": answer("plan_mix_text"), "fit_id": fit_id})
+    summary = pd.DataFrame(rows, columns=columns)
     summary = summary.sort_values("fit_id", kind="stable").drop_duplicates(FIT_KEYS, keep="last")
     summary[["rate", "rate_paired", "best"]] = None
     for _, g in summary.groupby(FIT_KEYS[:-1]):  # the fastest at each budget, whichever search found it
+        one_search = g["fit_id"].nunique() == 1  # paired timings of different searches are not one ranking
         winners = [{"tokens_per_s": r["tokens_per_s"], "_index": i,  # NaN is no paired timing, not a truthy one
-                    "paired_tokens_per_s": r["paired_tokens_per_s"] if given(r["paired_tokens_per_s"]) else None}
+                    "paired_tokens_per_s": r["paired_tokens_per_s"] if one_search and given(
+                        r["paired_tokens_per_s"]) else None}
                    for i, r in g[g["maximum"].notna()].iterrows()]
         if (top := fastest(winners)) is not None:
             paired = top[2]
@@ -239,6 +256,7 @@ def fit_summary(frame: pd.DataFrame) -> pd.DataFrame:
                 summary.loc[r["_index"], "rate_paired"] = paired
             summary.loc[top[0]["_index"], "best"] = True
     summary["best"] = summary["best"].fillna(False).astype(bool)
+    summary["rate_paired"] = summary["rate_paired"].fillna(False).astype(bool)
     summary = summary.assign(_rank=summary["policy"].map(policy_rank))
-    return summary.sort_values(["device_label", "fit_setup", "vary", "fixed", "budget_bytes", "_rank"]) \
+    return summary.sort_values(["device_label", "fit_setup", "vary", "fixed", "budget_key", "_rank"]) \
         .drop(columns="_rank").reset_index(drop=True)

@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
+from gcbench.units import parse_bytes
+
 SCHEMA_VERSION = 2  # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks)
 READABLE_VERSIONS = (1, 2)  # a version-1 record reads as one with ADDED_SPEC_FIELDS' values
 STATUSES = ("ok", "oom", "timeout", "error", "skipped")
@@ -174,11 +176,12 @@ def fastest(best: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], float
 
 
 def fit_policy(record: Mapping[str, Any]) -> str:
-    """A record's policy as one line of a fit across budgets: its label, but a plan's memory (which follows the
-    budget) left out: "plan", "plan:allow_offload=true", "every-k:k=2"."""
-    if record["policy"] != "plan":
+    """A fit trial's policy as one line across budgets: its label, but the memory of a plan that took the fit's
+    budget as its own left out: "plan", "plan:allow_offload=true"; "plan:memory=8GiB,..." when given apart."""
+    options = dict(record.get("policy_options") or {})
+    if record["policy"] != "plan" or parse_bytes(str(options.get("memory", "0B"))) != record.get("fit_budget_bytes"):
         return policy_label(record)
-    offload = (record.get("policy_options") or {}).get("allow_offload") in (True, "true")
+    offload = options.get("allow_offload") in (True, "true")
     return "plan:allow_offload=true" if offload else "plan"
 
 
