@@ -18,7 +18,7 @@ import pandas as pd
 from gcbench.errors import GcbenchError
 from gcbench.report.grids import (Grid, environment_grid, fit_grids, grid_grid, largest_fit_grid, prediction_grid,
                                   results_grid)
-from gcbench.results.frame import FAILED, without_fit_trials
+from gcbench.results.frame import FAILED
 
 
 @dataclass
@@ -73,8 +73,8 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
                    Heading("Results", 3)]
         for _, part in dev.groupby("setup", sort=False):
             blocks.append(results_grid(part))
-        if not (runs := without_fit_trials(dev)).empty:
-            blocks += [Heading("Largest config that fit, per policy", 3), largest_fit_grid(runs)]
+        if (largest := largest_fit_grid(dev)) is not None:
+            blocks += [Heading("Largest config that fit, per policy", 3), largest]
         if fits := fit_grids(dev):
             blocks += [Heading("Largest size that fits a memory budget, per policy (gcbench fit)", 3), *fits]
         predictions = [g for _, part in dev.groupby("setup", sort=False) if (g := prediction_grid(part))]

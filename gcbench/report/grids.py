@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank
+from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank, without_fit_trials
 from gcbench.units import byte_unit, fmt_bytes
 
 ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
@@ -158,8 +158,12 @@ def time_caption(part: pd.DataFrame) -> str:
     return text.strip()
 
 
-def largest_fit_grid(dev: pd.DataFrame) -> Grid:
-    """Per setup and policy: the largest config (most tokens per step) that ran, and the smallest that did not fit."""
+def largest_fit_grid(dev: pd.DataFrame) -> Grid | None:
+    """Per setup and policy: the largest config (most tokens per step) that ran, and the smallest that did not fit,
+    among the records of runs and sweeps (a fit's trials have their own table); None when there are none."""
+    dev = without_fit_trials(dev)
+    if dev.empty:
+        return None
     scale, unit = byte_unit(dev["peak_bytes"].max())
     rows, shown_setup = [], None
     for (setup, policy), g in sorted(dev.groupby(["setup", "policy_label"]), key=lambda kv: (kv[0][0],

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gcbench.report.grids import PHASE_SHORT, Grid, fit_grids, largest_fit_grid, prediction_grid, results_grid
-from gcbench.results.frame import FAILED, without_fit_trials
+from gcbench.results.frame import FAILED
 from gcbench.results.schema import PHASES, half_width, lever_text, mix_text, peak_bytes, policy_label
 from gcbench.units import byte_unit, fmt_bytes, human_count
 
@@ -236,8 +236,7 @@ def terminal_tables(frame: pd.DataFrame, width: int | None = None) -> list[Table
         out.append(f"[bold]{dev_label}[/] — {len(dev)} configs; peak memory = {dev['peak_label'].iloc[0]}")
         for _, part in dev.groupby("setup", sort=False):
             out.append(rich_table(results_grid(part), width))
-        if not (runs := without_fit_trials(dev)).empty:
-            largest = largest_fit_grid(runs)
+        if (largest := largest_fit_grid(dev)) is not None:
             largest.title = "largest config that fit, per policy"
             out.append(rich_table(largest, width))
         out += [rich_table(grid, width) for grid in fit_grids(dev)]
