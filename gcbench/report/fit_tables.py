@@ -10,10 +10,8 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from gcbench.results.schema import mix_text, peak_bytes, policy_label
+from gcbench.results.schema import SIZE_WORDS, mix_text, peak_bytes, policy_label
 from gcbench.units import fmt_bytes
-
-SIZE_WORD = {"batch_size": "batch", "seq_len": "seq"}
 
 
 def _table(title: str, caption: list[str], columns: list[str]) -> Table:
@@ -28,7 +26,7 @@ def _table(title: str, caption: list[str], columns: list[str]) -> Table:
 def fit_table(fits: Sequence[Any], vary: str, budget: int, title: str) -> Table:
     """`gcbench fit`: one row per policy (fits: fit.PolicyFit). tokens/s is the run's own; `paired` the winners
     timed interleaved in one process, when they were."""
-    word = SIZE_WORD[vary]
+    word = SIZE_WORDS[vary]
     paired = any(f.best is not None and f.best.get("paired_tokens_per_s") for f in fits)
     columns = ["policy", f"max {word}", "tokens/s", *(["paired"] if paired else []), "peak", "trials", "note"]
     notes: dict[str, int] = {}
@@ -70,7 +68,7 @@ def fit_table(fits: Sequence[Any], vary: str, budget: int, title: str) -> Table:
 def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, caption: list[str]) -> Table:
     """`gcbench estimate --fit`: one row per policy (rows: policy, value, peak, next_peak, step_s, tokens_per_s,
     method, predictions)."""
-    word = SIZE_WORD[vary]
+    word = SIZE_WORDS[vary]
     table = _table(title, caption, ["policy", f"max {word}", "peak", f"{word} + 1", "step s", "tokens/s", "by"])
     for r in rows:
         fits = r["value"] is not None

@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import (fastest, fit_policy, half_width, lever_text, mix_text, policy_label,
+from gcbench.results.schema import (SIZE_WORDS, fastest, fit_policy, half_width, lever_text, mix_text, policy_label,
                                     record_problem)
 from gcbench.results.store import read_records, result_files
 from gcbench.units import fmt_bytes
@@ -196,7 +196,6 @@ def without_fit_trials(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[frame["fit_id"].isna()] if "fit_id" in frame else frame
 
 
-SIZE_WORDS = {"batch_size": "batch", "seq_len": "seq"}  # a fit's varied size (fit_vary) in a word
 # One search's place. budget_key: the budget to 3 significant figures, so that a GPU's free memory, read anew by
 # each fit, names the same budget again.
 FIT_KEYS = ["device_label", "fit_setup", "vary", "fixed", "budget_key", "policy"]

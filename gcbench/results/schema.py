@@ -164,6 +164,9 @@ def mix_text(counts: Mapping[str, int]) -> str:
     return " · ".join(f"{kind} {counts[kind]}" for kind in reversed(PLAN_KINDS) if counts.get(kind))
 
 
+SIZE_WORDS = {"batch_size": "batch", "seq_len": "seq"}  # a fit's varied size (fit_vary) in a word
+
+
 def fastest(best: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], float, bool] | None:
     """The fastest of several policies' largest configs (a fit's winners): (record, tokens/s, paired). Ranked by
     paired tokens/s when every one was timed paired (drift-free), else by each run's own tokens/s."""
