@@ -5,7 +5,9 @@ Every domain error (GcbenchError) and every usage error becomes one line on stde
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from gcbench.errors import GcbenchError
-from gcbench.cli_options import ALL, domain_errors, step_progress, with_spec_options
+from gcbench.cli_options import (ALL, DevicesOption, ExecutorOption, JobsOption, SlurmGpusOption,
+                                 SlurmParallelismOption, SlurmPartitionOption, domain_errors, step_progress,
+                                 with_spec_options)
 from gcbench.grid import one_value_each
 from gcbench.spec import RunSpec, spec_options, with_bare_switches
 
@@ -71,8 +75,6 @@ def run(
     = DEFAULT_OUT,
 ) -> None:
     """Measure real training steps of one model under one checkpoint policy."""
-    import json
-
     written: list[bool] = []  # [True] once the record is in --out
     with domain_errors(lambda: f"interrupted; {'the record is in' if written else 'nothing was written to'} {out}"):
         from gcbench.grid import parse_options
@@ -131,9 +133,8 @@ def policies() -> None:
     from gcbench.policies import POLICIES, option_fields
 
     table = Table(title="checkpoint policies (N = number of blocks)")
-    table.add_column("name")
-    table.add_column("options")
-    table.add_column("meaning")
+    for column in ("name", "options", "meaning"):
+        table.add_column(column)
     for name, cls in POLICIES.items():
         opts = ", ".join(f"{f.name}={f.default} ({f.metadata.get('help', '')})" for f in option_fields(cls))
         table.add_row(name, opts or "-", cls.summary)
@@ -236,6 +237,12 @@ def sweep(
     no_paired: Annotated[bool, typer.Option("--no-paired", help="do not time the policies of one seq x batch "
                                                                "interleaved in one process after they ran (time "
                                                                "ratios then come from separate runs)")] = False,
+    devices: DevicesOption = None,
+    jobs: JobsOption = None,
+    executor: ExecutorOption = None,
+    slurm_partition: SlurmPartitionOption = None,
+    slurm_gpus_per_job: SlurmGpusOption = None,
+    slurm_array_parallelism: SlurmParallelismOption = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and its size; run nothing")] = False,
 ) -> None:
     """Run a grid of models x seq x batch x policies, each config in a fresh process; resumable, OOM is a result.
@@ -244,8 +251,9 @@ def sweep(
     """
     from gcbench.grid import DEFAULT_OUT as DEFAULT_SWEEP_OUT, SweepSpec
 
-    options = {**spec_values, "out": out, "timeout": timeout, "isolation": isolation,
-               "paired": False if no_paired else None}
+    options = {**spec_values, **dict(out=out, timeout=timeout, isolation=isolation, paired=False if no_paired else None,
+               devices=devices, jobs=jobs, executor=executor, slurm_partition=slurm_partition,
+               slurm_gpus_per_job=slurm_gpus_per_job, slurm_array_parallelism=slurm_array_parallelism)}
     results = out or DEFAULT_SWEEP_OUT
     with domain_errors(lambda: f"interrupted; finished configs are in {results}, run the same command again to "
                                "resume"):
@@ -345,8 +353,6 @@ def estimate(
 ) -> None:
     """Predict the peak memory of a training step without running it (no GPU needed): params, grads, optimizer
     state and activations per config, by formulas and by a fake-tensor simulation."""
-    import json
-
     from gcbench.estimators import estimate_grid
     from gcbench.grid import parse_options
     from gcbench.report.tables import estimate_table
@@ -372,30 +378,28 @@ def estimate(
             results = estimate_grid(axes, methods, target=device, layers=one.get("layers"), attn=one.get("attn"))
     rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             for spec, e in results]
-    if output_format == "json":
-        for row in rows:
-            typer.echo(json.dumps(row))
-    else:
-        # piped output has no width of its own: do not squeeze the columns into rich's default 80
-        (console if console.is_terminal else Console(width=140)).print(estimate_table(rows, memory))
+    _print_rows(rows, output_format, lambda: estimate_table(rows, memory), piped_width=140)
 
 
 def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
                   efficiency: float, device: str, output_format: str) -> None:
     """`gcbench estimate --fit`: per policy, the largest size predicted to fit a GPU, and its predicted step time."""
-    import json
-
     from gcbench.fits.command import predicted_fits
     from gcbench.report.fit_tables import predicted_fit_table
 
     with err_console.status("predicting"):
         rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, efficiency, device)
+    _print_rows(rows, output_format, lambda: predicted_fit_table(rows, field_name, title, caption), piped_width=100)
+
+
+def _print_rows(rows: list[dict], output_format: str, table: Callable[[], Any], piped_width: int) -> None:
+    """--format json: one object per line; else the table (piped output has no width of its own: `piped_width`
+    columns rather than rich's default 80, which would squeeze them)."""
     if output_format == "json":
         for row in rows:
             typer.echo(json.dumps(row))
-        return
-    (console if console.is_terminal else Console(width=100)).print(
-        predicted_fit_table(rows, field_name, title, caption))
+    else:
+        (console if console.is_terminal else Console(width=piped_width)).print(table())
 
 
 def main() -> None:

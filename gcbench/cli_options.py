@@ -88,3 +88,17 @@ def step_progress(err_console: Console, total: int | None):
             bar.update(task, description=description, advance=1)
 
         yield advance
+
+
+# How a sweep spreads its configs (docs/scale.md): declared here, beside the spec's options, to keep cli.py short.
+DevicesOption = Annotated[str | None, typer.Option(help="run one config per GPU at a time: all, or cuda:0,cuda:1,... "
+                                                       "(each child sees only its GPU)", metavar="<gpus>")]
+JobsOption = Annotated[int | None, typer.Option(help="CPU configs side by side, each on its own cores (memory exact; "
+                                                     "step times not comparable with a sequential sweep's)")]
+ExecutorOption = Annotated[str | None, typer.Option(help="run each configuration as a job through submitit: slurm | "
+                                                        "local (submitit's local executor, a trial of the same path); "
+                                                        "needs gcbench\\[slurm]")]
+SlurmPartitionOption = Annotated[str | None, typer.Option(help="with --executor slurm: the partition")]
+SlurmGpusOption = Annotated[int | None, typer.Option(help="with --executor slurm: GPUs per job (default 1)")]
+SlurmParallelismOption = Annotated[int | None, typer.Option(help="with --executor slurm: the most jobs running at "
+                                                                 "once")]

@@ -19,13 +19,14 @@ from typing import Any
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
-from gcbench.spec import RunSpec, spec_options
+from gcbench.spec import RunSpec, parse_int, spec_options
 from gcbench.units import fmt_bytes
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
 DEFAULT_TIMEOUT_S = 600.0  # per config; generous: a 7B model at seq 8192 takes minutes to build, warm up and time
 DEFAULT_POLICIES = ("none", "full", "every-k:k=2", "sqrtn")
 ISOLATIONS = ("process", "none")
+EXECUTORS = ("slurm", "local")  # submitit's: a Slurm cluster, or processes on this machine
 REQUIRED = ("model", "seq_len", "batch_size")  # RunSpec fields without a default: a grid must give them
 
 
@@ -59,12 +60,53 @@ def _path(value: Any) -> Path:
     return Path(value)
 
 
+def _devices(value: Any) -> tuple[str, ...]:
+    """--devices: "all" or a comma list of cuda:N (TOML: a list)."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    items = tuple(str(i).strip() for i in items if str(i).strip())
+    if items == ("all",):
+        return items
+    for item in items:
+        if not (item.startswith("cuda:") and item[5:].isdigit()):
+            raise GcbenchError(f"expected all or a list of cuda:N (cuda:0,cuda:1), got {item!r}")
+    if len(set(items)) != len(items):
+        raise GcbenchError(f"a GPU given twice in {','.join(items)}")
+    if not items:
+        raise GcbenchError("expected all or a list of cuda:N")
+    return items
+
+
+def _executor(value: Any) -> str:
+    if value not in EXECUTORS:
+        raise GcbenchError(f"unknown executor {value!r} ({', '.join(EXECUTORS)})")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise GcbenchError(f"expected a name, got {value!r}")
+    return value.strip()
+
+
+def _jobs(value: Any) -> int:
+    jobs = parse_int(value)
+    if jobs < 1:
+        raise GcbenchError(f"expected 1 or more jobs, got {value!r}")
+    return jobs
+
+
 # How a sweep runs (not part of any RunSpec): option name -> (SweepSpec field, parser).
 RUN_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "out": ("out", _path),
     "timeout": ("timeout_s", _seconds),
     "isolation": ("isolation", _isolation),
     "paired": ("paired", _bool),
+    "devices": ("devices", _devices),
+    "jobs": ("jobs", _jobs),
+    "executor": ("executor", _executor),
+    "slurm-partition": ("slurm_partition", _text),
+    "slurm-gpus-per-job": ("slurm_gpus_per_job", _jobs),
+    "slurm-array-parallelism": ("slurm_array_parallelism", _jobs),
 }
 
 
@@ -79,8 +121,23 @@ class SweepSpec:
     # Time the policies of one model/seq/batch interleaved in one process after each has run (paired.py), so that
     # their time ratio does not drift with the machine: a few seconds more per configuration.
     paired: bool = True
+    devices: tuple[str, ...] | None = None  # run one config per GPU at a time: ("all",) or ("cuda:0", "cuda:1")
+    jobs: int = 1  # CPU configs run side by side, each on its own cores (their step times are not comparable)
+    # Jobs through submitit instead of children here: slurm, or local (submitit's local executor, for trying it).
+    executor: str | None = None
+    slurm_partition: str | None = None
+    slurm_gpus_per_job: int = 1  # GPUs each job asks for (a job runs one config at a time on the first)
+    slurm_array_parallelism: int | None = None  # the most jobs of the array running at once (None: Slurm's)
 
     def __post_init__(self) -> None:
+        slurm_only = {"slurm-partition": self.slurm_partition, "slurm-array-parallelism":
+                      self.slurm_array_parallelism, "slurm-gpus-per-job": None if self.slurm_gpus_per_job == 1 else 1}
+        for flag, value in slurm_only.items():
+            if value is not None and self.executor != "slurm":
+                raise GcbenchError(f"--{flag} is for --executor slurm")
+        if self.executor is not None and (self.devices or self.jobs > 1 or self.isolation != "process"):
+            raise GcbenchError(f"--executor {self.executor} runs each configuration as a job: --devices, --jobs and "
+                               "--isolation none do not apply (a job's configs run one at a time in fresh children)")
         values = {"policy": DEFAULT_POLICIES, **self.values}
         for name in REQUIRED:
             if name not in values:
@@ -149,7 +206,10 @@ class SweepSpec:
         return (f"layers {get('layers') or 'all'} · " + (f"{levers} · " if levers else "")
                 + f"device {get('device')} · threads {get('threads') or 'auto'} · warm-up {get('warmup_steps')} + "
                 f"{_steps_text(get)} · memory cap {cap} · timeout {self.timeout_s:g} s · "
-                f"isolation {self.isolation}" + ("" if self.paired else " · not paired"))
+                f"isolation {self.isolation}" + ("" if self.paired else " · not paired")
+                + (f" · devices {','.join(self.devices)}" if self.devices else "")
+                + (f" · {self.jobs} parallel jobs" if self.jobs > 1 else "")
+                + (f" · {self.executor} jobs" if self.executor else ""))
 
 
 def _steps_text(get: Callable[[str], Any]) -> str:

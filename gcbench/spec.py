@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import re
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -333,17 +334,28 @@ def _torch_default_threads() -> int:
     return torch.get_num_threads()
 
 
+# Set while a Slurm sweep's driver plans its grid: the configs run on other machines, so a device is checked for
+# its form only (the job checks it again on its node), and `auto` cannot be resolved here.
+DEVICES_ELSEWHERE: ContextVar[bool] = ContextVar("gcbench_devices_elsewhere", default=False)
+
+
 def resolve_device(device: str) -> str:
     """The device every torch call of a run gets: "cpu" or an explicit "cuda:N" (torch refuses "cuda" without an
     index in set_device and set_per_process_memory_fraction). "auto" is cuda:0 when CUDA is available, else the CPU;
     "cuda" is cuda:0, the first visible device (CUDA_VISIBLE_DEVICES picks which that is)."""
     import torch
 
+    elsewhere = DEVICES_ELSEWHERE.get()
     if device == "auto":
+        if elsewhere:
+            raise GcbenchError("--device auto: the jobs run on other machines, whose devices this one cannot see; "
+                               "give --device cuda or --device cpu")
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return device
     if m := re.fullmatch(r"cuda(?::(\d+))?", device):
+        if elsewhere:
+            return f"cuda:{int(m.group(1) or 0)}"
         if not torch.cuda.is_available():
             raise GcbenchError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
         index = int(m.group(1) or 0)

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 SEGMENT_BYTES = 2 * 2**20  # the caching allocator reserves device memory in segments of (at least) 2 MiB
 ENV_LOG = "GCBENCH_FAKE_CUDA_LOG"
+ENV_DEVICES = "GCBENCH_FAKE_CUDA_DEVICES"  # how many fake GPUs the machine has (1 unless set)
 SITE_DIR = Path(__file__).resolve().parent / "fake_cuda_site"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,10 +122,11 @@ def fresh_library_caches() -> None:
             value.cache_clear()
 
 
-def subprocess_env(log_path: Path) -> dict[str, str]:
-    """Environment for a subprocess (and every process it starts) that sees one fake GPU and logs to `log_path`."""
+def subprocess_env(log_path: Path, devices: int = 1) -> dict[str, str]:
+    """Environment for a subprocess (and every process it starts) that sees `devices` fake GPUs and logs to
+    `log_path`."""
     path = os.pathsep.join([str(SITE_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {**os.environ, ENV_LOG: str(log_path), "PYTHONPATH": path}
+    return {**os.environ, ENV_LOG: str(log_path), ENV_DEVICES: str(devices), "PYTHONPATH": path}
 
 
 @dataclass
@@ -159,7 +161,7 @@ class FakeGpu:
 
     @classmethod
     def from_env(cls) -> FakeGpu:
-        return cls(log_path=Path(os.environ[ENV_LOG]))
+        return cls(log_path=Path(os.environ[ENV_LOG]), devices=int(os.environ.get(ENV_DEVICES, "1")))
 
     # ------------------------------------------------------------------------------------------------ logging
 
@@ -288,7 +290,7 @@ class FakeGpu:
         setattr_(cuda, "_cached_device_count", None)
         setattr_(cuda, "_queued_calls", [])
         setattr_(cuda, "_is_in_bad_fork", self._in_bad_fork)
-        setattr_(cuda, "_device_count_nvml", lambda: self.devices)  # NVML answers without initialising CUDA
+        setattr_(cuda, "_device_count_nvml", self._visible)  # NVML answers without initialising CUDA
         setattr_(cuda, "_exchange_device", self._exchange_device)
         setattr_(cuda, "_maybe_exchange_device", self._exchange_device)
         setattr_(cuda, "_cudart", SimpleNamespace(cudaMemGetInfo=self._mem_get_info))
@@ -313,9 +315,20 @@ class FakeGpu:
 
     def _device_count(self) -> int:
         self._poison_fork()
-        return self.devices
+        return self._visible()
+
+    def _visible(self) -> int:
+        """The GPUs CUDA_VISIBLE_DEVICES lets this process see, as CUDA counts them when it initialises."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None or getattr(self, "_initialised", False):
+            return self.devices
+        return sum(1 for v in visible.split(",") if v.strip().isdigit() and int(v) < self.devices)
 
     def _init(self) -> None:
+        if not getattr(self, "_initialised", False):  # the first CUDA initialisation: what it sees is fixed now
+            self._initialised = True
+            self.devices = self._visible()
+            self.log("cuda_init", (os.environ.get("CUDA_VISIBLE_DEVICES"),))
         self._poison_fork()
 
     def _poison_fork(self) -> None:

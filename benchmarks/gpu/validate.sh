@@ -130,6 +130,9 @@ sweep "$large-canonical" "$seq" 1 none,full,every-k:k=2,segments:k=4,sqrtn --mod
 sweep "$large-${layers}layers" "$long_seqs" "$long_batches" none,full,every-k:k=2,segments:k=4,sqrtn,sac,attn,offload \
   --model "$large" --layers "$layers" --steps 5
 sweep "$small" "$small_seq" "$small_batch" none,full,every-k:k=2,segments:k=4,sqrtn --model "$small"
+# Every GPU of the machine (docs/scale.md): a small grid with one config per GPU at a time; on a one-GPU machine the
+# same path with one slot.
+sweep "$small-devices-all" "$small_seq" 1,"$small_batch" none,full --model "$small" --devices all
 # Where the whole 7B model stops fitting: OOMs are results, and larger configs after one are skipped.
 # Not paired: this line is about where memory runs out, and pairing would build the 7B model once more per shape.
 sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 --no-paired \

@@ -121,6 +121,10 @@ class Record(SpecFields, total=False):
     # a sweep's
     sweep_id: str
     isolation: str
+    device_slot: str  # --devices / --jobs: the GPU (cuda:N as the driver numbers them) or the cores it ran on
+    parallel_jobs: int  # with device_slot: how many configs ran side by side
+    executor: str  # --executor: slurm | local (submitit's), with the job's id in job_id
+    job_id: str
     config_wall_ms: float | None  # the whole config as the sweep saw it
     stderr_tail: str  # last lines of a failed child's output
     env: dict[str, Any] | None  # versions, device, numeric settings (env.capture_env)

@@ -28,6 +28,7 @@ from gcbench.models import build_meta_model, load_config
 from gcbench.spec import RunSpec
 from gcbench.paired import run_paired
 from gcbench.runner import run
+from gcbench.sweeps.slots import HERE, Slot
 
 
 def _warm_up_fork_server() -> None:
@@ -53,6 +54,7 @@ def run_child(task: dict[str, Any], conn: Connection, lifeline: Connection, log_
     threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
     if cwd is not None:
         os.chdir(cwd)
+    Slot(**task.get("slot", HERE.as_task())).enter()  # before anything touches CUDA: its GPU or cores only
     # The sweep decides when a child stops (it terminates it); Ctrl-C in the terminal is for the parent.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

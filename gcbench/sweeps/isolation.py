@@ -20,6 +20,7 @@ from gcbench.env import WARM_MODELS_ENV
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import config_label, new_record
 from gcbench.spec import RunSpec
+from gcbench.sweeps.slots import HERE, Slot
 
 STDERR_TAIL_LINES = 30  # of a failed child's stderr, kept in its record
 
@@ -36,13 +37,16 @@ class ProcessRunner:
     gcbench once: a child starts in tens of milliseconds, yet owns its CUDA context and allocator, so an OOM, a
     sticky CUDA error or a segfault cannot touch the next config. `timeout_s` is enforced by killing the child."""
 
-    def __init__(self, timeout_s: float, models: Iterable[str] = ()):
+    def __init__(self, timeout_s: float, models: Iterable[str] = (), slot: Slot = HERE,
+                 cancel: threading.Event | None = None):
         # The fork server, started with this process's environment, builds each of the sweep's models on the meta
         # device once (child.py), so that no child imports their modeling code again.
         os.environ[WARM_MODELS_ENV] = "\n".join(models)
         from gcbench.sweeps.child import run_child  # here, not at import: importing it warms up (git sha, model code)
 
         self.timeout_s = timeout_s
+        self.slot = slot  # the GPU or the cores every child of this runner is given
+        self.cancel = cancel  # set by the sweep (Ctrl-C while several slots run): stop the child, KeyboardInterrupt
         self._target = run_child
         self._ctx = _child_context()
 
@@ -72,6 +76,7 @@ class ProcessRunner:
         results, results_w = self._ctx.Pipe(duplex=False)
         lifeline_r, lifeline = self._ctx.Pipe(duplex=False)
         # The cwd: the fork server keeps the one it started in, but relative paths (a config.json) are the caller's.
+        task = {**task, "slot": self.slot.as_task()}
         proc = self._ctx.Process(target=self._target, args=(task, results_w, lifeline_r, log_path, os.getcwd()),
                                  name=name, daemon=True)
         finished = started = False
@@ -96,6 +101,8 @@ class ProcessRunner:
         deadline = time.monotonic() + timeout_s
         env, phase = None, "starting"
         while (left := deadline - time.monotonic()) > 0:
+            if self.cancel is not None and self.cancel.is_set():
+                raise KeyboardInterrupt  # as Ctrl-C does in a sweep of one slot: the child is stopped, nothing kept
             if not results.poll(min(left, 0.25)):
                 if proc.is_alive() or results.poll():
                     continue
@@ -126,7 +133,9 @@ class InProcessRunner:
     sticky CUDA error ends the whole sweep, and what one config leaves in the CUDA caching allocator or in host
     memory can shift the next one's numbers. For quick CPU checks."""
 
-    def __init__(self, timeout_s: float | None = None, models: Iterable[str] = ()):
+    def __init__(self, timeout_s: float | None = None, models: Iterable[str] = (), slot: Slot = HERE,
+                 cancel: threading.Event | None = None):
+        self.slot = slot  # always HERE: Sweep refuses slots side by side without process isolation
         self.timeout_s = None  # cannot be enforced without a process to kill
 
     def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:

@@ -4,13 +4,14 @@ running child and keep what is measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,10 @@ from gcbench.paired import choose_baseline, pairable
 from gcbench.results.schema import STATUSES, config_key, policy_label
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
 from gcbench.runner import check_fits, model_size
-from gcbench.spec import RunSpec
+from gcbench.spec import DEVICES_ELSEWHERE, RunSpec
 from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner, failure_record
 from gcbench.sweeps.progress import SweepProgress
+from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
 
 
 # What --retry-failed runs again, with the oom records that were not run for want of free memory at the time; an oom
@@ -41,6 +43,7 @@ class OomFrontier:
 
     def __init__(self) -> None:
         self._ooms: dict[str, list[tuple[int, int]]] = {}
+        self._lock = threading.Lock()  # slots side by side add and ask at once
 
     @staticmethod
     def _shape_free_key(record: Mapping[str, Any]) -> str:
@@ -48,11 +51,14 @@ class OomFrontier:
 
     def add(self, record: Mapping[str, Any]) -> None:
         if record.get("status") == "oom":
-            self._ooms.setdefault(self._shape_free_key(record), []).append(
-                (record["seq_len"], record["batch_size"]))
+            with self._lock:
+                self._ooms.setdefault(self._shape_free_key(record), []).append(
+                    (record["seq_len"], record["batch_size"]))
 
     def skip_reason(self, spec: RunSpec) -> str | None:
-        for seq, batch in self._ooms.get(self._shape_free_key(spec.as_record()), []):
+        with self._lock:
+            ooms = list(self._ooms.get(self._shape_free_key(spec.as_record()), []))
+        for seq, batch in ooms:
             if spec.seq_len >= seq and spec.batch_size >= batch:
                 return f"seq {seq} batch {batch} ran out of memory with the same model and policy (--no-skip runs it)"
         return None
@@ -81,12 +87,20 @@ class Sweep:
         self.skip_after_oom = skip_after_oom
         self.console = console  # progress and warnings go here (stderr); None: quiet, warnings via `warnings`
         self.sweep_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-        self.specs = grid.expand()
+        with _devices_elsewhere(grid.executor == "slurm"):  # the jobs' nodes check their devices themselves
+            self.specs = grid.expand()
+        # Where configs run: one slot (here), or side by side on GPUs (--devices) or disjoint cores (--jobs).
+        self.slots = make_slots([spec.device for spec in self.specs], grid.devices, grid.jobs)
+        if len(self.slots) > 1 and grid.isolation != "process":
+            raise GcbenchError("--isolation none runs every config in this process: it cannot run configs side by "
+                               "side (--devices and --jobs need --isolation process)")
+        self.specs = _threads_within_slots(self.specs, self.slots, given="threads" in grid.values)
         self._existing, notes = _existing_records(grid.out)
         for note in notes:
             self._warn(note)
         # The configs to run that cannot fit at all, known before the first child starts (warned about by run()).
-        self.unfit = self._unfit([p.spec for p in self.plan() if p.done is None])
+        # On a cluster the job's child checks against its node's memory; this machine's says nothing about it.
+        self.unfit = {} if grid.executor else self._unfit([p.spec for p in self.plan() if p.done is None])
 
     def plan(self) -> list[PlannedConfig]:
         """Each config with its resumable record from the output file (newest wins), or None if it must run."""
@@ -111,41 +125,79 @@ class Sweep:
             first = next(iter(self.unfit.values()))
             self._warn(f"{len(self.unfit)} of {sum(p.done is None for p in plan)} configs to run cannot fit: each is "
                        f"recorded as oom without running; the first: {first}")
-        runner = (ProcessRunner if self.grid.isolation == "process" else InProcessRunner)(
-            self.grid.timeout_s, models=sorted({p.spec.model for p in plan if p.done is None}))
+        if self.grid.executor is not None:
+            return self._run_as_jobs(plan)
+        if len(self.slots) > 1 and any(s.cpus for s in self.slots):
+            self._warn(f"{len(self.slots)} CPU jobs side by side: their memory is exact, their step times are not "
+                       "comparable with a sequential sweep's (shared caches and memory bandwidth; each record says so)")
+        cancel = threading.Event()  # Ctrl-C with several slots: every slot stops its child
+        models = sorted({p.spec.model for p in plan if p.done is None})
+        runner_class = ProcessRunner if self.grid.isolation == "process" else InProcessRunner
+        runners = [runner_class(self.grid.timeout_s, models=models, slot=slot, cancel=cancel) for slot in self.slots]
         frontier = OomFrontier()
         envs: dict[str, dict] = {}
-        records: list[dict[str, Any]] = []
+        groups = [list(g) for _, g in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec))]
+        records: list[list[dict[str, Any]]] = [[] for _ in groups]
         to_run = sum(p.done is None for p in plan)
-        with _sigterm_raises_interrupt(), SweepProgress(self.console, to_run, len(plan) - to_run) as view:
-            for _, group in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec)):
-                # Held until the group's paired timing ends, then appended together; whatever stops the sweep
-                # first (Ctrl-C, an error), what was measured is written unpaired.
-                pending: list[tuple[RunSpec, dict[str, Any]]] = []
-                earlier: list[tuple[RunSpec, dict[str, Any]]] = []  # in the file already (a resumed sweep)
-                try:
-                    for config in group:
-                        record = config.done
-                        if record is not None:
-                            earlier.append((config.spec, record))
-                        else:
-                            record = self._run_one(config.spec, runner, frontier, view, self.unfit.get(config.spec))
-                            if record.get("env") is None:
-                                record["env"] = envs.get(config.spec.device) or _host_env(config.spec)
-                            envs[config.spec.device] = record["env"]
-                            view.finished(record)
-                            pending.append((config.spec, record))
-                        frontier.add(record)
-                        records.append(record)
-                    if self.grid.paired:
-                        self._pair(pending, earlier, runner, view)
-                finally:
-                    for _, record in pending:
-                        self._warn_torn(append_record(out, record))  # another writer killed mid-line meanwhile
+        with _sigterm_raises_interrupt(), SweepProgress(self.console, to_run, len(plan) - to_run,
+                                                        [s.name for s in self.slots]) as view:
+            def worker(slot: int) -> Callable[[int], None]:
+                def run_group(i: int) -> None:
+                    records[i] = self._run_group(groups[i], runners[slot], slot, frontier, envs, view)
+                return run_group
+
+            run_side_by_side(range(len(groups)), [worker(i) for i in range(len(self.slots))], cancel, view.idle)
+        return [r for group in records for r in group]
+
+    def _run_as_jobs(self, plan: list[PlannedConfig]) -> list[dict[str, Any]]:
+        """Each configuration as a job through submitit (cluster.py); its records appended as the job finishes."""
+        from gcbench.sweeps.cluster import ClusterRun
+
+        groups = [[p.spec.as_record() for p in g if p.done is None]
+                  for _, g in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec))]
+        groups = [g for g in groups if g]
+        collected: dict[str, dict[str, Any]] = {}
+
+        def write(record: dict[str, Any]) -> None:
+            self._warn_torn(append_record(self.grid.out, record))
+            collected[config_key(record)] = record
+
+        with _sigterm_raises_interrupt(), SweepProgress(self.console, sum(map(len, groups)),
+                                                        sum(p.done is not None for p in plan)) as view:
+            if groups:
+                ClusterRun(self.grid, run_as_job, write, view.finished, view.waiting).run(groups, self.sweep_id)
+        return [p.done or collected[config_key(p.spec.as_record())] for p in plan]
+
+    def _run_group(self, group: list[PlannedConfig], runner, slot: int, frontier: OomFrontier,
+                   envs: dict[str, dict], view: SweepProgress) -> list[dict[str, Any]]:
+        """The configs of one model/seq/batch (its policies) in `slot`, then their paired timing; appended together
+        when it ends. Whatever stops it first (Ctrl-C, an error), what was measured is written unpaired."""
+        pending: list[tuple[RunSpec, dict[str, Any]]] = []
+        earlier: list[tuple[RunSpec, dict[str, Any]]] = []  # in the file already (a resumed sweep)
+        records = []
+        try:
+            for config in group:
+                record = config.done
+                if record is not None:
+                    earlier.append((config.spec, record))
+                else:
+                    record = self._run_one(config.spec, runner, slot, frontier, view, self.unfit.get(config.spec))
+                    if record.get("env") is None:
+                        record["env"] = envs.get(config.spec.device) or _host_env(config.spec)
+                    envs[config.spec.device] = record["env"]
+                    view.finished(record)
+                    pending.append((config.spec, record))
+                frontier.add(record)
+                records.append(record)
+            if self.grid.paired:
+                self._pair(pending, earlier, runner, slot, view)
+        finally:
+            for _, record in pending:
+                self._warn_torn(append_record(self.grid.out, record))  # another writer killed mid-line meanwhile
         return records
 
     def _pair(self, pending: list[tuple[RunSpec, dict[str, Any]]], earlier: list[tuple[RunSpec, dict[str, Any]]],
-              runner, view: SweepProgress) -> None:
+              runner, slot: int, view: SweepProgress) -> None:
         """Time the group's policies that ran interleaved in one process (paired.run_paired) and add each one's
         time_ratio to the records about to be written; with fewer than two such policies there is nothing to pair.
         Policies that ran in an earlier, interrupted sweep take part (so that `none` stays the baseline), but their
@@ -163,8 +215,8 @@ class Sweep:
         if len(ran) < 2:
             return
         baseline = choose_baseline([r for _, r in ran])
-        view.pairing([spec for spec, _ in ran])
-        result = runner.paired([spec for spec, _ in ran], baseline, view.phase)
+        view.pairing([spec for spec, _ in ran], slot)
+        result = runner.paired([spec for spec, _ in ran], baseline, view.phase_of(slot))
         for spec, r in ran:
             if id(r) not in writing:
                 continue
@@ -181,14 +233,23 @@ class Sweep:
         unfit = {}
         for spec in specs:
             if spec.device not in free:
-                free[spec.device] = free_without_context(spec.device)
+                free[spec.device] = self._free_memory(spec.device)
             try:
                 check_fits(spec, model_size(spec), free[spec.device])
             except WontFit as e:
                 unfit[spec] = e
         return unfit
 
-    def _run_one(self, spec: RunSpec, runner, frontier: OomFrontier, view: SweepProgress,
+    def _free_memory(self, device: str) -> int | None:
+        """What a config on `device` may find free: across --devices, the GPU with the most (the child checks its
+        own GPU again before it allocates)."""
+        gpus = [slot.name for slot in self.slots if slot.cuda_visible is not None]
+        if not gpus:
+            return free_without_context(device)
+        free = [free_without_context(gpu) for gpu in gpus]
+        return None if None in free else max(free)
+
+    def _run_one(self, spec: RunSpec, runner, slot: int, frontier: OomFrontier, view: SweepProgress,
                  unfit: WontFit | None) -> dict[str, Any]:
         reason = frontier.skip_reason(spec) if self.skip_after_oom else None
         if unfit is not None:
@@ -197,11 +258,13 @@ class Sweep:
         elif reason is not None:
             record, wall_ms = failure_record(spec, "skipped", reason), None
         else:
-            view.started(spec)
+            view.started(spec, slot)
             t0 = time.perf_counter()
-            record = runner(spec, view.phase)
+            record = runner(spec, view.phase_of(slot))
             wall_ms = (time.perf_counter() - t0) * 1e3
         env = record.pop("env", None)
+        if len(self.slots) > 1:
+            record.update(side_by_side_fields(record, self.slots[slot], len(self.slots)))
         # config_wall_ms: the whole config as the sweep saw it (child start, build, all steps), in ms.
         return {**record, "sweep_id": self.sweep_id, "isolation": self.grid.isolation, "config_wall_ms": wall_ms,
                 "env": env}
@@ -216,6 +279,30 @@ class Sweep:
             self.console.print(f"gcbench: warning: {message}", markup=False, highlight=False)
         else:
             warnings.warn(message, stacklevel=3)
+
+
+def run_as_job(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a cluster job runs (cluster.py): one configuration's policies as a sweep runs them (a child each, then
+    paired), into the job's own file, from which a requeued job resumes; returns their records to the driver."""
+    specs = [RunSpec.from_record(r) for r in task["specs"]]  # validated again, on the node that runs them
+    values = {f.name: (getattr(specs[0], f.name),) for f in dataclasses.fields(RunSpec) if f.name != "policy"}
+    values["policy"] = tuple(spec.policy for spec in specs)
+    grid = SweepSpec(values, out=Path(task["out"]), timeout_s=task["timeout_s"], paired=task["paired"])
+    return Sweep(grid).run()
+
+
+def _threads_within_slots(specs: list[RunSpec], slots: list[Slot], given: bool) -> list[RunSpec]:
+    """With --jobs, each config's torch threads: by default as many as its slot's cores (the fewest of any slot,
+    so that every config of the grid is the same wherever it runs); more than that is refused."""
+    cores = min((len(slot.cpus) for slot in slots if slot.cpus), default=None)
+    if cores is None:
+        return specs
+    if given:
+        over = max(spec.threads for spec in specs)
+        if over > cores:
+            raise GcbenchError(f"--threads {over} is more than the {cores} core(s) each of --jobs {len(slots)} gets")
+        return specs
+    return [dataclasses.replace(spec, threads=cores) for spec in specs]
 
 
 def _policy_free_key(spec: RunSpec) -> str:
@@ -242,6 +329,15 @@ def _host_env(spec: RunSpec) -> dict:
     from gcbench.env import capture_env
 
     return capture_env("cpu", spec.threads)
+
+
+@contextmanager
+def _devices_elsewhere(elsewhere: bool) -> Iterator[None]:
+    token = DEVICES_ELSEWHERE.set(elsewhere)
+    try:
+        yield
+    finally:
+        DEVICES_ELSEWHERE.reset(token)
 
 
 @contextmanager

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import textwrap
 from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
@@ -21,61 +23,89 @@ class SweepProgress:
     """What a running sweep shows on stderr: a bar over the configs to run with ETA, the config and phase running
     now and counts per status; one line per finished config is printed above the bar. Quiet with no console."""
 
-    def __init__(self, console: Console | None, total: int, resumed: int):
+    def __init__(self, console: Console | None, total: int, resumed: int, slots: Sequence[str] = ()):
         self.console, self.total, self.resumed = console, total, resumed
         self.counts: Counter[str] = Counter()
-        self._label = ""
+        self._labels: dict[int, str] = {}  # slot -> the config it runs now
+        live = console is not None and console.is_terminal  # the bar only on a terminal; a pipe gets the lines
         self._bar = Progress(
             SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[counts]}"),
-            # The bar only on a terminal; a pipe or log file gets the finished lines alone.
-            console=console, transient=True, disable=console is None or not console.is_terminal)
+            console=console, transient=True, disable=not live)
+        # Configs side by side (--devices, --jobs): under the bar, a line per GPU or core set with what it runs.
+        self._slot_names = list(slots) if len(slots) > 1 else []
+        self._lines = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), console=console,
+                               transient=True, disable=not live)
+        self._live = Live(Group(self._bar, self._lines), console=console, transient=True) if live else None
 
     def __enter__(self) -> SweepProgress:
         if self.console is not None and self.resumed:
             self.console.print(f"resuming: {self.resumed} config(s) already in the results file, "
                                f"{self.total} to run (--rerun runs all)")
-        self._bar.__enter__()
-        self._task = self._bar.add_task("starting", total=self.total, counts=self._counts_text())
+        if self._live is not None:
+            self._live.__enter__()
+        what = f"{len(self._slot_names)} slots" if self._slot_names else "starting"
+        self._task = self._bar.add_task(what, total=self.total, counts=self._counts_text())
+        self._slot_tasks = [self._lines.add_task(f"{name} · waiting") for name in self._slot_names]
         return self
 
     def __exit__(self, *exc) -> None:
-        self._bar.__exit__(*exc)
+        if self._live is not None:
+            self._live.__exit__(*exc)
 
     def _counts_text(self) -> str:
         return " · ".join(f"{s} {self.counts[s]}" for s in STATUSES)
 
-    def started(self, spec: RunSpec) -> None:
-        self._label = config_label(spec.as_record())
-        self._bar.update(self._task, description=f"{self._label} · starting")
+    def _show(self, slot: int, text: str) -> None:
+        if self._slot_names:
+            self._lines.update(self._slot_tasks[slot], description=f"{self._slot_names[slot]} · {text}")
+        else:
+            self._bar.update(self._task, description=text)
 
-    def pairing(self, specs: list[RunSpec]) -> None:
+    def started(self, spec: RunSpec, slot: int = 0) -> None:
+        self._labels[slot] = config_label(spec.as_record())
+        self._show(slot, f"{self._labels[slot]} · starting")
+
+    def pairing(self, specs: list[RunSpec], slot: int = 0) -> None:
         first = specs[0].as_record()
-        self._label = (f"{first['model']} seq {first['seq_len']} batch {first['batch_size']} · timing "
-                       f"{len(specs)} policies paired")
-        self._bar.update(self._task, description=f"{self._label} · starting")
+        self._labels[slot] = (f"{first['model']} seq {first['seq_len']} batch {first['batch_size']} · timing "
+                              f"{len(specs)} policies paired")
+        self._show(slot, f"{self._labels[slot]} · starting")
+
+    def waiting(self, text: str) -> None:
+        """What a sweep waits for (jobs on a cluster), in place of a running config."""
+        self._show(0, text)
+
+    def idle(self, slot: int) -> None:
+        if self._slot_names:
+            self._show(slot, "done")
+
+    def phase_of(self, slot: int) -> Callable[[str], None]:
+        """The on_phase callback of a runner working in `slot`."""
+        return lambda text: self.phase(text, slot)
 
     def shrink(self, by: int) -> None:
         """`by` fewer configs to run than the total said (a fit's search ended before its bound)."""
         self.total -= by
         self._bar.update(self._task, total=self.total)
 
-    def phase(self, text: str) -> None:
-        self._bar.update(self._task, description=f"{self._label} · {text}")
+    def phase(self, text: str, slot: int = 0) -> None:
+        self._show(slot, f"{self._labels.get(slot, '')} · {text}")
 
     def finished(self, record: dict[str, Any]) -> None:
         self.counts[record["status"]] += 1
         self._bar.update(self._task, advance=1, counts=self._counts_text())
         if self.console is not None:
-            self._bar.console.print(_finished_line(record), highlight=False)
+            self.console.print(_finished_line(record, self._slot_names), highlight=False)
 
 
 _STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "red", "error": "bold red"}
 
 
-def _finished_line(record: dict[str, Any]) -> str:
+def _finished_line(record: dict[str, Any], slots: Sequence[str] = ()) -> str:
     status = record["status"]
-    line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {config_label(record)}"
+    where = f"{record['device_slot']}: " if slots and record.get("device_slot") else ""
+    line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {escape(where)}{config_label(record)}"
     if status == "ok":
         line += f"  {record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(peak_bytes(record))}"
     elif record.get("error"):

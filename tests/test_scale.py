@@ -1,0 +1,271 @@
+"""Beyond one device: a sweep's configs side by side on disjoint CPU cores (--jobs) or one per GPU (--devices, on
+fake GPUs here), each config exactly once, resumable after the driver is killed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.errors import GcbenchError
+from gcbench.grid import SweepSpec
+from gcbench.results.schema import config_key
+from gcbench.results.store import read_records
+from gcbench.sweeps.cluster import job_failure, jobs_path
+from gcbench.sweeps.orchestrate import Sweep
+from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
+from tests.fake_cuda import read_log, subprocess_env
+
+runner = CliRunner()
+FAST = ["--device", "cpu", "--warmup", "1", "--steps", "1"]
+GRID = ["--model", "tiny-llama", "--seq", "32", "--batch", "1,2,3,4", "--policy", "none,full"]
+
+
+@pytest.fixture
+def six_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+
+
+def test_jobs_split_the_cores_into_disjoint_sets(six_cores):
+    slots = make_slots(["cpu"], None, 4)
+    assert [s.cpus for s in slots] == [(0, 1), (2, 3), (4,), (5,)]
+    assert [s.name for s in slots] == ["cpus 0-1", "cpus 2-3", "cpu 4", "cpu 5"]
+    assert make_slots(["cpu"], None, 1) == make_slots(["cpu"], None, None) == [Slot("here")]
+
+
+@pytest.mark.parametrize("kinds, devices, jobs, message", [
+    (["cpu"], None, 7, r"only 6 CPU core\(s\)"),
+    (["cuda:0"], None, 2, "for GPUs use --devices"),
+    (["cpu"], ("all",), None, "on CPU use --jobs"),
+    (["cuda:0"], ("all",), 2, "give one"),
+])
+def test_slots_that_cannot_work_are_refused(six_cores, kinds, devices, jobs, message):
+    with pytest.raises(GcbenchError, match=message):
+        make_slots(kinds, devices, jobs)
+
+
+def test_gpu_slots_follow_this_process_cuda_visible_devices(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    slots = make_slots(["cuda:0"], ("cuda:1", "cuda:2"), None)
+    assert [(s.name, s.cuda_visible) for s in slots] == [("cuda:1", "6"), ("cuda:2", "7")]
+    assert [s.cuda_visible for s in make_slots(["cuda:0"], ("all",), None)] == ["4", "6", "7"]
+    with pytest.raises(GcbenchError, match="only 3 CUDA device"):
+        make_slots(["cuda:0"], ("cuda:3",), None)
+
+
+def test_each_item_runs_once_across_the_workers():
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def worker(slot):
+        def work(item):
+            time.sleep(0.001 * (item % 3))
+            with lock:
+                seen.append((slot, item))
+        return work
+
+    run_side_by_side(range(50), [worker(s) for s in range(3)], threading.Event())
+    assert sorted(item for _, item in seen) == list(range(50))
+    assert len({slot for slot, _ in seen}) > 1
+
+
+def test_a_worker_error_stops_the_others_and_is_raised():
+    cancel = threading.Event()
+    done: list[int] = []
+
+    def failing(item):
+        raise GcbenchError("cannot write results: the disk is full")
+
+    def slow(item):
+        while not cancel.is_set():
+            time.sleep(0.01)
+        done.append(item)
+        raise KeyboardInterrupt  # what a runner does when cancelled
+
+    with pytest.raises(GcbenchError, match="disk is full"):
+        run_side_by_side(range(4), [slow, failing], cancel)
+    assert cancel.is_set() and len(done) == 1
+
+
+def test_cpu_records_side_by_side_say_their_time_is_not_comparable():
+    slot = Slot("cpu 1", cpus=(1,))
+    ok = side_by_side_fields({"status": "ok", "timing_notes": ["few steps"]}, slot, 2)
+    assert ok["device_slot"] == "cpu 1" and ok["parallel_jobs"] == 2 and ok["timing_stable"] is False
+    assert ok["timing_notes"][0] == "few steps" and "not comparable" in ok["timing_notes"][1]
+    gpu = side_by_side_fields({"status": "ok"}, Slot("cuda:1", cuda_visible="1"), 2)
+    assert gpu == {"device_slot": "cuda:1", "parallel_jobs": 2}  # a GPU of its own: its time stands
+
+
+def test_jobs_give_each_config_its_slot_cores_as_threads(six_cores, tmp_path):
+    grid = SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": 1, "device": "cpu", "jobs": 3,
+                                 "out": tmp_path / "r.jsonl"})
+    assert {spec.threads for spec in Sweep(grid).specs} == {2}
+    over = SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": 1, "device": "cpu", "jobs": 3,
+                                 "threads": 4, "out": tmp_path / "r.jsonl"})
+    with pytest.raises(GcbenchError, match="--threads 4 is more than the 2 core"):
+        Sweep(over)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--jobs", "0"], "--jobs: expected 1 or more jobs"),
+    (["--devices", "gpu1"], "--devices: expected all or a list of cuda:N"),
+    (["--devices", "cuda:0,cuda:0"], "--devices: a GPU given twice"),
+    (["--devices", "all"], "--devices spreads a sweep over GPUs"),
+    (["--jobs", "2", "--isolation", "none"], "cannot run configs side by side"),
+])
+def test_bad_side_by_side_options_are_one_line_exit_2(tmp_path, args, message):
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["sweep", *GRID, *FAST, "--out", str(out), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def _sweep(out: Path, *args: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gcbench", "sweep", *GRID, *FAST, "--out", str(out), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.slow  # two children at a time on the CI's two cores, and a driver killed and run again
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores and CPU affinity")
+def test_jobs_2_runs_every_config_once_and_resumes_after_the_driver_is_killed(tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = _sweep(out, "--jobs", "2")
+    deadline = time.monotonic() + 240
+    while not (out.exists() and out.read_text().count("\n") >= 2):  # one configuration (its two policies) in
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    before = read_records(out)
+    assert 2 <= len(before) < 8
+
+    finished = _sweep(out, "--jobs", "2")
+    stdout, stderr = finished.communicate(timeout=300)
+    assert finished.returncode == 0, stderr
+    stored = read_records(out)
+    assert len(stored) == 8 and len({config_key(r) for r in stored}) == 8  # every config exactly once
+    assert stored[:len(before)] == before and all(r["status"] == "ok" for r in stored)
+    resumed = [r for r in stored if r["sweep_id"] != before[0]["sweep_id"]]
+    assert {r["device_slot"] for r in stored} <= {"cpu 0", "cpu 1"}
+    assert {r["threads"] for r in stored} == {1} and {r["parallel_jobs"] for r in stored} == {2}
+    assert all("not comparable" in r["timing_notes"][-1] for r in resumed)
+    assert "not comparable" in stderr  # the warning as the sweep starts
+
+
+@pytest.mark.slow  # a fresh interpreter with the fake GPUs installed in every process
+def test_devices_all_runs_one_config_per_gpu_each_child_seeing_one(tmp_path):
+    out, log = tmp_path / "r.jsonl", tmp_path / "cuda.log"
+    args = [a if a != "cpu" else "cuda" for a in FAST]
+    proc = subprocess.run([sys.executable, "-m", "gcbench", "sweep", *GRID, *args, "--devices", "all", "--out",
+                           str(out)], env=subprocess_env(log, devices=2), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = read_records(out)
+    assert len(records) == 8 and len({config_key(r) for r in records}) == 8
+    assert {r["device"] for r in records} == {"cuda:0"}  # each child's only GPU: the identity does not depend on it
+    assert {r["device_slot"] for r in records} == {"cuda:0", "cuda:1"}
+    inits = [c for c in read_log(log) if c.name == "cuda_init"]
+    assert {c.args for c in inits} == {("0",), ("1",)}  # every child saw exactly one GPU, both GPUs were used
+    # One initialisation per child (8 configs, 4 paired timings), none in the driver: it must hold no GPU memory.
+    assert len(inits) == len({c.pid for c in inits}) == 12
+    assert json.loads(out.read_text().splitlines()[0])["env"]["gpu_name"]
+
+
+# ------------------------------------------------------------------------------------------ jobs through submitit
+
+CLUSTER_GRID = ["--model", "tiny-llama", "--seq", "32", "--batch", "1,2", "--policy", "none,full", *FAST,
+                "--memory-cap", "5.5MiB"]  # batch 2 without checkpointing runs out of it (tests/test_sweep.py)
+
+
+@pytest.mark.parametrize("state, status", [("TIMEOUT", "timeout"), ("OUT_OF_MEMORY", "oom"), ("FAILED", "error"),
+                                           ("CANCELLED by 1234", "error"), ("NODE_FAIL", "error")])
+def test_a_job_slurm_ended_is_recorded_by_its_state(state, status):
+    got, why = job_failure(state, "77_3", RuntimeError("Job 77_3 failed\nlast line of its stderr"))
+    assert got == status and "77_3" in why and state.split()[0] in why
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slurm-partition", "gpu"], "--slurm-partition is for --executor slurm"),
+    (["--executor", "local", "--jobs", "2"], "--devices, --jobs and --isolation none do not apply"),
+    (["--executor", "pbs"], "--executor: unknown executor 'pbs' (slurm, local)"),
+])
+def test_bad_executor_options_are_one_line_exit_2(tmp_path, args, message):
+    result = runner.invoke(app, ["sweep", *CLUSTER_GRID, "--out", str(tmp_path / "r.jsonl"), *args])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_a_slurm_driver_plans_cuda_configs_without_a_gpu_of_its_own(tmp_path):
+    """The driver runs on a login node: --device cuda is checked for its form only, and auto is refused."""
+    grid = [a if a != "cpu" else "cuda" for a in CLUSTER_GRID]
+    result = runner.invoke(app, ["sweep", *grid, "--executor", "slurm", "--slurm-partition", "gpu", "--out",
+                                 str(tmp_path / "r.jsonl"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "slurm jobs" in result.stdout and "device cuda" in result.stdout
+    auto = [a if a != "cpu" else "auto" for a in CLUSTER_GRID]
+    refused = runner.invoke(app, ["sweep", *auto, "--executor", "slurm", "--out", str(tmp_path / "r.jsonl")])
+    assert refused.exit_code == 2 and "give --device cuda or --device cpu" in refused.stderr
+
+
+def test_without_submitit_the_executor_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "submitit", None)  # import submitit raises ImportError
+    result = runner.invoke(app, ["sweep", *CLUSTER_GRID, "--executor", "local", "--out", str(tmp_path / "r.jsonl")])
+    assert result.exit_code == 2 and "pip install 'gcbench[slurm]'" in result.stderr
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.slow  # each job is a fresh interpreter importing torch and transformers
+def test_local_executor_runs_the_grid_into_one_file_with_its_oom(tmp_path):
+    pytest.importorskip("submitit")
+    out = tmp_path / "r.jsonl"
+    result = subprocess.run([sys.executable, "-m", "gcbench", "sweep", *CLUSTER_GRID, "--executor", "local",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = read_records(out)
+    got = {(r["batch_size"], r["policy"]): r["status"] for r in records}
+    assert got == {(1, "none"): "ok", (1, "full"): "ok", (2, "none"): "oom", (2, "full"): "ok"}
+    assert len({r["job_id"] for r in records}) == 2 and {r["executor"] for r in records} == {"local"}
+    assert len({r["sweep_id"] for r in records}) == 1  # the driver's sweep, not each job's
+    assert all(r["env"] for r in records) and "time_ratio" in records[1]  # measured by the job's children, paired
+    assert not jobs_path(out).exists()  # every job collected
+
+    again = subprocess.run([sys.executable, "-m", "gcbench", "sweep", *CLUSTER_GRID, "--executor", "local",
+                            "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and read_records(out) == records  # resumed: nothing submitted, nothing added
+
+
+@pytest.mark.slow  # jobs that outlive their driver, then a second driver collecting them
+def test_a_killed_driver_collects_its_jobs_instead_of_submitting_again(tmp_path):
+    pytest.importorskip("submitit")
+    out = tmp_path / "r.jsonl"
+    driver = _cluster_driver(out)
+    deadline = time.monotonic() + 120
+    while not jobs_path(out).exists():
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
+        time.sleep(0.05)
+    submitted = {j["job_id"] for j in json.loads(jobs_path(out).read_text())["jobs"].values()}
+    driver.send_signal(signal.SIGKILL)
+    driver.communicate()
+
+    again = _cluster_driver(out)
+    _, stderr = again.communicate(timeout=600)
+    assert again.returncode == 0, stderr
+    records = read_records(out)
+    assert len(records) == 4 and len({config_key(r) for r in records}) == 4  # every config exactly once
+    assert {r["job_id"] for r in records} <= submitted  # collected from the first driver's jobs, none new
+
+
+def _cluster_driver(out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gcbench", "sweep", *CLUSTER_GRID, "--executor", "local",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
