@@ -63,7 +63,7 @@ def _root(ctx: typer.Context, _version: Annotated[
 
 
 ESTIMATE_AXES = ("model", "seq_len", "batch_size", "policy", "precision", "optimizer", "optim_in_backward",
-                 "grad_accum")
+                 "grad_accum", "shard", "nproc")
 ESTIMATE_FIELDS = (*ESTIMATE_AXES, "layers", "attn")
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
-from gcbench.spec import RunSpec, parse_int, spec_options
+from gcbench.spec import RunSpec, crossed_out, parse_int, spec_options
 from gcbench.units import fmt_bytes
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
@@ -180,9 +180,8 @@ class SweepSpec:
         return specs
 
     def _crossed_out(self, fields: Mapping[str, Any]) -> bool:
-        """The optimizer in backward with accumulation, from a grid that crosses several values of either."""
-        crossed = len(self.values.get("optim_in_backward", ())) > 1 or len(self.values.get("grad_accum", ())) > 1
-        return crossed and bool(fields.get("optim_in_backward")) and fields.get("grad_accum", 1) > 1
+        """A combination that cannot be one config, from a grid that crosses several values (spec.crossed_out)."""
+        return crossed_out(fields, self.values)
 
     def left_out(self) -> str | None:
         """What expand() leaves out of the grid, in one line; None when nothing."""
@@ -192,7 +191,7 @@ class SweepSpec:
         if not n:
             return None
         return (f"{n} config{'s' if n != 1 else ''} left out: --optim-in-backward on cannot accumulate gradients "
-                f"(--grad-accum above 1)")
+                f"(--grad-accum above 1), and --nproc above 1 is a sharded run (not --shard none)")
 
     def shared_options(self) -> str:
         """The options every config shares, as one line for tables."""

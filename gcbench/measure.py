@@ -33,10 +33,17 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """A tensor's storage. A DTensor (an FSDP2-sharded parameter, its gradient, its optimizer state) is a wrapper
+    without storage of its own: its storage is this rank's shard's (`_local_tensor`, which FSDP2 reads too)."""
+    local = getattr(t, "_local_tensor", None)
+    return (t if local is None else local).untyped_storage()
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor], granularity_bytes: int = 1) -> int:
     """Bytes of the distinct storages behind `tensors` (views and tied weights counted once), each rounded up to
     `granularity_bytes`. Keyed by storage object, not data pointer: fake tensors all point at address 0."""
-    storages = {id(s): s for s in (t.untyped_storage() for t in tensors)}
+    storages = {id(s): s for s in map(storage_of, tensors)}
     return sum(round_up(s.nbytes(), granularity_bytes) for s in storages.values())
 
 
@@ -61,7 +68,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
-            self._add(t.untyped_storage())
+            self._add(storage_of(t))
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -88,7 +95,7 @@ class LiveTensorTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage())
+                self._add(storage_of(t))
         return out
 
 
@@ -124,8 +131,12 @@ class SavedActivations:
     `note_saved`. Tensors an inner hook moves off the device (activation offload) are not counted here.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor]):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+    def __init__(self, exclude: Iterable[torch.Tensor],
+                 exclude_now: Callable[[], Iterable[torch.Tensor]] | None = None):
+        self._exclude = {storage_of(t).data_ptr() for t in exclude}
+        # Parameters as they are while the forward runs: FSDP2 gathers a sharded block's parameters before its
+        # forward, so what autograd saves of them is not in `exclude` (the shards).
+        self._exclude_now = exclude_now
         self._saved: dict[int, int] = {}
 
     @property
@@ -133,8 +144,9 @@ class SavedActivations:
         return sum(self._saved.values())
 
     def add(self, t: torch.Tensor) -> None:
-        s = t.untyped_storage()
-        if s.data_ptr() not in self._exclude:
+        s = storage_of(t)
+        now = {storage_of(p).data_ptr() for p in self._exclude_now()} if self._exclude_now else set()
+        if s.data_ptr() not in self._exclude and s.data_ptr() not in now:
             self._saved[s.data_ptr()] = s.nbytes()
 
     @contextmanager

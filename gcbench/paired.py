@@ -27,8 +27,9 @@ from gcbench.timing import paired_fields, paired_rounds
 
 def pairable(spec: RunSpec) -> bool:
     """Whether a policy can be timed paired. A compiling policy cannot: applying it resets Dynamo (which does not
-    guard on its options), so every round would compile again; its ratio stays the unpaired one."""
-    return not spec.policy.compiles
+    guard on its options), so every round would compile again; nor a sharded run, whose step is its ranks'. Their
+    ratio stays the unpaired one."""
+    return not spec.policy.compiles and spec.shard == "none"
 
 
 def choose_baseline(records: Sequence[dict[str, Any]]) -> str:

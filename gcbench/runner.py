@@ -35,6 +35,8 @@ from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.policies import Plan
 from gcbench.results.schema import new_record
+from gcbench.sharded import run_sharded
+from gcbench.sharding import AgreedBudget, shard_model
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes, param_shapes
 from gcbench.timing import timing_verdict
@@ -97,7 +99,7 @@ def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak:
         return f"--memory-cap allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
 
     cuda = spec.device.startswith("cuda")
-    need = model_state_bytes(spec, size.shapes, cuda)
+    need = model_state_bytes(spec, size.shapes, cuda) // spec.nproc  # a sharded run's ranks hold 1/nproc each
     for limit, by_cap in limits:
         if limit is not None and need > 0.9 * limit:
             per_block = model_state_bytes(spec, size.block_shapes, cuda)
@@ -124,6 +126,8 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     WontFit instead when the device itself is too small (a memory cap stands for a smaller device: that is still an
     `oom` result)."""
     spec.check_runnable()
+    if spec.shard != "none" and not _in_rank():
+        return run_sharded(spec, progress or (lambda _: None))  # torchrun starts the ranks, each runs this again
     record = new_record(spec.as_record())
     spec = resolve_plan(spec)  # a plan's mix, chosen for this shape before anything is allocated
     if isinstance(spec.policy, Plan):
@@ -159,7 +163,11 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     progress("building model")
     torch.manual_seed(spec.seed)
     model = build_model(config, spec.device, spec.param_dtype)
-    undo_policy = spec.policy.apply(find_blocks(model))
+    blocks = find_blocks(model)  # the ModuleList: the policy puts its wrappers back into it
+    undo_policy = spec.policy.apply(blocks)
+    sharded = spec.shard != "none"
+    if sharded:  # after the policy, as torchtitan does: FSDP gathers a block, the checkpoint runs inside it
+        shard_model(model, blocks, spec.precision)
     step = TrainingStep(model, make_optimizer(spec, model), make_batch(spec, config, spec.device), spec)
     spec.policy.prepare(step)
     compile_ms = _compile_ms(step) if spec.policy.compiles else None
@@ -172,7 +180,7 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     out["param_bytes"] = storage_bytes(step.params())
     out["grad_bytes"] = storage_bytes(step.grads())
     out["optimizer_bytes"] = storage_bytes(step.optimizer_state())
-    out.update(instrument.time_steps(step, spec.budget, progress))
+    out.update(instrument.time_steps(step, AgreedBudget(spec.budget) if sharded else spec.budget, progress))
     out["timing_stable"], out["timing_notes"] = timing_verdict(out, instrument.kind)
     out.update(instrument.peak_fields(step, progress))
     if hidden and instrument.kind == "cpu":
@@ -182,25 +190,32 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     with counting_flops() as flops:
         saved_bytes = _saved_bytes(step)
     offloaded = spec.policy.offloaded_bytes(step.model)  # what the policy's blocks moved in the forward just run
-    undo_policy()
-    progress("counting model FLOPs")
-    with counting_flops() as model_flops:
-        step.forward_backward()
+    model_flops = None
+    if not sharded:  # a sharded block cannot lose its checkpoint wrapper: FSDP2 hooks the wrapper (no MFU then)
+        undo_policy()
+        progress("counting model FLOPs")
+        with counting_flops() as model_flops:
+            step.forward_backward()
 
     median_s = out["step_ms_median"] / 1e3
     out["saved_activation_bytes"] = hidden_saved_bytes if hidden else saved_bytes
     out["flops"] = None if hidden else flops.get_total_flops()
-    out["model_flops"] = model_flops.get_total_flops()
+    out["model_flops"] = model_flops.get_total_flops() if model_flops is not None else None
     known = out["flops"] is not None and out["model_flops"]
     out["recompute_flops_ratio"] = out["flops"] / out["model_flops"] - 1 if known else None
     out["tokens_per_s"] = spec.batch_size * spec.grad_accum * spec.seq_len / median_s  # every micro-batch
     peak = instrument.peak_flops() if spec.precision != "fp32" else None
-    out["mfu"] = out["model_flops"] / median_s / peak if peak else None
+    out["mfu"] = out["model_flops"] / median_s / peak if peak and out["model_flops"] else None
     if compile_ms is not None:
         out["compile_ms"] = compile_ms
     if offloaded is not None:
         out["offloaded_bytes"] = offloaded
     return out
+
+
+def _in_rank() -> bool:
+    """Whether this process is a rank of a sharded run (its world may be one process: --nproc 1)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 @contextmanager
@@ -217,7 +232,8 @@ def torch_threads(n: int) -> Iterator[None]:
 def _saved_bytes(step: TrainingStep) -> int:
     """Bytes the first micro-batch's forward saves for backward (saved_tensors_hooks; parameters excluded), then a
     whole step's forward and backward passes, so that FLOPs counted around it are the step's."""
-    saved = SavedActivations(exclude=step.params())
+    sharded = step.model.parameters if any(hasattr(p, "_local_tensor") for p in step.params()) else None
+    saved = SavedActivations(exclude=step.params(), exclude_now=sharded)
     for i, micro_batch in enumerate(step.micro_batches):
         with saved.recording() if i == 0 else nullcontext():
             loss = step.forward(micro_batch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,9 +36,10 @@ PRECISIONS = {
 # run for days, seeds torch.manual_seed refuses.
 LIMITS = {"seq_len": (1, 2**31 - 1), "batch_size": (1, 2**31 - 1), "layers": (1, 1_000),
           "warmup_steps": (1, 1_000_000), "measure_steps": (1, 1_000_000), "max_steps": (1, 1_000_000),
-          "seed": (0, 2**63 - 1), "threads": (1, 4096), "grad_accum": (1, 65_536)}
+          "seed": (0, 2**63 - 1), "threads": (1, 4096), "grad_accum": (1, 65_536), "nproc": (1, 4096)}
 AUTO = "auto"  # --steps auto, --threads auto
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
+SHARDS = ("none", "fsdp2")
 
 
 # --------------------------------------------------------------------------------------------------- one value
@@ -185,6 +186,11 @@ class RunSpec:
                                      flag_value="on")
     grad_accum: int = option("grad-accum", "micro-batches of --batch per optimizer step (gradient accumulation: "
                              "the memory of one micro-batch, the tokens of all)", 1, axis=True, ascending=True)
+    shard: str = option("shard", "none | fsdp2: parameters, gradients and optimizer state sharded over --nproc "
+                        "ranks (FSDP2 on each block and the root; --batch is per rank)", "none", parse=parse_name,
+                        metavar="NAME", axis=True)
+    nproc: int = option("nproc", "ranks of a sharded run, started by torchrun: one GPU each (cuda:N, N+1, ...), or "
+                        "CPU processes talking through gloo", 1, axis=True, ascending=True)
     device: str = option("device", "auto | cpu | cuda[:N]; auto is cuda:0 when there is a GPU", "auto",
                          parse=parse_name, metavar="NAME")  # resolved when made: "cpu" or an explicit "cuda:N"
     attn: str | None = option("attn", "attention implementation: eager | sdpa (default: sdpa where the model's "
@@ -247,8 +253,31 @@ class RunSpec:
             _check_flash_attention(self.device, self.precision)
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise GcbenchError("--memory-cap must be positive")
+        self._check_sharding()
         config, _ = self.model_config()
         self.policy.validate(config.num_hidden_layers)
+
+    def _check_sharding(self) -> None:
+        if self.shard not in SHARDS:
+            raise GcbenchError(f"unknown --shard {self.shard!r} ({', '.join(SHARDS)})")
+        if self.shard == "none":
+            if self.nproc > 1:
+                raise GcbenchError(f"--nproc {self.nproc} needs --shard fsdp2: gcbench measures sharded training "
+                                   "(per-rank memory), not plain data parallel")
+            return
+        if self.policy.compiles:
+            raise GcbenchError(f"--policy {self.policy.name} compiles the blocks, and compiled blocks under FSDP2 draw "
+                               "other dropout masks than eager ones: the gradients would not equal none's; not "
+                               "with --shard fsdp2")
+        if self.optim_in_backward:
+            raise GcbenchError("--optim-in-backward steps plain parameters inside backward; FSDP2's are sharded "
+                               "(DTensors) and reduce-scattered after it: not with --shard fsdp2")
+        if self.device.startswith("cuda") and not DEVICES_ELSEWHERE.get():
+            import torch
+
+            first, count = int(self.device.split(":")[1]), torch.cuda.device_count()
+            if first + self.nproc > count:
+                raise GcbenchError(f"--nproc {self.nproc} needs a GPU per rank from {self.device}: {count} here")
 
     def check_runnable(self) -> None:
         """GcbenchError when this machine cannot run the config: a package its optimizer needs is not installed.
@@ -306,6 +335,16 @@ class RunSpec:
             raise GcbenchError(f"record has options {record.get('policy_options')!r} that policy "
                                f"{policy.name!r} does not take") from None
         return cls(**values)
+
+
+def crossed_out(fields: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) -> bool:
+    """Whether a grid that crosses several values leaves this combination out: the optimizer in backward with
+    accumulation, or several ranks without sharding. Given alone, such a combination is an error (RunSpec says)."""
+    varies = lambda *names: any(len(values.get(n, ())) > 1 for n in names)  # noqa: E731
+    in_backward = fields.get("optim_in_backward") and fields.get("grad_accum", 1) > 1
+    if varies("optim_in_backward", "grad_accum") and in_backward:
+        return True
+    return varies("shard", "nproc") and fields.get("shard", "none") == "none" and fields.get("nproc", 1) > 1
 
 
 def spec_options() -> dict[str, Option]:

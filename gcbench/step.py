@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from gcbench.optimizers import optimizer_kind
+from gcbench.sharding import rank_and_world
 
 Mark = Callable[[str], None]  # called with each phase (results.schema.PHASES) as it starts, then with "end"
 
@@ -149,10 +150,15 @@ def make_optimizer(spec: StepSpec, model: nn.Module, multi_tensor: bool | None =
 
 def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
     """Random token ids for the whole step (grad_accum x batch rows); labels = inputs (causal LM shifts them, MLM
-    predicts them)."""
+    predicts them). In a sharded run, this rank's rows of every rank's: together the ranks train on exactly the
+    rows one process of world x batch rows would (the same seed draws them)."""
     gen = torch.Generator().manual_seed(spec.seed)
+    rank, world = rank_and_world()
     rows = spec.batch_size * spec.grad_accum
-    ids = torch.randint(0, config.vocab_size, (rows, spec.seq_len), generator=gen).to(device)
+    ids = torch.randint(0, config.vocab_size, (rows * world, spec.seq_len), generator=gen)
+    if world > 1:
+        ids = ids[rank * rows:(rank + 1) * rows].clone()  # its own storage: the other ranks' rows are not its memory
+    ids = ids.to(device)
     return {"input_ids": ids, "labels": ids}
 
 

@@ -307,7 +307,9 @@ def test_gpu_validation_script_runs_every_step_and_resumes(tmp_path):
     del counts["fit.jsonl"]
     assert counts == {"tiny-llama-canonical.jsonl": {"ok": 5}, "tiny-llama-4layers.jsonl": {"ok": 16},
                       "tiny-gpt2.jsonl": {"ok": 5}, "tiny-llama-oom-line.jsonl": {"ok": 6, "oom": 2},
-                      "tiny-llama-4layers-levers.jsonl": {"ok": 2 * 3 * 2}}  # 2 policies x 3 optimizers x in bwd
+                      "tiny-llama-4layers-levers.jsonl": {"ok": 2 * 3 * 2},  # 2 policies x 3 optimizers x in bwd
+                      "tiny-gpt2-devices-all.jsonl": {"ok": 2 * 2},  # batch 1 and 2 x none, full
+                      "tiny-llama-4layers-fsdp2.jsonl": {"ok": 3 * 2}}  # 3 policies x sharded or not
     assert "prediction error · tiny-gpt2" in first.stdout and "analytic" in first.stdout
     assert "Prediction error per method" in (results / "report/report.md").read_text()
     assert "ratio gcbench / bare" in (results / "overhead.txt").read_text()
@@ -327,6 +329,7 @@ def test_gpu_validation_plan_prints_without_a_gpu():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     for step in ("GPU tests", "llama-7b-canonical: 5 configs", "llama-7b-8layers: 32 configs", "gpt2: 5 configs",
+                 "gpt2-devices-all: 4 configs", "llama-7b-8layers-fsdp2: 6 configs",
                  "llama-7b-oom-line: 32 configs", "harness overhead", "CUDA context", "fit llama-7b-8layers-seq2048",
                  "fit llama-7b-8layers-seq4096", "estimate --fit llama-7b-seq2048", "report",
                  "dry run: nothing was run"):

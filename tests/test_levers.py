@@ -11,6 +11,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from gcbench.cli import app
+from gcbench.results.schema import SCHEMA_VERSION
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
 from gcbench.instruments import CpuInstrument
@@ -345,8 +346,8 @@ def test_adamw8bit_without_bitsandbytes_is_one_clear_line_and_still_predicted(tm
 
 def test_version_1_records_read_as_the_defaults_of_the_new_fields(tmp_path):
     record = run(tiny_spec(seq_len=8))
-    assert record["schema_version"] == 2
-    for name in ("grad_accum", "optim_in_backward"):
+    assert record["schema_version"] == SCHEMA_VERSION
+    for name in ("grad_accum", "optim_in_backward", "shard", "nproc"):
         del record[name]
     record["schema_version"] = 1
     path = tmp_path / "old.jsonl"

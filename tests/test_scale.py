@@ -1,6 +1,7 @@
 """Beyond one device: a sweep's configs side by side on disjoint CPU cores (--jobs) or one per GPU (--devices, on
 fake GPUs here), each config exactly once, resumable after the driver is killed."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,13 +16,17 @@ from typer.testing import CliRunner
 
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
+from gcbench.estimators import estimate
 from gcbench.grid import SweepSpec
 from gcbench.results.schema import config_key
 from gcbench.results.store import read_records
+from gcbench.sharded import merge_ranks
+from gcbench.spec import RunSpec
 from gcbench.sweeps.cluster import job_failure, jobs_path
 from gcbench.sweeps.orchestrate import Sweep
 from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
 from tests.fake_cuda import read_log, subprocess_env
+from tests.helpers import policy_examples
 
 runner = CliRunner()
 FAST = ["--device", "cpu", "--warmup", "1", "--steps", "1"]
@@ -269,3 +274,91 @@ def test_a_killed_driver_collects_its_jobs_instead_of_submitting_again(tmp_path)
 def _cluster_driver(out: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gcbench", "sweep", *CLUSTER_GRID, "--executor", "local",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# ------------------------------------------------------------------------------------------ sharded runs (FSDP2)
+
+SHARDED = ["--model", "tiny-llama", "--seq", "64", "--batch", "2", *FAST, "--warmup", "1", "--steps", "2"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(nproc=2), "--nproc 2 needs --shard fsdp2"),
+    (dict(shard="zero3", nproc=2), "unknown --shard 'zero3'"),
+    (dict(shard="fsdp2", policy="budget"), "compiles the blocks"),
+    (dict(shard="fsdp2", optim_in_backward=True), "not with --shard fsdp2"),
+])
+def test_sharded_specs_that_cannot_run_are_refused(fields, message):
+    with pytest.raises(GcbenchError, match=message):
+        RunSpec(**{"model": "tiny-llama", "seq_len": 32, "batch_size": 1, "device": "cpu", **fields})
+
+
+def test_a_grid_crossing_shard_and_nproc_leaves_out_unsharded_ranks(tmp_path):
+    grid = SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": 1, "policy": "none", "device": "cpu",
+                                 "shard": "none,fsdp2", "nproc": "1,2", "out": tmp_path / "r.jsonl"})
+    assert [(s.shard, s.nproc) for s in grid.expand()] == [("none", 1), ("fsdp2", 1), ("fsdp2", 2)]
+    assert "--nproc above 1 is a sharded run" in grid.left_out()
+
+
+def _rank(rank: int, peak: int, param: int, step_ms: list[float], status: str = "ok", **extra) -> dict:
+    return {"rank": rank, "status": status, "error": None, "peak_tracked_bytes": peak, "param_bytes": param,
+            "grad_bytes": param, "optimizer_bytes": 2 * param, "step_ms": step_ms, "steps_stop": "fixed",
+            "timing_stable": True, "timing_notes": [], "device": "cpu", **extra}
+
+
+def test_ranks_merge_into_one_record_with_each_rank_and_the_slowest_step():
+    spec = RunSpec(model="tiny-llama", seq_len=64, batch_size=2, device="cpu", shard="fsdp2", nproc=2)
+    merged = merge_ranks(spec, [_rank(0, 100, 10, [5.0, 9.0, 7.0]), _rank(1, 120, 11, [6.0, 8.0, 7.5])])
+    assert merged["world_size"] == 2 and merged["status"] == "ok" and "rank" not in merged
+    assert merged["peak_tracked_bytes"] == 120 and merged["rank_peak_tracked_bytes"] == [100, 120]
+    assert merged["param_bytes"] == 11 and merged["rank_param_bytes"] == [10, 11]
+    assert merged["step_ms"] == [6.0, 9.0, 7.5] and merged["step_ms_median"] == 7.5
+    assert merged["tokens_per_s"] == pytest.approx(2 * 2 * 64 / 7.5e-3)  # every rank's tokens
+    assert merged["timing_stable"] is False and "gloo" in merged["timing_notes"][-1]  # CPU ranks: never trusted
+    oom = merge_ranks(spec, [_rank(0, 100, 10, []), _rank(1, 130, 10, [], "oom", error="live tensors need ...")])
+    assert oom["status"] == "oom" and oom["error"] == "rank 1: live tensors need ..."
+    lost = merge_ranks(spec, [_rank(0, 100, 10, [5.0])])
+    assert lost["status"] == "error" and "only 1 of 2 ranks" in lost["error"]
+
+
+def test_the_per_rank_estimate_shards_model_state_and_adds_fsdp_terms():
+    one = RunSpec(model="tiny-llama", seq_len=64, batch_size=2, device="cpu", shard="fsdp2", nproc=1)
+    unsharded = estimate(dataclasses.replace(one, shard="none"), "simulate", "cpu")
+    ranks = {n: estimate(dataclasses.replace(one, nproc=n), "simulate", "cpu") for n in (1, 2, 4)}
+    assert ranks[2].param_bytes == pytest.approx(unsharded.param_bytes / 2, abs=1)
+    assert ranks[4].optimizer_bytes == pytest.approx(unsharded.optimizer_bytes / 4, abs=1)
+    # At one rank FSDP only adds (its gathered copies): never less than the unsharded step.
+    assert ranks[1].backward_peak_bytes > unsharded.backward_peak_bytes
+    assert ranks[1].peak_bytes > ranks[2].peak_bytes > ranks[4].peak_bytes
+
+
+@pytest.mark.slow  # torchrun: a fresh interpreter per rank
+def test_every_policy_gives_the_unsharded_gradients_under_fsdp2(tmp_path):
+    out = tmp_path / "grads.json"
+    policies = [p for p in policy_examples() if not RunSpec(model="tiny-llama", seq_len=8, batch_size=1,
+                                                            device="cpu", policy=p).policy.compiles]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "tests.sharded_grads", str(out), *policies], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"none without dropout, vs one process over all rows", *policies}
+    assert {k: v for k, v in results.items() if v != "ok"} == {}
+
+
+@pytest.mark.slow  # torchrun: a fresh interpreter per rank, three sharded configs
+def test_a_sweep_over_nproc_gives_per_rank_state_of_about_half(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["sweep", *SHARDED, "--policy", "full", "--shard", "none,fsdp2", "--nproc", "1,2",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    by = {(r["shard"], r["nproc"]): r for r in read_records(out)}
+    assert set(by) == {("none", 1), ("fsdp2", 1), ("fsdp2", 2)} and all(r["status"] == "ok" for r in by.values())
+    one, two = by["fsdp2", 1], by["fsdp2", 2]
+    assert two["world_size"] == 2 and len(two["rank_peak_tracked_bytes"]) == 2
+    for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert two[name] == pytest.approx(one[name] / 2, rel=0.01)  # 1/N, but for FSDP2's padding
+        assert all(v == pytest.approx(one[name] / 2, rel=0.01) for v in two[f"rank_{name}"])
+    assert one["param_bytes"] == by["none", 1]["param_bytes"]  # one rank holds everything
+    for r in (one, two):  # the per-rank prediction against the rank that peaked (exact on CPU: within 10%)
+        assert r["predicted_peak_bytes"] == pytest.approx(r["peak_tracked_bytes"], rel=0.10)
+    assert two["tokens_per_s"] > 0 and "gloo" in two["timing_notes"][-1]

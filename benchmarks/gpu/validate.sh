@@ -49,12 +49,14 @@ if [ "$smoke" = 0 ]; then
   line_seqs=512,1024,2048,4096 line_batches=1,2,4,8 line_cap=() rounds=30 lever_seq=2048 lever_batch=4
   lever_policies=none,full,sqrtn lever_optimizers=adamw,adamw-loop,adamw-fused,adafactor
   fit_seqs=(2048 4096) fit_full_seq=2048 fit_budget=() fit_policies=()  # 4096: llama-7b's positions
+  shard_device=()
 else  # the same plan on tiny models; a memory cap puts the OOM line within reach
   dir="results/gpu-smoke/$slug" report="results/gpu-smoke/$slug/report"
   large=tiny-llama small=tiny-gpt2 layers=4 seq=64 long_seqs=64 long_batches=1,2 small_seq=64 small_batch=2
   line_seqs=64,128 line_batches=1,4 line_cap=(--memory-cap 16MiB) rounds=2 lever_seq=64 lever_batch=2
   lever_policies=none,full lever_optimizers=adamw,adamw-loop
   fit_seqs=(64) fit_full_seq=128 fit_budget=(--memory 16MiB) fit_policies=(--policy none,full,plan)
+  shard_device=(--device cpu)
 fi
 
 # stop_if_interrupted <exit status>: a step stopped by a signal (>= 128, e.g. 130 after Ctrl-C) stops the validation
@@ -86,7 +88,7 @@ sweep() {
   local args=("$@") i  # options of several values multiply the grid too
   for ((i = 0; i + 1 < ${#args[@]}; i++)); do
     case "${args[i]}" in
-      --optimizer|--optim-in-backward|--grad-accum|--precision) n=$((n * $(configs "${args[i + 1]}"))) ;;
+      --optimizer|--optim-in-backward|--grad-accum|--precision|--shard|--nproc) n=$((n * $(configs "${args[i + 1]}"))) ;;
     esac
   done
   echo "== $name: $n configs ($(done_note "$out"))"
@@ -137,6 +139,12 @@ sweep "$small-devices-all" "$small_seq" 1,"$small_batch" none,full --model "$sma
 # Not paired: this line is about where memory runs out, and pairing would build the 7B model once more per shape.
 sweep "$large-oom-line" "$line_seqs" "$line_batches" none,full --model "$large" --warmup 1 --steps 3 --no-paired \
   ${line_cap[@]+"${line_cap[@]}"}
+
+# FSDP2's machinery at world size 1 (docs/scale.md): the same configs sharded over one rank and unsharded; one GPU
+# cannot show per-rank savings, only what the gathers, hooks and DTensor optimizer cost. The smoke run takes the
+# CPU path (gloo): the fake GPU has no NCCL.
+sweep "$large-${layers}layers-fsdp2" "$lever_seq" "$lever_batch" none,full,sqrtn --model "$large" --layers "$layers" \
+  --shard none,fsdp2 --nproc 1 --steps 5 ${shard_device[@]+"${shard_device[@]}"}
 
 # The memory levers beside checkpointing (docs/levers.md): which one moves the peak, by how much, at what time cost.
 # adamw8bit only where bitsandbytes is installed (the extra gcbench[bnb]).

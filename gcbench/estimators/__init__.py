@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators import analytic, plan, simulate
+from gcbench.estimators import analytic, plan, sharded, simulate
 from gcbench.estimators.prediction import Estimate, Unavailable
-from gcbench.spec import RunSpec
+from gcbench.spec import RunSpec, crossed_out
 
 __all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run",
            "resolve_plan"]
@@ -43,6 +43,9 @@ def estimate(spec: RunSpec, method: str = "simulate", target: str = "cuda", flop
     if target not in TARGETS:
         raise GcbenchError(f"unknown estimate target {target!r} ({', '.join(TARGETS)})")
     spec = plan.resolve(spec, target)
+    if spec.shard != "none":  # per rank: the unsharded step at the rank's batch, and FSDP2's terms
+        one_process = dataclasses.replace(spec, shard="none", nproc=1)
+        return sharded.shard_estimate(estimate(one_process, method, target, flops), spec)
     return simulate.simulate(spec, target, flops=True) if method == "simulate" and flops else \
         _PREDICTORS[method](spec, target)
 
@@ -67,8 +70,8 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     axes["precision"] = [p or default_precision for p in axes.get("precision", [""])]
     names = list(axes)
     # device="cpu": the spec must be valid on this machine; the target only tells what to predict
-    specs = [RunSpec(**dict(zip(names, values)), device="cpu", **spec_fields)
-             for values in itertools.product(*axes.values())]
+    combos = [dict(zip(names, values)) for values in itertools.product(*axes.values())]
+    specs = [RunSpec(**fields, device="cpu", **spec_fields) for fields in combos if not crossed_out(fields, axes)]
     cells = [(spec, _predict_cell(spec, method, target, methods)) for spec in specs for method in methods]
     if all(isinstance(cell, Unavailable) for _, cell in cells):
         raise GcbenchError(f"nothing in this grid can be predicted: {cells[0][1].reason}")

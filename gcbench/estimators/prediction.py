@@ -12,7 +12,7 @@ from gcbench.spec import RunSpec
 # name, `policy_options` its options. The rest of a spec (device, steps, seed) does not change a prediction; the
 # spec's device is always "cpu" here anyway, and the row's `target` says what was predicted.
 ROW_SPEC_FIELDS = ("model", "seq_len", "batch_size", "policy", "policy_options", "layers", "precision", "optimizer",
-                   "optim_in_backward", "grad_accum")
+                   "optim_in_backward", "grad_accum", "shard", "nproc")
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class CheckpointedGroup(StandsFor):
     def forward(self, hidden_states, *args, **kwargs):
         calls, first = [*self.noted, (args, kwargs)], self.first_input
         self.noted, self.first_input = [], None
-        if len(calls) != len(self.blocks) or (first is not None and hidden_states is not first):
+        if len(calls) != len(self.blocks) or (first is not None and not _passed_on(first, hidden_states)):
             raise GcbenchError(f"a checkpointed group of {len(self.blocks)} blocks was not called block after block "
                                "with the hidden states passed on: this model's blocks return tuples, or its block "
                                "loop does more between blocks, so group policies (segments, sqrtn) cannot run it; "
@@ -94,6 +94,17 @@ class CheckpointedGroup(StandsFor):
         for block, (args, kwargs) in zip(self.blocks, calls):
             hidden_states = block(hidden_states, *args, **kwargs)
         return hidden_states
+
+
+def _passed_on(first: Any, hidden_states: Any) -> bool:
+    """Whether the group got the hidden states its first block was given: the same tensor, or (FSDP2 hooks a
+    sharded group's inputs through an autograd function) an alias of the same memory."""
+    if hidden_states is first:
+        return True
+    try:
+        return hidden_states.shape == first.shape and hidden_states.data_ptr() == first.data_ptr() != 0
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class GroupArguments(StandsFor):

@@ -256,7 +256,9 @@ def prediction_grid(part: pd.DataFrame) -> Grid | None:
                 title=f"prediction error · {part['setup'].iloc[0]}",
                 caption=f"error = predicted / measured peak - 1, measured = {part['peak_label'].iloc[0]}; median and "
                         "worst over the configs each method predicts; - = the method cannot predict this policy "
-                        "(analytic knows the block-grouping ones).",
+                        "(analytic knows the block-grouping ones)."
+                        + (" Sharded: both per rank, measured = the rank that peaked highest (docs/scale.md)."
+                           if "shard" in part and (part["shard"] == "fsdp2").any() else ""),
                 numeric={0, 1, 3, 4, 5}, section_ends={len(rows) - 3})
 
 

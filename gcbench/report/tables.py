@@ -29,7 +29,8 @@ def run_table(record: dict[str, Any]) -> Table:
     shape = ", ".join(([record["family"]] if record.get("family") and record["family"] not in record["model"]
                        else []) + ([f"{blocks} blocks"] if blocks else []))
     # the optimizer is named in the model state row; the precision and the other levers here
-    levers = lever_text(record, ("precision", "optim_in_backward", "grad_accum"))
+    levers = lever_text(record, ("precision", "optim_in_backward", "grad_accum", "shard", "nproc"))
+    world = record.get("world_size") or 1
     title = (f"{record['model']}{f' ({shape})' if shape else ''} · seq {record['seq_len']} · batch "
              f"{record['batch_size']} · {policy_label(record)} · {levers} · {where}")
     table = Table(title=title, show_header=True, header_style="bold")
@@ -65,9 +66,15 @@ def run_table(record: dict[str, Any]) -> Table:
         table.add_row("offloaded to host", fmt_bytes(record["offloaded_bytes"]), "host copies per forward (offload)")
     if record.get("compile_ms") is not None:
         table.add_row("compile time", f"{record['compile_ms'] / 1e3:.1f} s", "torch.compile, not in step time")
+    if record.get("shard") not in (None, "none"):
+        peaks = record.get("rank_peak_allocated_bytes") or record.get("rank_peak_tracked_bytes") or []
+        table.add_row("peak per rank", " · ".join(fmt_bytes(p) for p in peaks),
+                      f"each of the {world} ranks (the record's peak and model state: the largest rank's)")
     state = record["param_bytes"] + record["grad_bytes"] + record["optimizer_bytes"]
-    per_param = f"{state / record['n_params']:.1f} B/param: " if record.get("n_params") else ""
-    table.add_row("model state", fmt_bytes(state),
+    # Sharded: a rank holds 1/world of the bytes per parameter.
+    per_param = f"{state * world / record['n_params']:.1f} B/param{f' over {world} ranks' if world > 1 else ''}: " \
+        if record.get("n_params") else ""
+    table.add_row("model state" + (" per rank" if world > 1 else ""), fmt_bytes(state),
                   f"{per_param}params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
                   f"+ {record['optimizer']} {fmt_bytes(record['optimizer_bytes'])}")
     shaky = "~" if record.get("timing_stable") is False else ""
@@ -78,7 +85,8 @@ def run_table(record: dict[str, Any]) -> Table:
                       escape("; ".join(record["timing_notes"])) if not stable else _host_text(record))
     accum = record.get("grad_accum") or 1
     table.add_row("throughput", f"{record['tokens_per_s']:,.0f} tokens/s",
-                  f"batch x seq{f' x {accum} micro-batches' if accum > 1 else ''} / median step")
+                  f"batch x seq{f' x {accum} micro-batches' if accum > 1 else ''}"
+                  f"{f' x {world} ranks' if world > 1 else ''} / median step")
     ratio = record.get("recompute_flops_ratio")
     table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
                   f"{human_count(record['flops'], 'FLOP')} per step vs {human_count(record['model_flops'], 'FLOP')}")
@@ -133,7 +141,8 @@ def _host_text(record: dict[str, Any]) -> str:
     return text
 
 
-LEVERS = {"precision": "precision", "optimizer": "optimizer", "optim_in_backward": "in bwd", "grad_accum": "accum"}
+LEVERS = {"precision": "precision", "optimizer": "optimizer", "optim_in_backward": "in bwd", "grad_accum": "accum",
+          "shard": "shard", "nproc": "ranks"}
 
 
 def _lever_cell(field: str, value: Any) -> str:
@@ -157,8 +166,10 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) 
     shared = lever_text(first, tuple(f for f in LEVERS if f not in varying))
     title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
              f"({predicted}){' · ' + shared if shared else ''} · attention: {kernels}")
+    sharded = any(r.get("shard") not in (None, "none") for r in rows)
     notes = [f"{unit}; activ. = everything else at the peak; in = the phase that reaches the peak (opt: the "
              f"optimizer step, which checkpointing cannot lower); B/p = model state bytes per parameter"
+             + ("; sharded rows: per rank, B/p over all ranks (docs/scale.md)" if sharded else "")
              + (f"; fits = peak <= {fmt_bytes(memory_bytes)}" if memory_bytes else "")]
     stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
     notes += [f"† simulated instead: {escape(reason)}" for reason in stand_ins]
@@ -183,7 +194,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) 
         cells.append(f"[bold]{r['peak_bytes'] / scale:.2f}[/]")
         cells.append(PHASE_SHORT.get(r["peak_phase"], "-"))
         state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
-        cells.append(f"{state / r['n_params']:.1f}" if r.get("n_params") else "-")
+        cells.append(f"{state * (r.get('nproc') or 1) / r['n_params']:.1f}" if r.get("n_params") else "-")
         if memory_bytes:
             cells.append("[green]yes[/]" if r["peak_bytes"] <= memory_bytes else "[red]no[/]")
         cells.append(f"{r['seconds']:.2f}s")

@@ -14,8 +14,10 @@ from typing import Any, TypedDict
 
 from gcbench.units import parse_bytes
 
-SCHEMA_VERSION = 2  # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks)
-READABLE_VERSIONS = (1, 2)  # a version-1 record reads as one with ADDED_SPEC_FIELDS' values
+# 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
+# world_size and the per-rank fields)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # an older record reads as one with ADDED_SPEC_FIELDS' values
 STATUSES = ("ok", "oom", "timeout", "error", "skipped")
 
 
@@ -32,6 +34,8 @@ class SpecFields(TypedDict):
     optimizer: str  # gcbench.optimizers.OPTIMIZERS
     optim_in_backward: bool  # the optimizer stepped per parameter inside backward (no full set of gradients)
     grad_accum: int  # micro-batches of batch_size per optimizer step
+    shard: str  # none | fsdp2 (docs/scale.md)
+    nproc: int  # ranks of a sharded run; batch_size is per rank
     device: str  # resolved: "cpu" or "cuda:N"
     attn: str | None
     warmup_steps: int
@@ -127,12 +131,20 @@ class Record(SpecFields, total=False):
     job_id: str
     config_wall_ms: float | None  # the whole config as the sweep saw it
     stderr_tail: str  # last lines of a failed child's output
+    # a sharded run (shard fsdp2): the record's peak and model state are the largest rank's
+    world_size: int
+    rank_peak_allocated_bytes: list[int]  # each rank's, in rank order (CUDA); rank_peak_tracked_bytes on CPU
+    rank_peak_tracked_bytes: list[int]
+    rank_param_bytes: list[int]  # each rank's shard (about 1/world_size of the unsharded bytes)
+    rank_grad_bytes: list[int]
+    rank_optimizer_bytes: list[int]
     env: dict[str, Any] | None  # versions, device, numeric settings (env.capture_env)
 
 
-# Spec fields version 2 added, with what a version-1 record measured: a reader fills them in, so that an older
-# record is the same configuration as a new one that differs in nothing else.
-ADDED_SPEC_FIELDS = {"optim_in_backward": False, "grad_accum": 1}
+# Spec fields added since version 1, with what an older record measured (one unsharded process, the optimizer after
+# backward, no accumulation): a reader fills them in, so that an older record is the same configuration as a new one
+# that differs in nothing else.
+ADDED_SPEC_FIELDS = {"optim_in_backward": False, "grad_accum": 1, "shard": "none", "nproc": 1}
 PHASES = ("forward", "backward", "optimizer")  # the phases of a training step whose peaks are reported apart
 
 
@@ -142,7 +154,8 @@ def peak_phase(peaks: Mapping[str, int | None]) -> str | None:
     return max(reached, key=lambda p: (peaks[p], -PHASES.index(p))) if reached else None
 
 
-LEVER_FIELDS = ("precision", "optimizer", "optim_in_backward", "grad_accum")  # the levers beside the policy
+# the levers beside the policy
+LEVER_FIELDS = ("precision", "optimizer", "optim_in_backward", "grad_accum", "shard", "nproc")
 
 
 def lever_text(record: Mapping[str, Any], names: tuple[str, ...] = LEVER_FIELDS) -> str:
@@ -155,6 +168,11 @@ def lever_text(record: Mapping[str, Any], names: tuple[str, ...] = LEVER_FIELDS)
             words.append("optimizer in backward" if value is True else "")
         elif name == "grad_accum":
             words.append(f"{value} micro-batches" if isinstance(value, int) and value > 1 else "")
+        elif name == "shard":
+            words.append("" if value in (None, "none") else str(value))
+        elif name == "nproc":
+            sharded = record.get("shard") not in (None, "none")
+            words.append(f"{value} ranks" if isinstance(value, int) and (value > 1 or sharded) else "")
         elif value is not None:
             words.append(str(value))
     return " · ".join(w for w in words if w)
@@ -227,8 +245,11 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
     for name, value in record.items():
         measured = name.endswith(("_bytes", "_ms_median", "_ms_iqr", "_per_s", "_flops", "_ratio", "_rel_iqr")) \
             or name == "mfu"
-        if measured and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            return f"{name} is {value!r}, not a number"
+        # a sharded run's per-rank values (rank_param_bytes: one per rank, in rank order)
+        values = value if name.startswith("rank_") and isinstance(value, list) else [value]
+        if measured and any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))
+                            for v in values):
+            return f"{name} is {value!r}, not a number" + (" per rank" if name.startswith("rank_") else "")
     for name in ("step_ms_ci", "time_ratio_ci"):
         value = record.get(name)
         if value is not None and (not isinstance(value, list) or len(value) != 2 or not all(

@@ -210,7 +210,7 @@ class Sweep:
         writing = {id(r) for _, r in pending}
         for spec, r in ran:
             if not pairable(spec) and id(r) in writing:
-                r["paired_error"] = "not paired: a compiling policy is timed in its own run only"
+                r["paired_error"] = "not paired: a compiling policy or a sharded run is timed in its own run only"
         ran = [(spec, r) for spec, r in ran if pairable(spec)]
         if len(ran) < 2:
             return

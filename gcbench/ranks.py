@@ -1,0 +1,55 @@
+"""One rank of a sharded run, as torchrun starts it (sharded.run_sharded): `python -m gcbench.ranks FOLDER`.
+
+It joins the process group (NCCL on its own GPU, cuda:N + local rank; gloo on CPU), measures the spec in FOLDER
+with runner.run (the model sharded by FSDP2 there), and writes its record to FOLDER/rank-<rank>.json. A rank whose
+run did not succeed (out of memory) exits non-zero after writing, so that torchrun stops the others at once rather
+than leave them waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gcbench.results.schema import new_record
+from gcbench.runner import run
+from gcbench.spec import RunSpec
+
+# A rank that failed ends the run through torchrun; this only bounds a hang nothing else ends.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def main(folder: str) -> int:
+    spec = RunSpec.from_record(json.loads((Path(folder) / "spec.json").read_text()))
+    launched_on = spec.device  # the run's identity; each rank runs on its own GPU from there
+    local = int(os.environ["LOCAL_RANK"])
+    if spec.device.startswith("cuda"):
+        device = torch.device("cuda", int(spec.device.split(":")[1]) + local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
+        spec = dataclasses.replace(spec, device=str(device))
+    else:
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        record = run(spec)
+    except Exception as e:  # noqa: BLE001 - reported as this rank's error record; torchrun stops the others
+        tail = "\n".join(traceback.format_exc().splitlines()[-30:])
+        record = new_record(spec.as_record(), "error", f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
+    record.update(rank=dist.get_rank(), device=launched_on)
+    (Path(folder) / f"rank-{record['rank']}.json").write_text(json.dumps(record, default=str))
+    if record["status"] != "ok":
+        return 1  # without a goodbye: the others may be inside a collective this rank will never join
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

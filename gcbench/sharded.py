@@ -1,0 +1,100 @@
+"""A sharded run (--shard fsdp2): torchrun starts --nproc ranks (gcbench/ranks.py), each measures its share with
+the same protocol as any run (runner.run, in the rank), and their records become one: the world size, each rank's
+peak and model-state bytes with the largest as the record's, the step time of the slowest rank per step, and the
+tokens of all ranks per second."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gcbench.results.schema import new_record
+from gcbench.timing import step_time_fields
+
+# Per-rank measurements: the record keeps the largest (the rank that runs out first), and each rank's in rank_<name>.
+RANK_FIELDS = ("peak_allocated_bytes", "peak_tracked_bytes", "peak_reserved_bytes", "param_bytes", "grad_bytes",
+               "optimizer_bytes", "static_bytes", "activation_peak_bytes", "fwd_bwd_peak_bytes", "forward_peak_bytes",
+               "backward_peak_bytes", "optimizer_peak_bytes", "num_alloc_retries")
+LISTED = ("peak_allocated_bytes", "peak_tracked_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
+TAIL_LINES = 30
+CPU_NOTE = ("CPU ranks share this machine's cores and talk through gloo: the step time checks the tool, it says "
+            "nothing about FSDP's cost on GPUs")
+
+
+def run_sharded(spec, progress) -> dict[str, Any]:
+    """Run `spec` (a RunSpec with shard != none) on spec.nproc ranks under torchrun; its one record."""
+    with tempfile.TemporaryDirectory(prefix="gcbench-ranks-") as tmp:
+        folder = Path(tmp)
+        (folder / "spec.json").write_text(json.dumps(spec.as_record()))
+        log = folder / "torchrun.log"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
+                   "-m", "gcbench.ranks", str(folder)]
+        # Each rank's intra-op threads: --threads (torchrun would set 1 per rank).
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+        progress(f"{spec.nproc} rank(s) running (torchrun)")
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_stop_with_parent if sys.platform == "linux" else None)
+            try:
+                code = proc.wait()
+            except BaseException:  # Ctrl-C, a sweep's timeout: torchrun stops its ranks on SIGTERM
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                raise
+        ranks = [json.loads(p.read_text()) for p in folder.glob("rank-*.json")]
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+    if not ranks:
+        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+        return new_record(spec.as_record(), "error", f"torchrun exited with code {code} and no rank reported: "
+                          f"{last.strip()}"[:500], world_size=spec.nproc, stderr_tail=tail)
+    return merge_ranks(spec, sorted(ranks, key=lambda r: r["rank"]), tail)
+
+
+def merge_ranks(spec, ranks: list[dict[str, Any]], tail: str = "") -> dict[str, Any]:
+    """The record of a sharded run from its ranks' records (sorted by rank)."""
+    merged = {k: v for k, v in ranks[0].items() if k != "rank"}
+    merged["world_size"] = spec.nproc
+    for name in RANK_FIELDS:
+        values = [r.get(name) for r in ranks]
+        if any(v is not None for v in values):
+            merged[name] = max(v for v in values if v is not None)
+            if name in LISTED:
+                merged[f"rank_{name}"] = values
+    failed = [r for r in ranks if r["status"] != "ok"]
+    if failed or len(ranks) < spec.nproc:
+        # One rank's failure stops all (torchrun ends the others): the run is what the first failure says.
+        first = next((r for r in failed if r["status"] == "oom"), failed[0] if failed else None)
+        status, why = (first["status"], f"rank {first['rank']}: {first['error']}") if first else \
+            ("error", f"only {len(ranks)} of {spec.nproc} ranks reported")
+        merged.update(status=status, error=why, stderr_tail=(first or {}).get("stderr_tail") or tail)
+        return merged
+    # A step ends when its slowest rank's does (they meet in every collective).
+    step_ms = [max(times) for times in zip(*(r["step_ms"] for r in ranks))]
+    merged.update(step_time_fields(step_ms, ranks[0]["steps_stop"]))
+    tokens = spec.nproc * spec.batch_size * spec.grad_accum * spec.seq_len
+    merged["tokens_per_s"] = tokens / (merged["step_ms_median"] / 1e3)
+    notes = list(dict.fromkeys(n for r in ranks for n in r.get("timing_notes") or []))
+    if not spec.device.startswith("cuda"):
+        notes.append(CPU_NOTE)
+    merged["timing_notes"] = notes
+    merged["timing_stable"] = all(r.get("timing_stable") for r in ranks) and spec.device.startswith("cuda")
+    return merged
+
+
+def _stop_with_parent() -> None:
+    """In torchrun, before it starts: SIGTERM when the process that started it dies (a sweep's child killed at its
+    timeout), so that no rank outlives the run and holds a GPU."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
