@@ -27,17 +27,23 @@ from gcbench.spec import RunSpec
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """A rank's device: cuda:<first + local rank> from the launcher's cuda:<first>; the CPU for every CPU rank."""
+    if device.startswith("cuda"):
+        return torch.device("cuda", int(device.split(":")[1]) + local_rank)
+    return torch.device("cpu")
+
+
 def main(folder: str) -> int:
     spec = RunSpec.from_record(json.loads((Path(folder) / "spec.json").read_text()))
     launched_on = spec.device  # the run's identity; each rank runs on its own GPU from there
-    local = int(os.environ["LOCAL_RANK"])
-    if spec.device.startswith("cuda"):
-        device = torch.device("cuda", int(spec.device.split(":")[1]) + local)
+    device = rank_device(spec.device, int(os.environ["LOCAL_RANK"]))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
-        spec = dataclasses.replace(spec, device=str(device))
     else:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    spec = dataclasses.replace(spec, device=str(device))  # validated again, as a rank
     try:
         record = run(spec)
     except Exception as e:  # noqa: BLE001 - reported as this rank's error record; torchrun stops the others

@@ -36,7 +36,7 @@ from gcbench.models import build_meta_model, build_model, count_params, find_blo
 from gcbench.policies import Plan
 from gcbench.results.schema import new_record
 from gcbench.sharded import run_sharded
-from gcbench.sharding import AgreedBudget, shard_model
+from gcbench.sharding import AgreedBudget, in_rank, shard_model
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes, param_shapes
 from gcbench.timing import timing_verdict
@@ -126,7 +126,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     WontFit instead when the device itself is too small (a memory cap stands for a smaller device: that is still an
     `oom` result)."""
     spec.check_runnable()
-    if spec.shard != "none" and not _in_rank():
+    if spec.shard != "none" and not in_rank():
         return run_sharded(spec, progress or (lambda _: None))  # torchrun starts the ranks, each runs this again
     record = new_record(spec.as_record())
     spec = resolve_plan(spec)  # a plan's mix, chosen for this shape before anything is allocated
@@ -211,11 +211,6 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     if offloaded is not None:
         out["offloaded_bytes"] = offloaded
     return out
-
-
-def _in_rank() -> bool:
-    """Whether this process is a rank of a sharded run (its world may be one process: --nproc 1)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 @contextmanager

@@ -21,6 +21,10 @@ from gcbench.timing import step_time_fields
 RANK_FIELDS = ("peak_allocated_bytes", "peak_tracked_bytes", "peak_reserved_bytes", "param_bytes", "grad_bytes",
                "optimizer_bytes", "static_bytes", "activation_peak_bytes", "fwd_bwd_peak_bytes", "forward_peak_bytes",
                "backward_peak_bytes", "optimizer_peak_bytes", "num_alloc_retries")
+# What only a run whose every rank finished has (the step's time, its throughput and FLOPs).
+MEASURED_TOGETHER = ("step_ms", "step_ms_median", "step_ms_iqr", "step_ms_rel_iqr", "step_ms_ci", "steps_stop",
+                     "timing_stable", "timing_notes", "tokens_per_s", "mfu", "flops", "model_flops",
+                     "recompute_flops_ratio", "saved_activation_bytes")
 LISTED = ("peak_allocated_bytes", "peak_tracked_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
 TAIL_LINES = 30
 CPU_NOTE = ("CPU ranks share this machine's cores and talk through gloo: the step time checks the tool, it says "
@@ -77,6 +81,8 @@ def merge_ranks(spec, ranks: list[dict[str, Any]], tail: str = "") -> dict[str, 
         status, why = (first["status"], f"rank {first['rank']}: {first['error']}") if first else \
             ("error", f"only {len(ranks)} of {spec.nproc} ranks reported")
         merged.update(status=status, error=why, stderr_tail=(first or {}).get("stderr_tail") or tail)
+        for name in MEASURED_TOGETHER:  # rank 0's own, not the run's: the run did not finish
+            merged.pop(name, None)
         return merged
     # A step ends when its slowest rank's does (they meet in every collective).
     step_ms = [max(times) for times in zip(*(r["step_ms"] for r in ranks))]

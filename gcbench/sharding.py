@@ -12,13 +12,18 @@ import torch
 from torch import nn
 
 
+def in_rank() -> bool:
+    """Whether this process is a rank of a sharded run (its world may be one process: --nproc 1)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank_and_world() -> tuple[int, int]:
     """(this process's rank, the number of ranks); (0, 1) outside a sharded run."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if in_rank() else (0, 1)
 
 
 def shard_model(model: nn.Module, blocks: nn.ModuleList, precision: str) -> None:

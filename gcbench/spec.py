@@ -272,7 +272,9 @@ class RunSpec:
         if self.optim_in_backward:
             raise GcbenchError("--optim-in-backward steps plain parameters inside backward; FSDP2's are sharded "
                                "(DTensors) and reduce-scattered after it: not with --shard fsdp2")
-        if self.device.startswith("cuda") and not DEVICES_ELSEWHERE.get():
+        from gcbench.sharding import in_rank  # a rank's spec names its own GPU: the launcher checked the count
+
+        if self.device.startswith("cuda") and not DEVICES_ELSEWHERE.get() and not in_rank():
             import torch
 
             first, count = int(self.device.split(":")[1]), torch.cuda.device_count()

@@ -220,6 +220,7 @@ def test_warmup_of_zero_is_refused():
 # --------------------------------------------------------------------------------------------------- estimate
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_estimate_for_a_cuda_target_is_the_same_with_a_gpu_present(fake_cuda, monkeypatch):
     args = ["estimate", "--model", "tiny-llama", "--seq", "64", "--policy", "none,sqrtn", "--format", "json"]
     with_gpu = CliRunner().invoke(app, args)

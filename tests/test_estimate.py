@@ -24,6 +24,7 @@ JSON_FIELDS = {"model", "seq_len", "batch_size", "policy", "policy_options", "me
                "grad_bytes", "optimizer_bytes", "activation_bytes", "seconds"}
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("policy", CLASSIC)
 @pytest.mark.parametrize("model", TINY)
 def test_simulate_matches_the_measured_tracked_peak(classic_records, model, policy):
@@ -35,6 +36,7 @@ def test_simulate_matches_the_measured_tracked_peak(classic_records, model, poli
         (record["param_bytes"], record["grad_bytes"], record["optimizer_bytes"])
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("policy", CLASSIC)
 @pytest.mark.parametrize("model", TINY)
 def test_analytic_is_within_ten_percent_of_the_measured_peak(classic_records, model, policy):
@@ -44,6 +46,7 @@ def test_analytic_is_within_ten_percent_of_the_measured_peak(classic_records, mo
     assert predicted.seconds < 2
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model", TINY)
 def test_every_record_carries_the_prediction(classic_records, model):
     record = classic_records[model, "none"]
@@ -51,6 +54,7 @@ def test_every_record_carries_the_prediction(classic_records, model):
     assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]  # exact on CPU
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 @pytest.mark.parametrize("model", TINY)
 def test_both_methods_order_the_policies_alike(model, target):
@@ -60,6 +64,7 @@ def test_both_methods_order_the_policies_alike(model, target):
         assert peak["none"] > peak["every-k:k=2"] > peak["full"], (method, peak)
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
 def test_analytic_follows_simulate_for_a_7b_slice_on_cuda(precision):
     # 4 blocks of llama-7b at seq 4096: activations dominate, flash attention, foreach AdamW
@@ -146,6 +151,7 @@ def test_grid_validates_every_spec_before_running_any():
     assert [(cell.method, cell.stands_in is None) for _, cell in cells] == [("analytic", True), ("simulate", False)]
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_cli_json_has_one_object_per_config_and_method():
     result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "32,64", "--batch", "2", "--policy",
                                  "none,full", "--method", "analytic,simulate", "--device", "cpu", "--format",

@@ -125,6 +125,7 @@ def test_analytic_follows_the_simulation_for_the_families_it_describes(family_pa
             assert abs(ratio - 1) <= 0.10, (family, policy, ratio)
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_estimate_shows_na_for_what_analytic_cannot_and_simulates_it_when_asked_for_analytic_only(family_paths):
     qwen3 = family_paths["qwen3"]
     cells = estimate_grid(grid([qwen3, "tiny-llama"], [SEQ], [1], ["none", "sac"]), ["analytic", "simulate"], "cpu")
@@ -140,6 +141,7 @@ def test_estimate_shows_na_for_what_analytic_cannot_and_simulates_it_when_asked_
     assert cell.peak_bytes == by[qwen3, "none", "simulate"].peak_bytes
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_estimate_with_several_policies_never_aborts_the_grid():
     result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "32", "--policy", "sac,attn,budget",
                                  "--device", "cpu"])

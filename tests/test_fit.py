@@ -218,6 +218,7 @@ def test_fit_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_estimate_fit_predicts_per_policy_for_a_named_gpu():
     result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu-memory",
                                  "12MiB", "--device", "cpu", "--policy", "none,full", "--format", "json"])

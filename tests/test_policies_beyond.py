@@ -196,6 +196,7 @@ def test_sac_counts_cached_outputs_as_saved(records):
     assert saved["sac"] - saved["full"] > 4 * 7 * block_output / 2  # 7 projections per block, most >= hidden wide
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model_name", TINY)
 def test_attn_with_eager_attention_drops_the_probabilities(model_name):
     """Eager attention keeps O(s^2) tensors per block (probabilities, dropout mask); attn keeps none of them."""

@@ -199,6 +199,7 @@ def test_group_without_none_baseline_shows_absolute_numbers(tmp_path, records):
     assert f"{records[3]['peak_tracked_bytes'] / 2**20:,.2f}" in row  # the absolute peak, in MiB
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_mixed_devices_are_kept_apart(tmp_path, records):
     gpu = [on_gpu(r) for r in records]
     frame = results_frame(gcbench.load(write(tmp_path / "mixed.jsonl", records + gpu)))

@@ -242,7 +242,9 @@ def test_local_executor_runs_the_grid_into_one_file_with_its_oom(tmp_path):
     assert got == {(1, "none"): "ok", (1, "full"): "ok", (2, "none"): "oom", (2, "full"): "ok"}
     assert len({r["job_id"] for r in records}) == 2 and {r["executor"] for r in records} == {"local"}
     assert len({r["sweep_id"] for r in records}) == 1  # the driver's sweep, not each job's
-    assert all(r["env"] for r in records) and "time_ratio" in records[1]  # measured by the job's children, paired
+    # Measured by the job's children, then paired (batch 1: both policies ran; the jobs finish in any order).
+    by = {(r["batch_size"], r["policy"]): r for r in records}
+    assert all(r["env"] for r in records) and "time_ratio" in by[1, "full"] and "time_ratio" not in by[2, "full"]
     assert not jobs_path(out).exists()  # every job collected
 
     again = subprocess.run([sys.executable, "-m", "gcbench", "sweep", *CLUSTER_GRID, "--executor", "local",
@@ -316,6 +318,8 @@ def test_ranks_merge_into_one_record_with_each_rank_and_the_slowest_step():
     assert merged["timing_stable"] is False and "gloo" in merged["timing_notes"][-1]  # CPU ranks: never trusted
     oom = merge_ranks(spec, [_rank(0, 100, 10, []), _rank(1, 130, 10, [], "oom", error="live tensors need ...")])
     assert oom["status"] == "oom" and oom["error"] == "rank 1: live tensors need ..."
+    assert "step_ms_median" not in oom and "tokens_per_s" not in oom  # rank 0's alone: not the run's
+    assert oom["rank_peak_tracked_bytes"] == [100, 130]
     lost = merge_ranks(spec, [_rank(0, 100, 10, [5.0])])
     assert lost["status"] == "error" and "only 1 of 2 ranks" in lost["error"]
 
@@ -362,3 +366,58 @@ def test_a_sweep_over_nproc_gives_per_rank_state_of_about_half(tmp_path):
     for r in (one, two):  # the per-rank prediction against the rank that peaked (exact on CPU: within 10%)
         assert r["predicted_peak_bytes"] == pytest.approx(r["peak_tracked_bytes"], rel=0.10)
     assert two["tokens_per_s"] > 0 and "gloo" in two["timing_notes"][-1]
+
+
+def test_a_rank_runs_on_its_own_gpu_and_checks_only_the_launcher_count(monkeypatch):
+    import torch
+
+    from gcbench.ranks import rank_device
+
+    assert rank_device("cuda:2", 1) == torch.device("cuda", 3) and rank_device("cpu", 1) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    fields = dict(model="tiny-llama", seq_len=32, batch_size=1, shard="fsdp2", nproc=2, precision="fp32")
+    RunSpec(device="cuda:0", **fields)  # the launcher: 2 ranks from cuda:0 on 2 GPUs
+    with pytest.raises(GcbenchError, match="needs a GPU per rank from cuda:1: 2 here"):
+        RunSpec(device="cuda:1", **fields)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # inside rank 1: its own GPU
+    assert RunSpec(device="cuda:1", **fields).device == "cuda:1"
+
+
+@pytest.mark.parametrize("args", [["--jobs", "2"], ["--devices", "all", "--device", "cuda"]])
+def test_a_sweep_refuses_sharded_runs_side_by_side(tmp_path, monkeypatch, args):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["sweep", *SHARDED, "--shard", "fsdp2", "--nproc", "2", "--precision", "fp32",
+                                 "--out", str(out), *args])
+    assert result.exit_code == 2 and "run it without --devices or --jobs" in result.stderr, result.output
+    assert not out.exists()
+
+
+def test_a_cluster_job_killed_for_host_memory_is_run_again_by_retry_failed(tmp_path):
+    grid = SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": 1, "policy": "none", "device": "cpu",
+                                 "out": tmp_path / "r.jsonl"})
+    host_oom = {"status": "oom", "oom_limit": "host"}
+    assert Sweep(grid)._counts_as_done(host_oom) and not Sweep(grid, retry_failed=True)._counts_as_done(host_oom)
+    assert Sweep(grid, retry_failed=True)._counts_as_done({"status": "oom"})  # a measured oom is a result
+
+
+@pytest.mark.slow  # two children at a time, then SIGTERM to the driver
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores and CPU affinity")
+def test_sigterm_stops_every_slot_and_keeps_only_whole_records(tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = _sweep(out, "--jobs", "2")
+    deadline = time.monotonic() + 240
+    while not (out.exists() and out.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr
+    records = read_records(out)
+    assert 2 <= len(records) < 8 and all(r["status"] == "ok" for r in records)
+    assert len({config_key(r) for r in records}) == len(records)

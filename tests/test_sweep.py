@@ -143,6 +143,7 @@ def test_unwritable_output_and_other_schema_are_refused(tmp_path):
     assert other.read_text() == content
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_oom_is_a_result_and_larger_batches_are_skipped(tmp_path):
     """Process isolation: the child's OOM comes back as a record, and the larger batch is skipped."""
     out = tmp_path / "r.jsonl"
@@ -221,6 +222,7 @@ def test_error_in_a_child_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatc
     assert "1 error" in result.stdout
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_truncated_last_line_is_warned_about_and_ignored(tmp_path):
     out = tmp_path / "r.jsonl"
     opts = dict(model="tiny-llama", seq=32, batch=1, out=out, isolation="none", progress=False, **FAST)

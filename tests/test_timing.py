@@ -307,6 +307,7 @@ def test_a_policy_that_changes_more_than_the_block_list_is_applied_for_each_of_i
 CAP = "8MiB"  # tiny-llama seq 64 batch 2 (fp32, adamw): none peaks at 8.80 MiB, every-k:k=2 and full under 8 MiB
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_a_sweep_times_its_policies_paired(tmp_path):
     import gcbench
 
@@ -323,6 +324,7 @@ def test_a_sweep_times_its_policies_paired(tmp_path):
     assert all("time_ratio" not in r for r in records)
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_when_none_runs_out_of_memory_the_cheapest_policy_that_fits_is_the_baseline(tmp_path):
     import gcbench
 
@@ -391,6 +393,7 @@ def test_gpu_state_reads_clocks_power_and_temperature_through_nvml(monkeypatch):
     assert instruments.gpu_state(1) is None  # no such GPU
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_ctrl_c_during_the_pairing_writes_the_finished_configs_unpaired(tmp_path, monkeypatch):
     import gcbench
     from gcbench.sweeps.isolation import InProcessRunner
@@ -413,6 +416,7 @@ def test_ctrl_c_during_the_pairing_writes_the_finished_configs_unpaired(tmp_path
     assert [r.get("time_ratio_vs") for r in records] == [None, None, "none", "none"]
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_a_resumed_policy_is_paired_with_the_baseline_that_ran_before(tmp_path, monkeypatch):
     import gcbench
     from gcbench.sweeps.isolation import InProcessRunner

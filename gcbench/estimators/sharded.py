@@ -4,13 +4,16 @@ same per-rank batch (either method) and FSDP2's own terms (docs/scale.md, "The p
 - model state: parameters, gradients and optimizer state, 1/N of the unsharded bytes each (DTensor shards);
 - the root's parameters (embeddings, final norm, head), gathered before the forward and kept gathered until the
   backward ends (FSDP2 does not reshard the root after forward), and in backward their unsharded gradients;
-- two blocks' gathered parameters: the one computing and the next, prefetched (forward and backward);
-- in backward, two blocks' unsharded gradients: the one computing and the one being reduce-scattered (in the
+- two units' gathered parameters: the one computing and the next, prefetched (forward and backward); a unit is a
+  block, or a group policy's whole group (segments, sqrtn: one checkpoint, one FSDP unit);
+- in backward, two units' unsharded gradients: the one computing and the one being reduce-scattered (in the
   reduce dtype: fp32 under amp-bf16);
 - activations, temporaries and recompute: the unsharded step's at this rank's batch (each rank has its own rows);
 - the optimizer step's temporaries: 1/N (it steps the shards).
 Bytes are not rounded to FSDP2's padding (each shard of a dimension not divisible by N is padded: at most N-1 rows
-per parameter). This is a model, not a simulation: no fake process group runs FSDP2 itself here.
+per parameter). Under amp-bf16 the unsharded step's bf16 weight copies (autocast's) are kept, although FSDP2
+gathers bf16 parameters and autocast then copies nothing: likely an overestimate there, not yet measured. This is a
+model, not a simulation: no fake process group runs FSDP2 itself here.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ def shard_estimate(unsharded: Estimate, spec) -> Estimate:
     """The per-rank prediction of `spec` (shard fsdp2, nproc N) from `unsharded`, the same step's prediction in
     one process at the same per-rank batch."""
     world = spec.nproc
-    root, block = _root_and_block_params(spec)
+    root, block, n_blocks = _root_and_block_params(spec)
+    # FSDP's unit: a block, or a group policy's whole group (sharding.shard_model makes each group one unit)
+    block *= max((len(group) for group in spec.policy.groups(n_blocks)), default=1)
     gathered = 2 if spec.precision == "amp-bf16" else torch.tensor([], dtype=spec.param_dtype).element_size()
     reduced = 4 if spec.precision == "amp-bf16" else gathered
     static = unsharded.param_bytes + unsharded.grad_bytes + unsharded.optimizer_bytes
@@ -55,12 +60,12 @@ def shard_estimate(unsharded: Estimate, spec) -> Estimate:
         activation_bytes=phases[phase] - static_rank)
 
 
-def _root_and_block_params(spec) -> tuple[int, int]:
-    """(parameters outside the blocks, parameters of the largest block), from a meta-device build."""
+def _root_and_block_params(spec) -> tuple[int, int, int]:
+    """(parameters outside the blocks, parameters of the largest block, blocks), from a meta-device build."""
     from gcbench.models import build_meta_model, count_params, find_blocks
 
     config, _ = spec.model_config()
     model = build_meta_model(config)
     blocks = find_blocks(model)
     block = max(count_params(b) for b in blocks)
-    return count_params(model) - sum(count_params(b) for b in blocks), block
+    return count_params(model) - sum(count_params(b) for b in blocks), block, len(blocks)

@@ -175,8 +175,9 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) 
     notes += [f"† simulated instead: {escape(reason)}" for reason in stand_ins]
     notes += [f"n/a: {escape(reason)}" for reason in dict.fromkeys(r["not_available"] for r in rows
                                                                    if r["peak_bytes"] is None)]
+    # no padding: the box puts one space between columns, so that a grid with a lever or two fits 80 columns
     table = Table(title=title, caption="\n".join(notes), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption_justify="left")
+                  caption_justify="left", padding=0)
     columns = (["model"] if len(models) > 1 else []) + ["seq", "batch", "policy"] + [LEVERS[f] for f in varying] \
         + ["method", "params", "grads", "optim.", "activ.", "peak", "in", "B/p"]
     left = {"model", "policy", "method", "fits", "in", *(LEVERS[f] for f in varying)}

@@ -59,8 +59,10 @@ class ClusterRun:
 
     def run(self, groups: list[list[dict[str, Any]]], sweep_id: str) -> None:
         """`groups`: per configuration, the records of its specs to run. Appends their records via `write`."""
-        gpu = any(str(spec["device"]).startswith("cuda") for specs in groups for spec in specs)
-        executor = self._executor(max(len(g) for g in groups), gpu)
+        # GPUs a job asks for: --slurm-gpus-per-job, or a sharded config's ranks where it has more
+        gpus = max((spec.get("nproc") or 1 for specs in groups for spec in specs
+                    if str(spec["device"]).startswith("cuda")), default=0)
+        executor = self._executor(max(len(g) for g in groups), gpus and max(gpus, self.grid.slurm_gpus_per_job))
         known = self._read_jobs()
         jobs: dict[str, Any] = {}
         new = []
@@ -102,7 +104,9 @@ class ClusterRun:
             return job.result()
         except Exception as e:  # noqa: BLE001 - a job that died is data, as a child that died is
             status, why = job_failure(job.state, job.job_id, e)
-            return [new_record(spec, status, why, stderr_tail=_stderr_tail(job)) for spec in specs]
+            # A job out of host memory says nothing about the config's device memory: --retry-failed runs it again.
+            extra = {"oom_limit": "host"} if status == "oom" else {}
+            return [new_record(spec, status, why, stderr_tail=_stderr_tail(job), **extra) for spec in specs]
 
     def _task(self, gid: str, specs: list[dict[str, Any]], sweep_id: str) -> dict[str, Any]:
         # The job's own file: a job Slurm requeues resumes from it; a later sweep's job starts a new one.
@@ -114,7 +118,7 @@ class ClusterRun:
 
         return submitit.SlurmJob if self.grid.executor == "slurm" else submitit.LocalJob
 
-    def _executor(self, most_policies: int, gpu: bool):
+    def _executor(self, most_policies: int, gpus: int):
         try:
             import submitit
         except ImportError:
@@ -122,7 +126,6 @@ class ClusterRun:
         executor = submitit.AutoExecutor(folder=self.folder, cluster=self.grid.executor)
         # Each config's timeout, and the paired timing's (one per policy), with time to start: the job's limit.
         minutes = math.ceil((self.grid.timeout_s * 2 * most_policies + JOB_START_S) / 60)
-        gpus = self.grid.slurm_gpus_per_job if gpu else 0
         executor.update_parameters(name="gcbench", timeout_min=minutes, gpus_per_node=gpus, tasks_per_node=1,
                                    slurm_partition=self.grid.slurm_partition,
                                    slurm_array_parallelism=self.grid.slurm_array_parallelism)

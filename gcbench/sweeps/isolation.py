@@ -23,6 +23,8 @@ from gcbench.spec import RunSpec
 from gcbench.sweeps.slots import HERE, Slot
 
 STDERR_TAIL_LINES = 30  # of a failed child's stderr, kept in its record
+# Slots side by side start children from several threads: one at a time, since starting swaps sys.modules' __main__.
+_START_LOCK = threading.Lock()
 
 OnPhase = Callable[[str], None]
 
@@ -81,7 +83,7 @@ class ProcessRunner:
                                  name=name, daemon=True)
         finished = started = False
         try:
-            with _signals_deferred(), _main_module_hidden():
+            with _START_LOCK, _signals_deferred(), _main_module_hidden():
                 proc.start()
                 started = True
             # The child holds these now; our copies would keep the pipes open after it died.

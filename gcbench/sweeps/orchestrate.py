@@ -32,8 +32,9 @@ from gcbench.sweeps.progress import SweepProgress
 from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
 
 
-# What --retry-failed runs again, with the oom records that were not run for want of free memory at the time; an oom
-# (measured, or predicted past the cap) is a result and stays (--rerun runs it).
+# What --retry-failed runs again, with the oom records that were not run for want of free memory at the time and
+# cluster jobs killed for host memory; an oom (measured, or predicted past the cap) is a result and stays (--rerun
+# runs it).
 RETRIED = ("error", "timeout")
 
 
@@ -94,7 +95,11 @@ class Sweep:
         if len(self.slots) > 1 and grid.isolation != "process":
             raise GcbenchError("--isolation none runs every config in this process: it cannot run configs side by "
                                "side (--devices and --jobs need --isolation process)")
-        self.specs = _threads_within_slots(self.specs, self.slots, given="threads" in grid.values)
+        if len(self.slots) > 1 and any(spec.nproc > 1 for spec in self.specs):
+            raise GcbenchError("a sharded run (--nproc above 1) starts its own processes on several GPUs or cores: "
+                               "run it without --devices or --jobs")
+        given = any(t not in (None, "auto") for t in grid.values.get("threads", ()))
+        self.specs = _threads_within_slots(self.specs, self.slots, given=given)
         self._existing, notes = _existing_records(grid.out)
         for note in notes:
             self._warn(note)
@@ -111,7 +116,7 @@ class Sweep:
         status = record.get("status")
         if status == "skipped":
             return self.skip_after_oom  # --no-skip runs what an earlier sweep skipped
-        if status in RETRIED or record.get("oom_limit") == "free":
+        if status in RETRIED or record.get("oom_limit") in ("free", "host"):
             return not self.retry_failed  # a predicted oom for want of free memory depends on what else ran
         return status in STATUSES
 

@@ -4,6 +4,7 @@ config."""
 from __future__ import annotations
 
 import textwrap
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ class SweepProgress:
         self.console, self.total, self.resumed = console, total, resumed
         self.counts: Counter[str] = Counter()
         self._labels: dict[int, str] = {}  # slot -> the config it runs now
+        self._lock = threading.Lock()
         live = console is not None and console.is_terminal  # the bar only on a terminal; a pipe gets the lines
         self._bar = Progress(
             SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
@@ -93,8 +95,10 @@ class SweepProgress:
         self._show(slot, f"{self._labels.get(slot, '')} · {text}")
 
     def finished(self, record: dict[str, Any]) -> None:
-        self.counts[record["status"]] += 1
-        self._bar.update(self._task, advance=1, counts=self._counts_text())
+        with self._lock:  # slots side by side finish at once
+            self.counts[record["status"]] += 1
+            counts = self._counts_text()
+        self._bar.update(self._task, advance=1, counts=counts)
         if self.console is not None:
             self.console.print(_finished_line(record, self._slot_names), highlight=False)
 
