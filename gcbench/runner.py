@@ -227,8 +227,8 @@ def torch_threads(n: int) -> Iterator[None]:
 def _saved_bytes(step: TrainingStep) -> int:
     """Bytes the first micro-batch's forward saves for backward (saved_tensors_hooks; parameters excluded), then a
     whole step's forward and backward passes, so that FLOPs counted around it are the step's."""
-    sharded = step.model.parameters if any(hasattr(p, "_local_tensor") for p in step.params()) else None
-    saved = SavedActivations(exclude=step.params(), exclude_now=sharded)
+    # In a rank, FSDP2 gathers each block's parameters for its forward: what autograd saves of them is not activation.
+    saved = SavedActivations(exclude=step.params(), exclude_now=step.model.parameters if in_rank() else None)
     for i, micro_batch in enumerate(step.micro_batches):
         with saved.recording() if i == 0 else nullcontext():
             loss = step.forward(micro_batch)

@@ -141,16 +141,22 @@ def _sweep(out: Path, *args: str, env=None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+def _jobs_2_with_a_configuration_written(out: Path) -> subprocess.Popen:
+    """A `--jobs 2` sweep of GRID, once one configuration (its two policies) is in `out`."""
+    proc = _sweep(out, "--jobs", "2")
+    deadline = time.monotonic() + 240
+    while not (out.exists() and out.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    return proc
+
+
 @pytest.mark.slow  # two children at a time on the CI's two cores, and a driver killed and run again
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two cores and CPU affinity")
 def test_jobs_2_runs_every_config_once_and_resumes_after_the_driver_is_killed(tmp_path):
     out = tmp_path / "r.jsonl"
-    proc = _sweep(out, "--jobs", "2")
-    deadline = time.monotonic() + 240
-    while not (out.exists() and out.read_text().count("\n") >= 2):  # one configuration (its two policies) in
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    proc = _jobs_2_with_a_configuration_written(out)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     before = read_records(out)
@@ -410,11 +416,7 @@ def test_a_cluster_job_killed_for_host_memory_is_run_again_by_retry_failed(tmp_p
                     reason="needs two cores and CPU affinity")
 def test_sigterm_stops_every_slot_and_keeps_only_whole_records(tmp_path):
     out = tmp_path / "r.jsonl"
-    proc = _sweep(out, "--jobs", "2")
-    deadline = time.monotonic() + 240
-    while not (out.exists() and out.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    proc = _jobs_2_with_a_configuration_written(out)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr

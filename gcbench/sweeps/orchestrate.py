@@ -140,7 +140,7 @@ class Sweep:
         runner_class = ProcessRunner if self.grid.isolation == "process" else InProcessRunner
         runners = [runner_class(self.grid.timeout_s, models=models, slot=slot, cancel=cancel) for slot in self.slots]
         frontier = OomFrontier()
-        envs: dict[str, dict] = {}
+        envs: dict[tuple[str, int], dict] = {}
         groups = [list(g) for _, g in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec))]
         records: list[list[dict[str, Any]]] = [[] for _ in groups]
         to_run = sum(p.done is None for p in plan)
@@ -174,7 +174,7 @@ class Sweep:
         return [p.done or collected[config_key(p.spec.as_record())] for p in plan]
 
     def _run_group(self, group: list[PlannedConfig], runner, slot: int, frontier: OomFrontier,
-                   envs: dict[str, dict], view: SweepProgress) -> list[dict[str, Any]]:
+                   envs: dict[tuple[str, int], dict], view: SweepProgress) -> list[dict[str, Any]]:
         """The configs of one model/seq/batch (its policies) in `slot`, then their paired timing; appended together
         when it ends. Whatever stops it first (Ctrl-C, an error), what was measured is written unpaired."""
         pending: list[tuple[RunSpec, dict[str, Any]]] = []
@@ -187,9 +187,10 @@ class Sweep:
                     earlier.append((config.spec, record))
                 else:
                     record = self._run_one(config.spec, runner, slot, frontier, view, self.unfit.get(config.spec))
+                    where = (config.spec.device, slot)  # cuda:0 is another GPU in each --devices slot
                     if record.get("env") is None:
-                        record["env"] = envs.get(config.spec.device) or _host_env(config.spec)
-                    envs[config.spec.device] = record["env"]
+                        record["env"] = envs.get(where) or _host_env(config.spec)
+                    envs[where] = record["env"]
                     view.finished(record)
                     pending.append((config.spec, record))
                 frontier.add(record)
