@@ -40,10 +40,13 @@ def _seconds(value: Any) -> float:
     return seconds
 
 
-def _isolation(value: Any) -> str:
-    if value not in ISOLATIONS:
-        raise GcbenchError(f"unknown isolation {value!r} ({', '.join(ISOLATIONS)})")
-    return value
+def _one_of(what: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
+    """A parser that accepts one of `choices` and names `what` it is otherwise."""
+    def parse(value: Any) -> str:
+        if value not in choices:
+            raise GcbenchError(f"unknown {what} {value!r} ({', '.join(choices)})")
+        return value
+    return parse
 
 
 def _bool(value: Any) -> bool:
@@ -76,37 +79,34 @@ def _devices(value: Any) -> tuple[str, ...]:
     return items
 
 
-def _executor(value: Any) -> str:
-    if value not in EXECUTORS:
-        raise GcbenchError(f"unknown executor {value!r} ({', '.join(EXECUTORS)})")
-    return value
-
-
 def _text(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise GcbenchError(f"expected a name, got {value!r}")
     return value.strip()
 
 
-def _jobs(value: Any) -> int:
-    jobs = parse_int(value)
-    if jobs < 1:
-        raise GcbenchError(f"expected 1 or more jobs, got {value!r}")
-    return jobs
+def _at_least_one(what: str) -> Callable[[Any], int]:
+    """A parser of a whole number of `what`, 1 or more."""
+    def parse(value: Any) -> int:
+        n = parse_int(value)
+        if n < 1:
+            raise GcbenchError(f"expected 1 or more {what}, got {value!r}")
+        return n
+    return parse
 
 
 # How a sweep runs (not part of any RunSpec): option name -> (SweepSpec field, parser).
 RUN_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "out": ("out", _path),
     "timeout": ("timeout_s", _seconds),
-    "isolation": ("isolation", _isolation),
+    "isolation": ("isolation", _one_of("isolation", ISOLATIONS)),
     "paired": ("paired", _bool),
     "devices": ("devices", _devices),
-    "jobs": ("jobs", _jobs),
-    "executor": ("executor", _executor),
+    "jobs": ("jobs", _at_least_one("jobs")),
+    "executor": ("executor", _one_of("executor", EXECUTORS)),
     "slurm-partition": ("slurm_partition", _text),
-    "slurm-gpus-per-job": ("slurm_gpus_per_job", _jobs),
-    "slurm-array-parallelism": ("slurm_array_parallelism", _jobs),
+    "slurm-gpus-per-job": ("slurm_gpus_per_job", _at_least_one("GPUs")),
+    "slurm-array-parallelism": ("slurm_array_parallelism", _at_least_one("jobs at once")),
 }
 
 

@@ -29,6 +29,8 @@ from tests.fake_cuda import read_log, subprocess_env
 from tests.helpers import policy_examples
 
 runner = CliRunner()
+NEEDS_TWO_CORES = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                                     reason="needs two cores and CPU affinity")
 FAST = ["--device", "cpu", "--warmup", "1", "--steps", "1"]
 GRID = ["--model", "tiny-llama", "--seq", "32", "--batch", "1,2,3,4", "--policy", "none,full"]
 
@@ -152,8 +154,7 @@ def _jobs_2_with_a_configuration_written(out: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # two children at a time on the CI's two cores, and a driver killed and run again
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two cores and CPU affinity")
+@NEEDS_TWO_CORES
 def test_jobs_2_runs_every_config_once_and_resumes_after_the_driver_is_killed(tmp_path):
     out = tmp_path / "r.jsonl"
     proc = _jobs_2_with_a_configuration_written(out)
@@ -412,8 +413,7 @@ def test_a_cluster_job_killed_for_host_memory_is_run_again_by_retry_failed(tmp_p
 
 
 @pytest.mark.slow  # two children at a time, then SIGTERM to the driver
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two cores and CPU affinity")
+@NEEDS_TWO_CORES
 def test_sigterm_stops_every_slot_and_keeps_only_whole_records(tmp_path):
     out = tmp_path / "r.jsonl"
     proc = _jobs_2_with_a_configuration_written(out)
