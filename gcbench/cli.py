@@ -15,12 +15,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gcbench.errors import GcbenchError
 from gcbench.cli_options import (ALL, DevicesOption, ExecutorOption, JobsOption, SlurmGpusOption,
                                  SlurmParallelismOption, SlurmPartitionOption, domain_errors, step_progress,
-                                 with_spec_options)
+                                 with_bare_switches, with_spec_options)
+from gcbench.errors import GcbenchError
+from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
 from gcbench.grid import one_value_each
-from gcbench.spec import RunSpec, spec_options, with_bare_switches
+from gcbench.results.schema import Status
+from gcbench.spec import RunSpec
 
 app = typer.Typer(
     help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
@@ -62,10 +64,6 @@ def _root(ctx: typer.Context, _version: Annotated[
         raise typer.Exit(0)
 
 
-ESTIMATE_AXES = ("model", "seq_len", "batch_size", "policy", "precision", "optimizer", "optim_in_backward",
-                 "grad_accum", "shard", "nproc")
-ESTIMATE_FIELDS = (*ESTIMATE_AXES, "layers", "attn")
-
 
 @app.command()
 @with_spec_options(defaults={"model": "gpt2", "seq_len": 512, "batch_size": 1, "policy": "none"})
@@ -82,7 +80,7 @@ def run(
         from gcbench.results.store import append_record, check_appendable
         from gcbench.runner import run as run_spec
 
-        values, _ = parse_options(spec_values, fields=tuple(spec_options()))
+        values, _ = parse_options(spec_values, fields=tuple(BY_NAME))
         spec = RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`"))
         check_appendable(out)  # before measuring: an output that cannot take the record is known now
         # --steps auto: how many steps is not known in advance; the bar pulses and the text counts them
@@ -99,7 +97,7 @@ def run(
                        f"({dropped[:60]!r}...)", err=True)
     console.print(run_table(record))
     console.print(f"[dim]record appended to {out}[/]")
-    if record["status"] != "ok":
+    if record["status"] != Status.OK:
         raise typer.Exit(1)
 
 
@@ -276,11 +274,11 @@ def sweep(
         console.print(fits)
     console.print(f"[dim]records in {grid.out} (sweep {job.sweep_id})[/]")
     # OOMs, timeouts and skips are results; an error (a crash, a bug) is not: make scripts notice it.
-    if any(r["status"] == "error" and r.get("sweep_id") == job.sweep_id for r in records):
+    if any(r["status"] == Status.ERROR and r.get("sweep_id") == job.sweep_id for r in records):
         raise typer.Exit(1)
 
 
-FIT_FIELDS = tuple(n for n in spec_options() if n != "memory_cap_bytes")  # --memory is fit's budget
+FIT_FIELDS = tuple(n for n in BY_NAME if n != "memory_cap_bytes")  # --memory is fit's budget
 
 
 @app.command()

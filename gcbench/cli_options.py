@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from gcbench.errors import GcbenchError
-from gcbench.spec import RunSpec, spec_options
+from gcbench.fields import RUN_FIELDS
 
 ALL = "all"
 
@@ -36,15 +36,14 @@ def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Ite
 
 def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
                  defaults: dict[str, Any] | None = None) -> Callable[[Callable], Callable]:
-    """Give a command one option per RunSpec field (spec.py declares them: flag, help, metavar), before its own.
+    """Give a command one option per run field (fields.py declares them: flag, help, metavar), before its own.
 
     The command receives `spec_values`: {flag: value as typed} for the options given or with a default here
     (`defaults`, by field name; the others keep RunSpec's). `several`: the fields that take comma-separated values
     here (ALL: every one); `fields`: which RunSpec fields the command has (None: all).
     """
-    options = {n: o for n, o in spec_options().items() if fields is None or n in fields}
+    options = {f.name: f for f in RUN_FIELDS if fields is None or f.name in fields}
     defaults = defaults or {}
-    runspec_defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
 
     def add_options(command: Callable) -> Callable:
         hints = {k: v for k, v in get_type_hints(command, include_extras=True).items() if k != "spec_values"}
@@ -55,9 +54,9 @@ def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str,
         for name, opt in options.items():
             many = several == ALL or name in several
             help = opt.help + ("; comma-separated for several" if many and several != ALL else "")
-            if name not in defaults and runspec_defaults.get(name) not in (None, "", dataclasses.MISSING):
-                help += f" (default: {runspec_defaults[name]})"  # applied by RunSpec, so that a TOML file can set it
-            metavar = f"<{opt.metavar.lower()}{',...' if many else ''}>"
+            if name not in defaults and opt.default not in (None, "", dataclasses.MISSING):
+                help += f" (default: {opt.kind.show(opt.default)})"  # applied by RunSpec, so that a TOML file can set it
+            metavar = f"<{opt.kind.metavar.lower()}{',...' if many else ''}>"
             hint = Annotated[str | None, typer.Option(f"--{opt.flag}", help=help, metavar=metavar)]
             default = str(defaults[name]) if name in defaults else None
             added.append(inspect.Parameter(f"spec__{name}", inspect.Parameter.KEYWORD_ONLY, default=default,
@@ -88,6 +87,21 @@ def step_progress(err_console: Console, total: int | None):
             bar.update(task, description=description, advance=1)
 
         yield advance
+
+
+def with_bare_switches(args: list[str]) -> list[str]:
+    """A switch option given alone (`--optim-in-backward`, last or before another option) gets its flag value
+    (`on`); with a value (`--optim-in-backward off`, `on,off` in a sweep) it keeps it. For the command line's
+    arguments before click parses them: click 8 could do this (flag_value on a value option), typer does not pass
+    flag_value on."""
+    switches = {f"--{f.flag}": f.flag_value for f in RUN_FIELDS if f.flag_value}
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg in switches and (following is None or following.startswith("-")):
+            out.append(switches[arg])
+    return out
 
 
 # How a sweep spreads its configs (docs/scale.md): declared here, beside the spec's options, to keep cli.py short.

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from gcbench.errors import GcbenchError
 from gcbench.results.frame import FAILED, GROUP_KEYS, policy_rank
-from gcbench.results.schema import half_width
+from gcbench.results.schema import Status, half_width
 from gcbench.units import byte_unit
 
 # --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
@@ -81,7 +81,7 @@ def compare_results(old: pd.DataFrame, new: pd.DataFrame, thresholds: dict[str, 
     matched = merged[merged["_merge"] == "both"].drop(columns="_merge").reset_index(drop=True)
     if matched.empty:
         raise GcbenchError(_nothing_in_common(old, new))
-    both_ok = (matched["status_old"] == "ok") & (matched["status_new"] == "ok")
+    both_ok = (matched["status_old"] == Status.OK) & (matched["status_new"] == Status.OK)
     for key, (col, _, _) in METRICS.items():
         matched[f"{key}_change"] = (matched[f"{col}_new"] / matched[f"{col}_old"] - 1).where(both_ok)
     # A step-time change within either run's own noise is noise, whatever its size in percent (tokens/s too: it is
@@ -93,7 +93,7 @@ def compare_results(old: pd.DataFrame, new: pd.DataFrame, thresholds: dict[str, 
     regressions, within_noise = [], []
     if thresholds:
         for r in matched.to_dict("records"):
-            if r["status_old"] == "ok" and r["status_new"] != "ok":
+            if r["status_old"] == Status.OK and r["status_new"] != Status.OK:
                 regressions.append(f"{spec_label(r)}: ran before, now {FAILED.get(r['status_new'], r['status_new'])}")
             for key, limit in thresholds.items():
                 _, what, sign = METRICS[key]
@@ -161,7 +161,7 @@ def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: d
             f"{r['status_old']} -> {r['status_new']}"
         cells = [
             str(r["seq_len"]), str(r["batch_size"]), r["policy_label"],
-            Text(status, style="bold red" if r["status_new"] != "ok" else ""),
+            Text(status, style="bold red" if r["status_new"] != Status.OK else ""),
             _pair(r["peak_bytes_old"] / scale, r["peak_bytes_new"] / scale, "{:,.2f}"),
             _change(r["peak_change"], +1, thresholds.get("peak")),
             _pair(r["step_ms_median_old"], r["step_ms_median_new"], "{:,.1f}"),

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 import gcbench
+from gcbench.fields import DeviceKind
 from gcbench.instruments import CudaInstrument
 
 # The models a sweep runs, one per line, for its fork server to warm up (sweeps/child.py); set by the sweep.
@@ -58,7 +59,7 @@ def capture_env(device: str, threads: int | None = None) -> dict:
         "gpu_memory_bytes": None,
         "driver": None,
     }
-    if device.startswith("cuda"):
+    if DeviceKind.of(device) is DeviceKind.CUDA:
         env.update(CudaInstrument(device).describe())
         env["driver"] = driver_version()
     return env

@@ -17,9 +17,11 @@ from types import MappingProxyType
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import LEVER_FIELDS, lever_text
+from gcbench.fields import BY_NAME, RUN_FIELDS
+from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
+from gcbench.results.schema import LEVER_FIELDS, config_key, lever_text
 from gcbench.results.store import check_regular
-from gcbench.spec import RunSpec, crossed_out, parse_int, spec_options
+from gcbench.spec import RunSpec, crossed_out
 from gcbench.units import fmt_bytes
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
@@ -27,86 +29,54 @@ DEFAULT_TIMEOUT_S = 600.0  # per config; generous: a 7B model at seq 8192 takes 
 DEFAULT_POLICIES = ("none", "full", "every-k:k=2", "sqrtn")
 ISOLATIONS = ("process", "none")
 EXECUTORS = ("slurm", "local")  # submitit's: a Slurm cluster, or processes on this machine
-REQUIRED = ("model", "seq_len", "batch_size")  # RunSpec fields without a default: a grid must give them
+# RunSpec fields without a default (model, seq, batch): a grid must give them
+REQUIRED = tuple(f.name for f in RUN_FIELDS if f.default is dataclasses.MISSING)
 
 
-def _seconds(value: Any) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise GcbenchError(f"expected seconds, got {value!r}") from None
-    if isinstance(value, bool) or not seconds > 0:
-        raise GcbenchError(f"must be a positive number of seconds, got {value!r}")
-    return seconds
+@dataclass(frozen=True)
+class FilePath(Kind):
+    metavar = "PATH"
+
+    def parse(self, value: Any) -> Path:
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise GcbenchError(f"expected a file path, got {value!r}")
+        return Path(value)
 
 
-def _one_of(what: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
-    """A parser that accepts one of `choices` and names `what` it is otherwise."""
-    def parse(value: Any) -> str:
-        if value not in choices:
-            raise GcbenchError(f"unknown {what} {value!r} ({', '.join(choices)})")
-        return value
-    return parse
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    raise GcbenchError(f"expected true or false, got {value!r}")
-
-
-def _path(value: Any) -> Path:
-    if not isinstance(value, (str, Path)) or not str(value):
-        raise GcbenchError(f"expected a file path, got {value!r}")
-    return Path(value)
-
-
-def _devices(value: Any) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class Devices(Kind):
     """--devices: "all" or a comma list of cuda:N (TOML: a list)."""
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    items = tuple(str(i).strip() for i in items if str(i).strip())
-    if items == ("all",):
+
+    metavar = "GPUS"
+
+    def parse(self, value: Any) -> tuple[str, ...]:
+        items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+        items = tuple(str(i).strip() for i in items if str(i).strip())
+        if items == ("all",):
+            return items
+        for item in items:
+            if not (item.startswith("cuda:") and item[5:].isdigit()):
+                raise GcbenchError(f"expected all or a list of cuda:N (cuda:0,cuda:1), got {item!r}")
+        if len(set(items)) != len(items):
+            raise GcbenchError(f"a GPU given twice in {','.join(items)}")
+        if not items:
+            raise GcbenchError("expected all or a list of cuda:N")
         return items
-    for item in items:
-        if not (item.startswith("cuda:") and item[5:].isdigit()):
-            raise GcbenchError(f"expected all or a list of cuda:N (cuda:0,cuda:1), got {item!r}")
-    if len(set(items)) != len(items):
-        raise GcbenchError(f"a GPU given twice in {','.join(items)}")
-    if not items:
-        raise GcbenchError("expected all or a list of cuda:N")
-    return items
 
 
-def _text(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise GcbenchError(f"expected a name, got {value!r}")
-    return value.strip()
-
-
-def _at_least_one(what: str) -> Callable[[Any], int]:
-    """A parser of a whole number of `what`, 1 or more."""
-    def parse(value: Any) -> int:
-        n = parse_int(value)
-        if n < 1:
-            raise GcbenchError(f"expected 1 or more {what}, got {value!r}")
-        return n
-    return parse
-
-
-# How a sweep runs (not part of any RunSpec): option name -> (SweepSpec field, parser).
-RUN_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "out": ("out", _path),
-    "timeout": ("timeout_s", _seconds),
-    "isolation": ("isolation", _one_of("isolation", ISOLATIONS)),
-    "paired": ("paired", _bool),
-    "devices": ("devices", _devices),
-    "jobs": ("jobs", _at_least_one("jobs")),
-    "executor": ("executor", _one_of("executor", EXECUTORS)),
-    "slurm-partition": ("slurm_partition", _text),
-    "slurm-gpus-per-job": ("slurm_gpus_per_job", _at_least_one("GPUs")),
-    "slurm-array-parallelism": ("slurm_array_parallelism", _at_least_one("jobs at once")),
+# How a sweep runs (not part of any RunSpec): option name -> (SweepSpec field, the kind of its value). The kinds
+# are the run fields' (fields.py): `paired = "on"` and `paired = true` are one value, as for any switch.
+RUN_OPTIONS: dict[str, tuple[str, Kind]] = {
+    "out": ("out", FilePath()),
+    "timeout": ("timeout_s", Seconds(most=float("inf"))),
+    "isolation": ("isolation", Choice(ISOLATIONS, "isolation")),
+    "paired": ("paired", Switch()),
+    "devices": ("devices", Devices()),
+    "jobs": ("jobs", Int(1, 4096)),
+    "executor": ("executor", Choice(EXECUTORS, "executor")),
+    "slurm-partition": ("slurm_partition", Name()),
+    "slurm-gpus-per-job": ("slurm_gpus_per_job", Int(1, 4096)),
+    "slurm-array-parallelism": ("slurm_array_parallelism", Int(1, 1_000_000)),
 }
 
 
@@ -141,9 +111,9 @@ class SweepSpec:
         values = {"policy": DEFAULT_POLICIES, **self.values}
         for name in REQUIRED:
             if name not in values:
-                flag = spec_options()[name].flag
-                raise GcbenchError(f"no --{flag} given: a sweep needs at least one value of each of --model, --seq "
-                                   "and --batch (or a --config file that sets them)")
+                every = ", ".join(f"--{BY_NAME[n].flag}" for n in REQUIRED)
+                raise GcbenchError(f"no --{BY_NAME[name].flag} given: a sweep needs at least one value of each of "
+                                   f"{every} (or a --config file that sets them)")
         object.__setattr__(self, "values", MappingProxyType(values))
 
     @classmethod
@@ -165,19 +135,25 @@ class SweepSpec:
         the policy innermost (the policies of one shape run together, and a shape's OOM is known before the next
         larger shape runs). Combinations that cannot be one config, where the grid crosses several values, are
         left out (`left_out` says how many and why); given alone, such a combination is an error."""
-        names = [n for n in spec_options() if n in self.values and n != "policy"] + ["policy"]
-        specs = []
+        names = [n for n in BY_NAME if n in self.values and n != "policy"] + ["policy"]
+        specs: dict[str, tuple[RunSpec, dict[str, Any]]] = {}  # by identity: two values may name one config
         for combo in itertools.product(*(self.values[n] for n in names)):
             fields = dict(zip(names, combo))
             if self._crossed_out(fields):
                 continue
             try:
-                specs.append(RunSpec(**fields))
-                specs[-1].check_runnable()
+                spec = RunSpec(**fields)
+                spec.check_runnable()
             except GcbenchError as e:
                 raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "
                                    f"{fields['batch_size']}, {fields['policy']})") from None
-        return specs
+            key = config_key(spec.as_record())
+            if key in specs:  # "every-k" and "every-k:k=2": one value written two ways
+                name = next(n for n in names if fields[n] != specs[key][1][n])
+                raise GcbenchError(f"--{BY_NAME[name].flag}: duplicate value {getattr(spec, name)} (each config "
+                                   "would run twice)")
+            specs[key] = (spec, fields)
+        return [spec for spec, _ in specs.values()]
 
     def _crossed_out(self, fields: Mapping[str, Any]) -> bool:
         """A combination that cannot be one config, from a grid that crosses several values (spec.crossed_out)."""
@@ -185,7 +161,7 @@ class SweepSpec:
 
     def left_out(self) -> str | None:
         """What expand() leaves out of the grid, in one line; None when nothing."""
-        names = [n for n in spec_options() if n in self.values]
+        names = [n for n in BY_NAME if n in self.values]
         n = sum(self._crossed_out(dict(zip(names, combo)))
                 for combo in itertools.product(*(self.values[k] for k in names)))
         if not n:
@@ -200,8 +176,9 @@ class SweepSpec:
         get = lambda name: one.get(name, defaults[name])  # noqa: E731
         cap = fmt_bytes(get("memory_cap_bytes")) if get("memory_cap_bytes") else "none"
         varies = lambda name: len(self.values.get(name, ())) > 1  # noqa: E731 - then a column says it per config
-        names = tuple(n for n in LEVER_FIELDS if not varies(n))
-        levers = lever_text({**{n: get(n) for n in names}, "precision": get("precision") or "auto precision"}, names)
+        varying = tuple(n for n in LEVER_FIELDS if varies(n))
+        levers = lever_text({**{n: get(n) for n in LEVER_FIELDS}, "precision": get("precision") or "auto precision"},
+                            leave_out=varying)
         return (f"layers {get('layers') or 'all'} · " + (f"{levers} · " if levers else "")
                 + f"device {get('device')} · threads {get('threads') or 'auto'} · warm-up {get('warmup_steps')} + "
                 f"{_steps_text(get)} · memory cap {cap} · timeout {self.timeout_s:g} s · "
@@ -222,7 +199,7 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
     """Options by their CLI names ('memory-cap' or 'memory_cap') -> (RunSpec field -> values, SweepSpec run
     fields). Values are what a TOML file or a Python caller gives (lists, ints) or what the command line gives
     (comma lists: "512,1024"). `fields` limits which RunSpec fields are accepted (None: all)."""
-    by_flag = {o.flag: (name, o) for name, o in spec_options().items() if fields is None or name in fields}
+    by_flag = {f.flag: f for f in RUN_FIELDS if fields is None or f.name in fields}
     known = [*by_flag, *RUN_OPTIONS] if fields is None else list(by_flag)
     values: dict[str, tuple] = {}
     run: dict[str, Any] = {}
@@ -238,11 +215,10 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
                                f"(known: {', '.join(known)})")
         try:
             if key in by_flag:
-                name, opt = by_flag[key]
-                values[name] = opt.parse_many(value)
+                values[by_flag[key].name] = by_flag[key].parse_many(value)
             else:
-                name, parse = RUN_OPTIONS[key]
-                run[name] = parse(value)
+                name, kind = RUN_OPTIONS[key]
+                run[name] = kind.parse(value)
         except GcbenchError as e:
             # On the command line the flag is named (--seq: ...); in a file, the file and its key.
             message = str(e).removeprefix(f"--{key}: ")
@@ -267,6 +243,6 @@ def one_value_each(values: dict[str, tuple], why: str) -> dict[str, Any]:
     """{field: (value,)} -> {field: value}; GcbenchError naming the option given several values."""
     for name, given in values.items():
         if len(given) > 1:
-            raise GcbenchError(f"--{spec_options()[name].flag} takes one value here, got {len(given)}"
+            raise GcbenchError(f"--{BY_NAME[name].flag} takes one value here, got {len(given)}"
                                + (f": {why}" if why else ""))
     return {name: given[0] for name, given in values.items()}

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import psutil
 import torch
 
+from gcbench.fields import DeviceKind
 from gcbench.gpus import peak_flops
 from gcbench.measure import LiveTensorTracker, PhasePeaks
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
@@ -47,7 +48,7 @@ def warm_up(step: Step, n: int, progress: Progress) -> None:
 
 
 def instrument_class(device: str) -> type[CpuInstrument] | type[CudaInstrument]:
-    return CudaInstrument if str(device).startswith("cuda") else CpuInstrument
+    return CudaInstrument if DeviceKind.of(device) is DeviceKind.CUDA else CpuInstrument
 
 
 def instrument_for(device: str, memory_cap_bytes: int | None = None) -> CpuInstrument | CudaInstrument:
@@ -59,7 +60,7 @@ def free_without_context(device: str) -> int | None:
     """Free memory of `device`, read without touching it (a sweep's parent must never create a CUDA context): free
     host memory (CPU), or NVML's free memory of that GPU; None when NVML cannot tell (no NVML, a MIG slice, GPUs
     whose CUDA order NVML cannot know)."""
-    if str(device).startswith("cuda"):
+    if DeviceKind.of(device) is DeviceKind.CUDA:
         return _nvml_free_bytes(torch.device(device).index or 0)
     return psutil.virtual_memory().available  # Linux: MemAvailable, what can be had without swapping
 
@@ -232,7 +233,7 @@ class CpuInstrument(Instrument):
 
 class CudaInstrument(Instrument):
     """A CUDA run on one explicit device: CUDA events and the caching allocator's statistics, in the fixed sequence
-    of DESIGN.md. `--memory-cap` limits the caching allocator's reserved bytes (a per-process memory fraction).
+    of docs/methodology.md ("The fixed sequence"). `--memory-cap` limits the caching allocator's reserved bytes (a per-process memory fraction).
 
     Every torch.cuda call names the device. Events carry none: they record on the current device's stream, which
     `session` sets to this device.

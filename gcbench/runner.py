@@ -1,6 +1,6 @@
 """Measure one RunSpec in this process and return its Record (a flat dict, one JSON line in the results file).
 
-The fixed sequence (DESIGN.md, "Measurement protocol"); what differs between devices is the instrument's
+The fixed sequence (docs/methodology.md, "The fixed sequence"); what differs between devices is the instrument's
 (instruments.CpuInstrument, instruments.CudaInstrument):
   build on the device -> wrap blocks with the policy -> a compiling policy: its first step timed against the next
   -> a policy hidden from dispatch modes: one untimed forward+backward counting its saved-activation bytes
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gcbench.fields import DeviceKind
 from gcbench.env import capture_env
 from gcbench.errors import WontFit
 from gcbench.estimators import predict_for_run, resolve_plan
@@ -34,9 +35,9 @@ from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrum
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.policies import Plan
-from gcbench.results.schema import new_record
-from gcbench.sharded import run_sharded
-from gcbench.sharding import AgreedBudget, in_rank, shard_model
+from gcbench.results.schema import Status, new_record
+from gcbench.torchrun import run_sharded
+from gcbench.fsdp import AgreedBudget, in_rank, shard_model
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes, param_shapes
 from gcbench.timing import timing_verdict
@@ -92,13 +93,13 @@ def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak:
     cap, or its predicted peak is past the free memory (by MARGIN; exactly, for the CPU simulation) or past the cap
     by CAP_MARGIN. The device is checked before the cap: a config the device cannot hold is refused as such."""
     cap = spec.memory_cap_bytes
-    cpu_exact = not spec.device.startswith("cuda") and prediction_method == "simulate"
+    cpu_exact = spec.device_kind is DeviceKind.CPU and prediction_method == "simulate"
     limits = ((free, False), (cap, True))
 
     def room(by_cap: bool) -> str:
         return f"--memory-cap allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
 
-    cuda = spec.device.startswith("cuda")
+    cuda = spec.device_kind is DeviceKind.CUDA
     need = model_state_bytes(spec, size.shapes, cuda) // spec.nproc  # a sharded run's ranks hold 1/nproc each
     for limit, by_cap in limits:
         if limit is not None and need > 0.9 * limit:
@@ -144,9 +145,9 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     except WontFit as e:
         if refuse_unfit and not e.by_cap:
             raise
-        record.update(status="oom", error=f"not run: {e}", oom_predicted=True, oom_limit=e.limit)
+        record.update(status=Status.OOM, error=f"not run: {e}", oom_predicted=True, oom_limit=e.limit)
     except torch.OutOfMemoryError as e:
-        record.update(status="oom", error=str(e).strip().splitlines()[0][:500])
+        record.update(status=Status.OOM, error=str(e).strip().splitlines()[0][:500])
     record["env"] = capture_env(spec.device, spec.threads)
     return record
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gcbench.optimizers import optimizer_kind
-from gcbench.sharding import rank_and_world
+from gcbench.fsdp import rank_and_world
 
 Mark = Callable[[str], None]  # called with each phase (results.schema.PHASES) as it starts, then with "end"
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from gcbench.fields import DEFAULT_MAX_STEPS, DEFAULT_MAX_TIME_S
 from gcbench.results.schema import half_width
 
 CONFIDENCE = 0.95
@@ -23,8 +24,6 @@ CONFIDENCE = 0.95
 # pytest-benchmark also calibrate by time, not by a fixed count), with a minimum and two budgets.
 TARGET_HALF_WIDTH = 0.02
 MIN_STEPS = 6  # the fewest samples whose min..max brackets the median with >= 95% confidence (1 - 2 * 0.5**6)
-DEFAULT_MAX_STEPS = 100
-DEFAULT_MAX_TIME_S = 10.0
 # The stability rule (docs/methodology.md, "When a step time is trusted"). torch.utils.benchmark warns at an IQR of
 # 10% of the median; GPU kernels repeat far better than a CPU shared with the OS, so CUDA gets 5%.
 REL_IQR_LIMIT = {"cuda": 0.05, "cpu": 0.10}
@@ -100,16 +99,17 @@ def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) ->
 @dataclass(frozen=True)
 class StepBudget:
     """How many steps to measure: a fixed count, or (auto) until the median's interval is within
-    `target` of it, at least MIN_STEPS, at most `max_steps` or `max_time_s` of measuring."""
+    `target` of it, at least MIN_STEPS, at most `step_limit` steps or `time_limit_s` of measuring (--max-steps,
+    --max-time)."""
 
     fixed: int | None = None  # --steps N; None: auto
-    max_steps: int = DEFAULT_MAX_STEPS
-    max_time_s: float = DEFAULT_MAX_TIME_S
+    step_limit: int = DEFAULT_MAX_STEPS
+    time_limit_s: float = DEFAULT_MAX_TIME_S
     target: float = TARGET_HALF_WIDTH
 
     @property
     def most(self) -> int:
-        return self.fixed if self.fixed is not None else self.max_steps
+        return self.fixed if self.fixed is not None else self.step_limit
 
     def stop_reason(self, series: Sequence[Sequence[float]], elapsed_s: float) -> str | None:
         """Why to stop now ("fixed", "ci", "max-steps", "max-time"), or None to measure another step. `series`: one
@@ -119,9 +119,9 @@ class StepBudget:
             return "fixed" if n >= self.fixed else None
         if n >= MIN_STEPS and all(_within(Stats.of(s).ci_half_width, self.target) for s in series):
             return "ci"
-        if n >= self.max_steps:
+        if n >= self.step_limit:
             return "max-steps"
-        if n >= min(MIN_STEPS, self.max_steps) and elapsed_s >= self.max_time_s:
+        if n >= min(MIN_STEPS, self.step_limit) and elapsed_s >= self.time_limit_s:
             return "max-time"
         return None
 
@@ -249,12 +249,12 @@ def paired_rounds(steps: Mapping[str, Callable[[], float]], baseline: str, budge
     """Time several policies interleaved: each round runs one step of every policy (`steps`: label -> a timed step,
     returning ms), the order rotated by one each round so that no policy always follows the same one. Stops when
     every policy's per-round ratio to `baseline` has its interval within the budget's target, or at its limits
-    (max_time_s counts per policy: a round of k policies takes k steps). Returns the step times per label and why it
+    (time_limit_s counts per policy: a round of k policies takes k steps). Returns the step times per label and why it
     stopped."""
     labels = list(steps)
     times: dict[str, list[float]] = {label: [] for label in labels}
     others = [label for label in labels if label != baseline]
-    per_policy = StepBudget(budget.fixed, budget.max_steps, budget.max_time_s * len(labels), budget.target)
+    per_policy = StepBudget(budget.fixed, budget.step_limit, budget.time_limit_s * len(labels), budget.target)
     t0 = clock()
     while (reason := per_policy.stop_reason([ratios(times, label, baseline) for label in others],
                                             clock() - t0)) is None:

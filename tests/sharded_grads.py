@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from gcbench.estimators import resolve_plan
 from gcbench.models import build_model, find_blocks, load_config
-from gcbench.sharding import shard_model
+from gcbench.fsdp import shard_model
 from gcbench.step import make_batch
 from tests.helpers import gradients, policy_examples, tiny_spec
 

@@ -210,11 +210,11 @@ def test_alloc_retries_count_the_measured_steps_only(fake_cuda):
 
 
 def test_warmup_of_zero_is_refused():
-    with pytest.raises(GcbenchError, match="--warmup must be at least 1"):
+    with pytest.raises(GcbenchError, match="--warmup: must be at least 1"):
         RunSpec(model="tiny-llama", seq_len=8, batch_size=1, device="cpu", warmup_steps=0)
     result = CliRunner().invoke(app, ["run", "--model", "tiny-llama", "--device", "cpu", "--warmup", "0"])
     assert result.exit_code == 2
-    assert "--warmup must be at least 1" in result.stderr and "Traceback" not in result.output
+    assert "--warmup: must be at least 1" in result.stderr and "Traceback" not in result.output
 
 
 # --------------------------------------------------------------------------------------------------- estimate

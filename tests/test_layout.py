@@ -4,6 +4,7 @@ command line that answers without importing torch."""
 from __future__ import annotations
 
 import ast
+import re
 import dataclasses
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gcbench.results.schema import IDENTITY_KEYS, SpecFields
+from gcbench.fields import spec_columns
+from gcbench.results.schema import IDENTITY_KEYS
 from gcbench.spec import RunSpec
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gcbench"
@@ -21,18 +23,20 @@ LAYERS = [
     ("cli", "cli_options", "__main__"),
     ("sweeps", "fits"),
     ("grid",),
-    ("ranks", "runner", "paired", "sharded"),
+    ("rank", "runner", "paired", "torchrun"),
     ("estimators",),
     ("env",),
     ("spec",),
-    ("step", "sharding", "policies", "models", "presets", "hub", "optimizers"),
+    ("step", "fsdp", "policies", "models", "presets", "hub"),
     ("instruments",),
     ("measure", "timing"),
-    ("results", "units", "gpus", "errors", "__init__"),
+    ("results",),
+    ("fields",),
+    ("values", "optimizers", "units", "gpus", "errors", "__init__"),
 ]
 # Readers of results: they import results and the small helpers beside it, nothing that measures.
-READERS = {"report": ("report", "results", "units", "errors", "__init__"), "compare": ("results", "units", "errors",
-                                                                                    "__init__")}
+READERS = {"report": ("report", "results", "fields", "values", "units", "errors", "__init__"),
+           "compare": ("results", "fields", "values", "units", "errors", "__init__")}
 
 
 def module_name(path: Path) -> str:
@@ -120,8 +124,46 @@ def test_every_module_is_placed_and_small():
 
 def test_record_schema_names_every_runspec_field():
     spec_fields = {f.name for f in dataclasses.fields(RunSpec)}
-    assert set(SpecFields.__annotations__) == spec_fields | {"policy_options", "memory_cap_kind"}
+    assert set(spec_columns()) == spec_fields | {"policy_options", "memory_cap_kind"}
     assert set(IDENTITY_KEYS) == spec_fields | {"policy_options"}
+
+
+def _field_name_lists(tree: ast.Module, names: set[str]) -> list[tuple[int, list[str]]]:
+    """Module-level constants (and class bodies) that spell out two or more run field names."""
+    found = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.ClassDef) and not any(getattr(b, "id", None) == "Protocol" for b in stmt.bases):
+            # a TypedDict or dataclass that declares run fields again (a Protocol says what a function reads)
+            declared = [s.target.id for s in stmt.body if isinstance(s, ast.AnnAssign)
+                        and isinstance(s.target, ast.Name) and s.target.id in names]
+            if len(declared) >= 2:
+                found.append((stmt.lineno, declared))
+            continue
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.value is None:
+            continue
+        for node in ast.walk(stmt.value):
+            elements = node.keys if isinstance(node, ast.Dict) else node.elts \
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+            spelled = [e.value for e in elements if isinstance(e, ast.Constant) and e.value in names]
+            if len(spelled) >= 2:
+                found.append((node.lineno, spelled))
+    return found
+
+
+def test_no_module_keeps_its_own_list_of_field_names():
+    """A run field is declared once, in fields.py; a module that keeps its own list of field names (a tuple of
+    levers, the columns a table expects, a TypedDict of the spec) is a second declaration the next field misses.
+    Such lists are derived from fields.RUN_FIELDS (by role, axis, `added`, ...)."""
+    names = set(spec_columns())
+    kept = [f"{path.relative_to(PACKAGE.parent)}:{line}: {spelled}" for path in sorted(PACKAGE.rglob("*.py"))
+            if path.name != "fields.py" for line, spelled in _field_name_lists(ast.parse(path.read_text()), names)]
+    assert not kept
+
+
+def test_the_field_list_check_sees_a_kept_list():
+    tree = ast.parse('LEVERS = ("precision", "optimizer")\nONE = ("seq_len",)\n'
+                     'class Spec:\n    seq_len: int\n    batch_size: int\n')
+    assert [line for line, _ in _field_name_lists(tree, set(spec_columns()))] == [1, 3]
 
 
 @pytest.mark.parametrize("flag, says", [("--help", "Usage"), ("--version", "gcbench ")])
@@ -135,3 +177,15 @@ def test_the_command_line_answers_without_torch(flag, says):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert says in done.stdout
+
+
+def test_no_comment_points_to_a_missing_file():
+    """The files the package's comments and docstrings name (docs/methodology.md, tests/test_levers.py,
+    gcbench/estimators/per_rank.py, README.md; sweeps/child.py from inside the package) exist."""
+    root = PACKAGE.parent
+    cited = re.compile(r"\b((?:docs|tests|benchmarks|sweeps|results|gcbench)/[\w./-]*\w\.(?:md|py|toml|sh)|"
+                       r"[A-Z][A-Z_]+\.md)\b")
+    missing = [f"{path.relative_to(root)}: {name}" for path in sorted(PACKAGE.rglob("*.py"))
+               for name in cited.findall(path.read_text()) if not (root / name).exists()
+               and not (PACKAGE / name).exists()]
+    assert not missing

@@ -20,7 +20,8 @@ from gcbench.models import build_model, find_blocks
 from gcbench.optimizers import OPTIMIZERS, optimizer_kind
 from gcbench.results.store import read_records
 from gcbench.runner import run
-from gcbench.spec import RunSpec, with_bare_switches
+from gcbench.cli_options import with_bare_switches
+from gcbench.spec import RunSpec
 from gcbench.step import OptimizerInBackward, TrainingStep, make_batch, make_optimizer
 from tests.helpers import tiny_spec
 
@@ -312,7 +313,7 @@ def test_a_bare_switch_means_on():
     (["--optim-in-backward", "on", "--optimizer", "none"], "needs an optimizer"),
     (["--optim-in-backward", "maybe"], "expected on or off"),
     (["--optimizer", "lion"], "unknown optimizer 'lion'"),
-    (["--grad-accum", "0"], "--grad-accum must be an integer from 1"),
+    (["--grad-accum", "0"], "--grad-accum: must be an integer from 1"),
 ])
 def test_bad_lever_input_is_one_line_exit_2(tmp_path, args, message):
     out = tmp_path / "r.jsonl"

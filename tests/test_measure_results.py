@@ -13,7 +13,7 @@ from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops
 from gcbench.timing import Stats
 from gcbench.results.frame import load
 from gcbench.results.store import append_record, read_records
-from gcbench.spec import parse_bytes
+from gcbench.units import parse_bytes
 
 
 def test_stats_from_raw_samples():

@@ -368,7 +368,7 @@ def paired(records, ratio=1.3, ci=(1.28, 1.32), vs="none", stable=True):
 
 
 def test_the_report_uses_paired_ratios_and_marks_untrusted_timings(tmp_path, records):
-    from gcbench.report.grids import results_grid
+    from gcbench.report.cells import results_grid
 
     frame = results_frame(gcbench.load(write(tmp_path / "p.jsonl", paired(records))))
     grid = results_grid(frame)
@@ -387,7 +387,7 @@ def test_the_report_uses_paired_ratios_and_marks_untrusted_timings(tmp_path, rec
 
 
 def test_a_ratio_against_another_baseline_says_which(tmp_path, records):
-    from gcbench.report.grids import results_grid
+    from gcbench.report.cells import results_grid
 
     frame = results_frame(gcbench.load(write(tmp_path / "p.jsonl", paired(records, vs="full", ratio=0.8,
                                                                            ci=(0.79, 0.81)))))

@@ -20,7 +20,7 @@ from gcbench.estimators import estimate
 from gcbench.grid import SweepSpec
 from gcbench.results.schema import config_key
 from gcbench.results.store import read_records
-from gcbench.sharded import merge_ranks
+from gcbench.torchrun import merge_ranks
 from gcbench.spec import RunSpec
 from gcbench.sweeps.cluster import job_failure, jobs_path
 from gcbench.sweeps.orchestrate import Sweep
@@ -124,7 +124,7 @@ def test_jobs_give_each_config_its_slot_cores_as_threads(six_cores, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--jobs", "0"], "--jobs: expected 1 or more jobs"),
+    (["--jobs", "0"], "--jobs: must be an integer from 1"),
     (["--devices", "gpu1"], "--devices: expected all or a list of cuda:N"),
     (["--devices", "cuda:0,cuda:0"], "--devices: a GPU given twice"),
     (["--devices", "all"], "--devices spreads a sweep over GPUs"),
@@ -292,7 +292,7 @@ SHARDED = ["--model", "tiny-llama", "--seq", "64", "--batch", "2", *FAST, "--war
 
 @pytest.mark.parametrize("fields, message", [
     (dict(nproc=2), "--nproc 2 needs --shard fsdp2"),
-    (dict(shard="zero3", nproc=2), "unknown --shard 'zero3'"),
+    (dict(shard="zero3", nproc=2), "unknown shard 'zero3'"),
     (dict(shard="fsdp2", policy="budget"), "compiles the blocks"),
     (dict(shard="fsdp2", optim_in_backward=True), "not with --shard fsdp2"),
 ])
@@ -378,7 +378,7 @@ def test_a_sweep_over_nproc_gives_per_rank_state_of_about_half(tmp_path):
 def test_a_rank_runs_on_its_own_gpu_and_checks_only_the_launcher_count(monkeypatch):
     import torch
 
-    from gcbench.ranks import rank_device
+    from gcbench.rank import rank_device
 
     assert rank_device("cuda:2", 1) == torch.device("cuda", 3) and rank_device("cpu", 1) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -52,12 +52,12 @@ def test_toml_and_cli_grids_expand_identically(tmp_path):
         ("tiny-llama", 64, "none")]
     assert {s.memory_cap_bytes for s in from_toml} == {2**30}
     # a multi-option policy in a comma list stays one policy
-    from gcbench.spec import spec_options
-    assert spec_options()["policy"].parse_many("none,every-k:k=3,full") == ("none", "every-k:k=3", "full")
+    from gcbench.fields import run_field
+    assert run_field("policy").parse_many("none,every-k:k=3,full") == ("none", "every-k:k=3", "full")
 
 
 def test_every_runspec_field_is_a_grid_option(tmp_path):
-    """Declared once in spec.py: any field takes several values in a sweep, on the command line or in TOML."""
+    """Declared once in fields.py: any field takes several values in a sweep, on the command line or in TOML."""
     toml = tmp_path / "grid.toml"
     toml.write_text('model = "tiny-llama"\nseq = 32\nbatch = 1\npolicy = "none"\nlayers = [1, 2]\n'
                     'precision = ["fp32", "bf16"]\ndevice = "cpu"\n')
@@ -114,7 +114,7 @@ BAD_INPUT = [
     (lambda t: ["--model", "tiny-llama,nope", "--seq", "32", "--batch", "1"], "unknown model 'nope'"),
     (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1", "--isolation", "thread"],
      "unknown isolation"),
-    (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1", "--timeout", "0"], "positive number"),
+    (lambda t: ["--model", "tiny-llama", "--seq", "32", "--batch", "1", "--timeout", "0"], "must be a number of seconds above 0"),
 ]
 
 

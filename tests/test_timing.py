@@ -92,16 +92,16 @@ def test_auto_stops_once_the_median_is_known_within_2_percent():
 def test_auto_measures_longer_when_noisy_and_stops_at_its_budgets():
     rng = random.Random(1)
     noisy = [100.0 * rng.uniform(0.5, 2.0) for _ in range(1000)]
-    samples, stop, _ = _measure(StepBudget(max_steps=40, max_time_s=1e9), noisy)
+    samples, stop, _ = _measure(StepBudget(step_limit=40, time_limit_s=1e9), noisy)
     assert (len(samples), stop) == (40, "max-steps")
-    samples, stop, clock = _measure(StepBudget(max_steps=1000, max_time_s=3.0), noisy)
+    samples, stop, clock = _measure(StepBudget(step_limit=1000, time_limit_s=3.0), noisy)
     assert stop == "max-time" and MIN_STEPS <= len(samples) < 1000
     assert sum(samples) / 1e3 == pytest.approx(clock.now - 1000.0)  # the time budget is the steps' time
     assert sum(samples[:-1]) / 1e3 < 3.0 <= sum(samples) / 1e3
 
 
 def test_the_time_budget_never_cuts_below_the_minimum_steps():
-    samples, stop, _ = _measure(StepBudget(max_time_s=0.001), [50.0, 150.0] * 50)
+    samples, stop, _ = _measure(StepBudget(time_limit_s=0.001), [50.0, 150.0] * 50)
     assert len(samples) == MIN_STEPS and stop == "max-time"
 
 
@@ -179,11 +179,11 @@ def test_threads_default_to_all_cores_but_one_and_are_recorded(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--threads", "0"], "--threads must be an integer from 1 to 4,096"),
+    (["--threads", "0"], "--threads: must be an integer from 1 to 4,096"),
     (["--threads", "many"], "--threads: 'many' is neither an integer nor 'auto'"),
     (["--steps", "some"], "--steps: 'some' is neither an integer nor 'auto'"),
     (["--max-time", "0"], "--max-time: must be a number of seconds above 0"),
-    (["--max-steps", "0"], "--max-steps must be an integer from 1"),
+    (["--max-steps", "0"], "--max-steps: must be an integer from 1"),
 ])
 def test_bad_timing_options_are_one_line_exit_2(tmp_path, args, message):
     out = tmp_path / "r.jsonl"
@@ -344,7 +344,7 @@ def test_paired_can_be_turned_off_on_the_command_line_and_in_toml(tmp_path):
     toml.write_text('model = "tiny-llama"\nseq = 32\nbatch = 1\npaired = false\n')
     assert SweepSpec.load(toml).paired is False
     assert SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": 1}).paired is True
-    with pytest.raises(GcbenchError, match="expected true or false"):
+    with pytest.raises(GcbenchError, match="expected on or off"):
         SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": 1, "paired": "maybe"})
     result = runner.invoke(app, ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", "--policy",
                                  "none,full", "--device", "cpu", "--no-paired", "--dry-run", "--out",

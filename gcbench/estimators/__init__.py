@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators import analytic, plan, sharded, simulate
+from gcbench.estimators import analytic, per_rank, plan, simulate
 from gcbench.estimators.prediction import Estimate, Unavailable
 from gcbench.spec import RunSpec, crossed_out
 
@@ -27,7 +27,7 @@ __all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimat
 
 def resolve_plan(spec: RunSpec) -> RunSpec:
     """`spec` with the mix of its `plan` policy chosen for its device (estimators/plan.py); any other as it is."""
-    return plan.resolve(spec, "cuda" if spec.device.startswith("cuda") else "cpu")
+    return plan.resolve(spec, spec.device_kind)
 
 # By the module, not the function: binding `analytic` here to the function would hide the submodule of that name.
 _PREDICTORS = {"analytic": analytic.analytic, "simulate": simulate.simulate}
@@ -45,7 +45,7 @@ def estimate(spec: RunSpec, method: str = "simulate", target: str = "cuda", flop
     spec = plan.resolve(spec, target)
     if spec.shard != "none":  # per rank: the unsharded step at the rank's batch, and FSDP2's terms
         one_process = dataclasses.replace(spec, shard="none", nproc=1)
-        return sharded.shard_estimate(estimate(one_process, method, target, flops), spec)
+        return per_rank.shard_estimate(estimate(one_process, method, target, flops), spec)
     return simulate.simulate(spec, target, flops=True) if method == "simulate" and flops else \
         _PREDICTORS[method](spec, target)
 
@@ -96,7 +96,7 @@ def predict_for_run(spec: RunSpec) -> dict[str, Any]:
     (`predicted_peak_bytes_simulate`, `predicted_peak_bytes_analytic`; None where it cannot), so that a GPU
     sweep shows both methods' errors. The analytic model is instant; the simulation takes about a second for tiny
     models and seconds for 7B ones."""
-    target = "cuda" if spec.device.startswith("cuda") else "cpu"
+    target = spec.device_kind
     out: dict[str, Any] = {"predicted_peak_bytes": None, "prediction_method": None, "predicted_peak_phase": None}
     for method in ("simulate", "analytic"):  # the preferred one first
         try:

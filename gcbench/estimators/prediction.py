@@ -6,13 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from gcbench.fields import ESTIMATE_FIELDS, POLICY_OPTIONS
 from gcbench.spec import RunSpec
 
-# The spec fields an estimate row carries, stored as in every record (results/schema.py SpecFields): `policy` is the
-# name, `policy_options` its options. The rest of a spec (device, steps, seed) does not change a prediction; the
-# spec's device is always "cpu" here anyway, and the row's `target` says what was predicted.
-ROW_SPEC_FIELDS = ("model", "seq_len", "batch_size", "policy", "policy_options", "layers", "precision", "optimizer",
-                   "optim_in_backward", "grad_accum", "shard", "nproc")
+# The spec fields an estimate row carries, stored as in every record: those `gcbench estimate` takes (fields.py),
+# `policy` the name and `policy_options` its options. The rest of a spec (device, steps, seed) does not change a
+# prediction; the spec's device is always "cpu" here anyway, and the row's `target` says what was predicted.
+ROW_SPEC_FIELDS = (*ESTIMATE_FIELDS, POLICY_OPTIONS)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from gcbench.fits.predict import predict_fit
 from gcbench.fits.search import Search
 from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
 from gcbench.grid import one_value_each
-from gcbench.spec import RunSpec, spec_options
+from gcbench.fields import run_field
+from gcbench.spec import RunSpec
 from gcbench.units import fmt_bytes, parse_bytes
 
 
@@ -61,7 +62,7 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
     if "model" not in values:
         raise GcbenchError("no --model given: which model to fit (see `gcbench models`)")
     if field_name in values:
-        raise GcbenchError(f"--{spec_options()[field_name].flag} is what --vary {vary} searches: give its range "
+        raise GcbenchError(f"--{run_field(field_name).flag} is what --vary {vary} searches: give its range "
                            f"with --range LO..HI")
     values = dict(values)
     policies = values.pop("policy", DEFAULT_POLICIES)

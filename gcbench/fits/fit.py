@@ -28,11 +28,12 @@ from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
 from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
-from gcbench.results.schema import config_label, fastest, peak_bytes, policy_label
+from gcbench.results.schema import Status, config_label, fastest, peak_bytes, policy_label
 from gcbench.results.store import append_record, check_appendable
 from gcbench.runner import check_fits, model_size
-from gcbench.spec import RunSpec, spec_options
-from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner
+from gcbench.fields import RUN_FIELDS, DeviceKind, Role
+from gcbench.spec import RunSpec
+from gcbench.sweeps.isolation import InProcessRunner, PairingFailed, ProcessRunner
 from gcbench.sweeps.progress import SweepProgress
 
 VARY = {"batch": "batch_size", "seq": "seq_len"}  # --vary -> the RunSpec field it searches
@@ -73,7 +74,7 @@ class PolicyFit:
         """The record of the largest size that ran (None: nothing fit, or the search stopped)."""
         if self.error is not None or self.search.maximum is None:
             return None
-        return next(r for r in self.records if r[self.search_field] == self.search.maximum and r["status"] == "ok")
+        return next(r for r in self.records if r[self.search_field] == self.search.maximum and r["status"] == Status.OK)
 
     @property
     def next_record(self) -> dict[str, Any] | None:
@@ -123,7 +124,7 @@ class Fit:
     def _budget(self, first: RunSpec) -> int:
         if self.spec.memory is not None:
             return self.spec.memory
-        if not first.device.startswith("cuda"):
+        if first.device_kind is not DeviceKind.CUDA:
             raise GcbenchError("on CPU give --memory: the budget the live-tensor tracker holds each trial to "
                                "(e.g. --memory 12MiB)")
         free = free_without_context(first.device)
@@ -137,7 +138,7 @@ class Fit:
             spec.timeout_s, models=[spec.fields["model"]])
         fits = [PolicyFit(p, Search(spec.lo, spec.hi, self.cap, spec.multiple), None, search_field=spec.vary)
                 for p in self.policies]
-        target = "cuda" if self.device.startswith("cuda") else "cpu"
+        target = DeviceKind.of(self.device)
         pending: list[dict[str, Any]] = []  # the winners, appended once the paired timing is in them
         with SweepProgress(self.console, sum(f.search.bound for f in fits), 0) as view:
             try:
@@ -171,12 +172,12 @@ class Fit:
                       "fit_trial": len(search.trials) + 1}
             view.finished(record)
             fit.records.append(record)
-            if record["status"] == "ok":
+            if record["status"] == Status.OK:
                 state = sum(record.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
                 # On CUDA the allocator's reserve is what runs out (whole segments), so it guides the next guess.
                 peak = record.get("peak_reserved_bytes") or peak_bytes(record)
                 search.add(Trial(value, True, peak, state or None))
-            elif record["status"] == "oom":
+            elif record["status"] == Status.OOM:
                 search.add(Trial(value, False))
             else:
                 fit.error = f"{config_label(record)}: {record['status']}: {record.get('error')}"
@@ -191,8 +192,8 @@ class Fit:
         view.pairing([s for s, _ in winners])
         result = runner.paired([s for s, _ in winners], choose_baseline([r for _, r in winners]), view.phase)
         for spec, record in winners:
-            if "error" in result:
-                record["paired_error"] = f"paired timing failed: {result['error']}"
+            if isinstance(result, PairingFailed):
+                record["paired_error"] = f"paired timing failed: {result.why}"
                 continue
             # Its own step times only: a time ratio compares one seq and batch, and the winners differ in size.
             record["paired_step_ms"] = result[policy_label(record)]["paired_step_ms"]
@@ -201,18 +202,17 @@ class Fit:
 
     def _command(self, record: Mapping[str, Any]) -> str:
         """The `gcbench run` command that measures `record`'s config again."""
-        options = spec_options()
         given = {**self.spec.fields, "seq_len": record["seq_len"], "batch_size": record["batch_size"],
                  "policy": policy_label(record)}
         if self.trial_cap:
             given["memory_cap_bytes"] = canonical_size(f"{self.trial_cap}B")
         words = ["gcbench", "run"]
-        for name, opt in options.items():
-            value = given.get(name)
-            if value is None or name in ("measure_steps", "max_steps", "max_time_s", "warmup_steps", "threads"):
+        for field in RUN_FIELDS:  # how long to measure and on how many threads: the run's own defaults
+            value = given.get(field.name)
+            if value is None or field.role is Role.LENGTH or field.name == "threads":
                 continue
             text = ("on" if value else "off") if isinstance(value, bool) else str(value)
-            words += [f"--{opt.flag}", text]
+            words += [f"--{field.flag}", text]
         return " ".join(words)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from gcbench.errors import GcbenchError
-from gcbench.report.grids import (Grid, environment_grid, fit_grids, grid_grid, largest_fit_grid, prediction_grid,
+from gcbench.report.cells import (Grid, environment_grid, fit_grids, grid_grid, largest_fit_grid, prediction_grid,
                                   results_grid)
 from gcbench.results.frame import FAILED
 

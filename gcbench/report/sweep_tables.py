@@ -14,33 +14,24 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gcbench.report.grids import OTHER_BASELINE, largest_fit_grid, note_kinds, time_ratio_text
+from gcbench.report.cells import OTHER_BASELINE, largest_fit_grid, note_kinds, time_ratio_text
 from gcbench.report.tables import rich_table
 from gcbench.results.frame import given, paired_ratio_trusted, results_frame
-from gcbench.results.schema import STATUSES, lever_text, peak_bytes, policy_label
+from gcbench.fields import RUN_FIELDS, Role
+from gcbench.results.schema import LEVER_FIELDS, STATUSES, lever_text, peak_bytes, policy_label
 from gcbench.units import fmt_bytes
 
 STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "red", "error": "bold red"}
 
 
-# Spec fields beside model, seq, batch and policy that a sweep may vary: named in a `setup` column when they do.
-SETUP_FIELDS = ("layers", "precision", "optimizer", "optim_in_backward", "grad_accum", "attn")
-
-
 def setup_texts(records: list[dict[str, Any]]) -> list[str] | None:
-    """Per record, the SETUP_FIELDS that differ between `records`, in a few words ("32 layers · adamw-loop ·
-    optimizer in backward"); None when no such field varies."""
-    varying = [f for f in SETUP_FIELDS if len({str(r.get(f)) for r in records}) > 1]
+    """Per record, the setup fields (fields.py: the levers and the rest of a setup) that differ between `records`,
+    in a few words ("32 layers · adamw-loop · optimizer in backward"); None when no such field varies."""
+    varying = [f for f in RUN_FIELDS if f.role in (Role.LEVER, Role.SETUP)
+               and len({str(r.get(f.name)) for r in records}) > 1]
     if not varying:
         return None
-    levers = tuple(f for f in varying if f not in ("layers", "attn"))
-
-    def text(r: dict[str, Any]) -> str:
-        words = [f"{r.get('layers') or 'all'} layers"] if "layers" in varying else []
-        words += [f"attn {r.get('attn') or 'default'}"] if "attn" in varying else []
-        return " · ".join(w for w in [*words, lever_text(r, levers)] if w)
-
-    return [text(r) for r in records]
+    return [" · ".join(w for f in varying if (w := f.text(r) or f.unset)) for r in records]
 
 
 def grid_table(configs: Iterable[tuple[dict[str, Any], str | None]], results_file: str | Path,
@@ -97,10 +88,11 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
     models = sorted(set(frame["model"])) if len(frame) else []
     if len(models) == 1:  # one model: name it once in the title, keep the table within 80 columns
         title = f"{models[0]} · {title}"
-    # the optimizer in backward or accumulation, when every config has it (a setup column shows them otherwise)
-    shared = tuple(f for f in ("optim_in_backward", "grad_accum") if len({str(r.get(f)) for r in records}) == 1)
-    if records and lever_text(records[0], shared):
-        title = f"{lever_text(records[0], shared)} · {title}"
+    # the levers beyond precision and optimizer (in backward, accumulation, sharding) that every config has (a
+    # setup column shows them otherwise)
+    varying = tuple(f for f in LEVER_FIELDS if len({str(r.get(f)) for r in records}) > 1)
+    if records and (shared := lever_text(records[0], leave_out=(*varying, "precision", "optimizer"))):
+        title = f"{shared} · {title}"
     paired = len(frame) > 0 and frame["time_ratio"].notna().any()
     columns = ["model", "setup", "seq", "batch", "policy", "status", "step ms", "time x", "peak", "act. peak",
                "tokens/s", "note"]

@@ -12,15 +12,17 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from gcbench.report.grids import PHASE_SHORT, Grid, fit_grids, largest_fit_grid, prediction_grid, results_grid
+from gcbench.report.cells import PHASE_SHORT, Grid, fit_grids, largest_fit_grid, prediction_grid, results_grid
 from gcbench.results.frame import FAILED
-from gcbench.results.schema import PHASES, half_width, lever_text, mix_text, peak_bytes, policy_label
+from gcbench.fields import DeviceKind, run_field
+from gcbench.values import Switch
+from gcbench.results.schema import LEVER_FIELDS, PHASES, half_width, lever_text, mix_text, peak_bytes, policy_label
 from gcbench.units import byte_unit, fmt_bytes, human_count
 
 
 def run_table(record: dict[str, Any]) -> Table:
     """The one-run table `gcbench run` prints: memory, breakdown, time, throughput, recompute cost."""
-    cuda = str(record["device"]).startswith("cuda")
+    cuda = DeviceKind.of(record["device"]) is DeviceKind.CUDA
     env = record.get("env") or {}
     threads = record.get("threads") or env.get("torch_threads")
     where = env.get("gpu_name") or f"CPU ({threads} thread{'s' if threads != 1 else ''})"
@@ -29,7 +31,7 @@ def run_table(record: dict[str, Any]) -> Table:
     shape = ", ".join(([record["family"]] if record.get("family") and record["family"] not in record["model"]
                        else []) + ([f"{blocks} blocks"] if blocks else []))
     # the optimizer is named in the model state row; the precision and the other levers here
-    levers = lever_text(record, ("precision", "optim_in_backward", "grad_accum", "shard", "nproc"))
+    levers = lever_text(record, leave_out=("optimizer",))
     world = record.get("world_size") or 1
     title = (f"{record['model']}{f' ({shape})' if shape else ''} · seq {record['seq_len']} · batch "
              f"{record['batch_size']} · {policy_label(record)} · {levers} · {where}")
@@ -134,19 +136,18 @@ def _host_text(record: dict[str, Any]) -> str:
     load = record.get("load_1m_before")
     text = "spread within the limit"
     if others is not None and cores:
-        used = min(record.get("threads") or 1, cores) if not str(record["device"]).startswith("cuda") else 1
+        used = min(record.get("threads") or 1, cores) if DeviceKind.of(record["device"]) is DeviceKind.CPU else 1
         text += f"; others used {others:.1f} core{'s' if others >= 1.05 else ''}, the run left {cores - used} of {cores} free"
     if load is not None:
         text += f"; load {load:.1f}"
     return text
 
 
-LEVERS = {"precision": "precision", "optimizer": "optimizer", "optim_in_backward": "in bwd", "grad_accum": "accum",
-          "shard": "shard", "nproc": "ranks"}
+LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> its column's heading
 
 
 def _lever_cell(field: str, value: Any) -> str:
-    if field == "optim_in_backward":
+    if isinstance(run_field(field).kind, Switch):
         return "yes" if value else "no"
     return str(value)
 
@@ -163,7 +164,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None) 
     predicted = "torch.cuda.max_memory_allocated" if first["target"] == "cuda" else "CPU live-tensor peak"
     kernels = ", ".join(sorted({r["attention_kernel"] for r in predicted_rows}))
     varying = [f for f in LEVERS if len({str(r.get(f)) for r in rows}) > 1]
-    shared = lever_text(first, tuple(f for f in LEVERS if f not in varying))
+    shared = lever_text(first, leave_out=tuple(varying))
     title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
              f"({predicted}){' · ' + shared if shared else ''} · attention: {kernels}")
     sharded = any(r.get("shard") not in (None, "none") for r in rows)

@@ -14,23 +14,23 @@ from typing import Any
 import pandas as pd
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import (SIZE_WORDS, fastest, fit_policy, half_width, lever_text, mix_text, policy_label,
-                                    record_problem)
+from gcbench.fields import DeviceKind, setup_words, spec_columns
+from gcbench.results.schema import (SHAPE_FIELDS, SIZE_WORDS, fastest, fit_policy, half_width, mix_text,
+                                    policy_label, record_problem)
 from gcbench.results.store import read_records, result_files
-from gcbench.units import fmt_bytes
 
 PEAK_LABELS = {"cpu": "tracked live-tensor peak (CPU)", "cuda": "torch.cuda.max_memory_allocated (CUDA)"}
 # `x none` ratios are taken inside these groups and never across them: a device, a model setup, one seq and batch.
-GROUP_KEYS = ["device_label", "setup", "seq_len", "batch_size"]
-# Columns the readers use. A file of OOMs only has none of the measurements, so they are added empty.
-EXPECTED = ["peak_allocated_bytes", "peak_tracked_bytes", "activation_peak_bytes", "fwd_bwd_peak_bytes",
-            "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr", "tokens_per_s",
-            "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
-            "predicted_peak_bytes_analytic", "layers", "attn", "memory_cap_bytes", "seed", "error",
-            "env.gpu_name", "env.gpu_memory_bytes", "env.cpu", "env.cpu_count", "env.torch_threads", "env.gcbench",
-            "threads", "timing_stable", "timing_notes", "step_ms_ci", "step_ms_rel_iqr", "time_ratio", "time_ratio_ci",
-            "time_ratio_vs", "paired_error", "peak_phase", "forward_peak_bytes", "backward_peak_bytes",
-            "optimizer_peak_bytes", "n_params", "grad_accum", "optim_in_backward",
+GROUP_KEYS = ["device_label", "setup", *SHAPE_FIELDS]
+# Columns the readers use: every spec column (a record from before a field existed lacks it), and the measurements
+# (a file of OOMs only has none of them). Those missing are added empty.
+EXPECTED = [*spec_columns(), "peak_allocated_bytes", "peak_tracked_bytes", "activation_peak_bytes",
+            "fwd_bwd_peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr",
+            "tokens_per_s", "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
+            "predicted_peak_bytes_analytic", "error", "env.gpu_name", "env.gpu_memory_bytes", "env.cpu",
+            "env.cpu_count", "env.torch_threads", "env.gcbench", "timing_stable", "timing_notes", "step_ms_ci",
+            "step_ms_rel_iqr", "time_ratio", "time_ratio_ci", "time_ratio_vs", "paired_error", "peak_phase",
+            "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "n_params",
             # `gcbench fit`'s trials (fits/fit.py): the search a record belonged to
             "fit_id", "fit_vary", "fit_budget_bytes", "fit_trial", "fit_policy", "paired_tokens_per_s", "plan_mix_text"]
 FAILED = {"oom": "OOM", "timeout": "timeout", "error": "error", "skipped": "skipped"}  # status -> how it is shown
@@ -79,7 +79,7 @@ def as_int(value: Any) -> int:
 
 def device_label(row: dict[str, Any]) -> str:
     """What the numbers were measured on; records with different labels are never compared or averaged."""
-    if str(row["device"]).startswith("cuda"):
+    if DeviceKind.of(row["device"]) is DeviceKind.CUDA:
         return str(row["env.gpu_name"]) if given(row.get("env.gpu_name")) else str(row["device"])
     cpu = row.get("env.cpu") if given(row.get("env.cpu")) else ""
     cores = f" · {as_int(row['env.cpu_count'])} cores" if given(row.get("env.cpu_count")) else ""
@@ -91,19 +91,13 @@ def device_label(row: dict[str, Any]) -> str:
 
 
 def setup_label(row: dict[str, Any]) -> str:
-    """Everything but seq, batch and policy that defines a config: model, layers, precision, optimizer, ..."""
-    parts = [str(row["model"])]
-    if given(row.get("layers")):
-        parts.append(f"{as_int(row['layers'])} layers")
-    accum = as_int(row["grad_accum"]) if given(row.get("grad_accum")) else 1  # a float in a DataFrame with NaNs
-    parts.append(lever_text({**row, "grad_accum": accum}))
-    if given(row.get("attn")):
-        parts.append(f"attn {row['attn']}")
-    if given(row.get("memory_cap_bytes")):
-        parts.append(f"memory cap {fmt_bytes(row['memory_cap_bytes'])}")
-    if given(row.get("seed")) and row["seed"] != 0:
-        parts.append(f"seed {as_int(row['seed'])}")
-    return " · ".join(parts)
+    """Everything but seq, batch and policy that defines a config, in words (fields.setup_words): model, layers,
+    precision, optimizer, ..."""
+    # A DataFrame with NaNs holds integers as floats and null as NaN: as the record had them, for the words.
+    record = {k: (as_int(v) if isinstance(v, float) and v.is_integer() else v) if given(v) else None
+              for k, v in row.items()}
+    words = setup_words(record)
+    return f"{row['model']} · {words}" if words else str(row["model"])
 
 
 def policy_rank(label: str) -> tuple[int, str]:
@@ -157,8 +151,8 @@ def results_frame(df: pd.DataFrame) -> pd.DataFrame:
         raise GcbenchError("no records to report")
     frame = df.reindex(columns=list(dict.fromkeys([*df.columns, *EXPECTED]))).reset_index(drop=True)
     records = frame.to_dict("records")
-    cuda = frame["device"].astype(str).str.startswith("cuda")
-    frame["device_kind"] = cuda.map({True: "cuda", False: "cpu"})
+    frame["device_kind"] = frame["device"].map(lambda d: DeviceKind.of(d).value)
+    cuda = frame["device_kind"] == DeviceKind.CUDA
     frame["device_label"] = [device_label(r) for r in records]
     frame["setup"] = [setup_label(r) for r in records]
     frame["peak_bytes"] = frame["peak_allocated_bytes"].where(cuda, frame["peak_tracked_bytes"]).astype(float)
@@ -184,7 +178,7 @@ def results_frame(df: pd.DataFrame) -> pd.DataFrame:
     frame["prediction_error"] = frame["predicted_peak_bytes"] / frame["peak_bytes"] - 1
 
     frame = frame.assign(_rank=frame["policy_label"].map(policy_rank))
-    frame = frame.sort_values(["device_label", "setup", "seq_len", "batch_size", "_rank"]).drop(columns="_rank")
+    frame = frame.sort_values([*GROUP_KEYS, "_rank"]).drop(columns="_rank")
     frame = frame.reset_index(drop=True)
     frame.attrs["superseded"] = int(superseded.sum())
     return frame

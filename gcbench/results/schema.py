@@ -8,48 +8,37 @@ every consumer keys a configuration with `config_key`.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
+from gcbench.fields import RUN_FIELDS, Role, identity_columns, names, run_field, setup_words
 from gcbench.units import parse_bytes
 
 # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
 # world_size and the per-rank fields)
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)  # an older record reads as one with ADDED_SPEC_FIELDS' values
-STATUSES = ("ok", "oom", "timeout", "error", "skipped")
 
 
-class SpecFields(TypedDict):
-    """A RunSpec as stored (RunSpec.as_record); tests/test_schema.py checks it names every RunSpec field."""
+class Status(enum.StrEnum):
+    """How a configuration ended. A str: records store it as its value, and "ok" == Status.OK."""
 
-    model: str
-    seq_len: int
-    batch_size: int
-    policy: str  # the policy's name; its options are in policy_options
-    policy_options: dict[str, Any]
-    layers: int | None
-    precision: str
-    optimizer: str  # gcbench.optimizers.OPTIMIZERS
-    optim_in_backward: bool  # the optimizer stepped per parameter inside backward (no full set of gradients)
-    grad_accum: int  # micro-batches of batch_size per optimizer step
-    shard: str  # none | fsdp2 (docs/scale.md)
-    nproc: int  # ranks of a sharded run; batch_size is per rank
-    device: str  # resolved: "cpu" or "cuda:N"
-    attn: str | None
-    warmup_steps: int
-    measure_steps: int | str  # a number, or "auto": until the median's 95% interval is within +-2% (or a budget)
-    max_steps: int  # with "auto": the most timed steps
-    max_time_s: float  # with "auto": seconds of timed steps after which it stops
-    threads: int  # torch intra-op threads of the run (--threads, resolved)
-    seed: int
-    memory_cap_bytes: int | None
-    memory_cap_kind: str | None  # derived from device: "tracked" (CPU) | "reserved" (CUDA) | None (no cap)
+    OK = "ok"  # measured
+    OOM = "oom"  # out of memory: measured, or predicted past the memory it may use (oom_predicted)
+    TIMEOUT = "timeout"  # ran past the sweep's timeout
+    ERROR = "error"  # a crash, a bug: not a result (a sweep exits 1)
+    SKIPPED = "skipped"  # not run: needs at least as much memory as a config that ran out
 
 
-class Record(SpecFields, total=False):
-    """One configuration's result. Measurement fields are present when status is "ok" (some also on "oom")."""
+STATUSES = tuple(Status)
+
+
+class Record(TypedDict, total=False):
+    """One configuration's result: the spec's columns first (fields.spec_columns(), one per run field as
+    RunSpec.as_record writes them, declared in fields.py), then these. Measurement fields are present when status
+    is "ok" (some also on "oom")."""
 
     schema_version: int
     status: str  # one of STATUSES
@@ -141,10 +130,10 @@ class Record(SpecFields, total=False):
     env: dict[str, Any] | None  # versions, device, numeric settings (env.capture_env)
 
 
-# Spec fields added since version 1, with what an older record measured (one unsharded process, the optimizer after
-# backward, no accumulation): a reader fills them in, so that an older record is the same configuration as a new one
-# that differs in nothing else.
-ADDED_SPEC_FIELDS = {"optim_in_backward": False, "grad_accum": 1, "shard": "none", "nproc": 1}
+# Spec fields added since version 1, with what an older record measured (fields.Field.added: one unsharded process,
+# the optimizer after backward, no accumulation): a reader fills them in, so that an older record is the same
+# configuration as a new one that differs in nothing else.
+ADDED_SPEC_FIELDS = {f.name: f.added[1] for f in RUN_FIELDS if f.added}
 PHASES = ("forward", "backward", "optimizer")  # the phases of a training step whose peaks are reported apart
 
 
@@ -154,28 +143,13 @@ def peak_phase(peaks: Mapping[str, int | None]) -> str | None:
     return max(reached, key=lambda p: (peaks[p], -PHASES.index(p))) if reached else None
 
 
-# the levers beside the policy
-LEVER_FIELDS = ("precision", "optimizer", "optim_in_backward", "grad_accum", "shard", "nproc")
+LEVER_FIELDS = names(Role.LEVER)  # the levers beside the policy: precision, optimizer, ...
 
 
-def lever_text(record: Mapping[str, Any], names: tuple[str, ...] = LEVER_FIELDS) -> str:
+def lever_text(record: Mapping[str, Any], leave_out: tuple[str, ...] = ()) -> str:
     """The levers beside the policy, in words, as every table names them: "bf16 · adamw-loop · optimizer in
-    backward · 4 micro-batches" (only `names`; in backward and accumulation only when on)."""
-    words = []
-    for name in names:
-        value = record.get(name)
-        if name == "optim_in_backward":
-            words.append("optimizer in backward" if value is True else "")
-        elif name == "grad_accum":
-            words.append(f"{value} micro-batches" if isinstance(value, int) and value > 1 else "")
-        elif name == "shard":
-            words.append("" if value in (None, "none") else str(value))
-        elif name == "nproc":
-            sharded = record.get("shard") not in (None, "none")
-            words.append(f"{value} ranks" if isinstance(value, int) and (value > 1 or sharded) else "")
-        elif value is not None:
-            words.append(str(value))
-    return " · ".join(w for w in words if w)
+    backward · 4 micro-batches" (all but `leave_out`; in backward and accumulation only when on)."""
+    return setup_words(record, (Role.LEVER,), leave_out)
 # What a block of the `plan` policy may be, least recompute first (policies/plan.py).
 PLAN_KINDS = ("none", "attn", "sac", "full", "offload")
 
@@ -186,7 +160,8 @@ def mix_text(counts: Mapping[str, int]) -> str:
     return " · ".join(f"{kind} {counts[kind]}" for kind in reversed(PLAN_KINDS) if counts.get(kind))
 
 
-SIZE_WORDS = {"batch_size": "batch", "seq_len": "seq"}  # a fit's varied size (fit_vary) in a word
+SHAPE_FIELDS = names(Role.SHAPE)  # seq_len, batch_size: records are compared within one shape
+SIZE_WORDS = {name: run_field(name).flag for name in SHAPE_FIELDS}  # a fit's varied size (fit_vary) in a word
 
 
 def fastest(best: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], float, bool] | None:
@@ -211,22 +186,19 @@ def fit_policy(record: Mapping[str, Any]) -> str:
 
 
 # The fields that make two records the same configuration (memory_cap_kind is derived from device).
-IDENTITY_KEYS = tuple(k for k in SpecFields.__annotations__ if k != "memory_cap_kind")
-# Fields that say how long to measure, not what: two runs differing only in these measure the same configuration.
-RUN_LENGTH_KEYS = ("warmup_steps", "measure_steps", "max_steps", "max_time_s")
+IDENTITY_KEYS = identity_columns()
 
 
-def new_record(spec_fields: Mapping[str, Any], status: str = "ok", error: str | None = None,
+def new_record(spec_fields: Mapping[str, Any], status: str = Status.OK, error: str | None = None,
                **fields: Any) -> Record:
     """The head every record starts with (schema version, the spec, status, error), then `fields`."""
-    if status not in STATUSES:
-        raise ValueError(f"unknown status {status!r}")
-    return {"schema_version": SCHEMA_VERSION, **spec_fields, "status": status, "error": error,  # type: ignore
-            **fields}
+    return {"schema_version": SCHEMA_VERSION, **spec_fields, "status": Status(status).value,  # type: ignore
+            "error": error, **fields}
 
 
 # What a reader needs of every record, with its type: without these a record cannot be placed in a table.
-REQUIRED = {"model": str, "seq_len": int, "batch_size": int, "policy": str, "device": str, "status": str}
+REQUIRED = {**{f.name: int if f.kind.python_type == "int" else str for f in RUN_FIELDS if f.required},
+            "status": str}
 
 
 def record_problem(record: Mapping[str, Any]) -> str | None:

@@ -1,7 +1,7 @@
 """The child side of a sweep: one process runs one RunSpec and sends its Record back over a pipe.
 
 Children are forked from a multiprocessing fork server that imported torch, transformers and gcbench once
-(see sweep.ProcessRunner), so a child starts in tens of milliseconds instead of the seconds a fresh interpreter
+(see isolation.ProcessRunner), so a child starts in tens of milliseconds instead of the seconds a fresh interpreter
 spends on imports. The fork server never touches CUDA: every child still creates its own CUDA context and
 allocator, and an OOM, a sticky CUDA error or a segfault dies with it.
 

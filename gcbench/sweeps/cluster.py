@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gcbench.fields import DeviceKind
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import config_label
+from gcbench.results.schema import Status, config_label
 
 # How often the driver asks whether a job finished: Slurm through sacct (submitit batches the calls), not too often;
 # a local job by its process.
@@ -61,7 +62,7 @@ class ClusterRun:
         """`groups`: per configuration, the records of its specs to run. Appends their records via `write`."""
         # GPUs a job asks for: --slurm-gpus-per-job, or a sharded config's ranks where it has more
         gpus = max((spec.get("nproc") or 1 for specs in groups for spec in specs
-                    if str(spec["device"]).startswith("cuda")), default=0)
+                    if DeviceKind.of(spec["device"]) is DeviceKind.CUDA), default=0)
         executor = self._executor(max(len(g) for g in groups), gpus and max(gpus, self.grid.slurm_gpus_per_job))
         known = self._read_jobs()
         jobs: dict[str, Any] = {}
@@ -105,7 +106,7 @@ class ClusterRun:
         except Exception as e:  # noqa: BLE001 - a job that died is data, as a child that died is
             status, why = job_failure(job.state, job.job_id, e)
             # A job out of host memory says nothing about the config's device memory: --retry-failed runs it again.
-            extra = {"oom_limit": "host"} if status == "oom" else {}
+            extra = {"oom_limit": "host"} if status == Status.OOM else {}
             return [new_record(spec, status, why, stderr_tail=_stderr_tail(job), **extra) for spec in specs]
 
     def _task(self, gid: str, specs: list[dict[str, Any]], sweep_id: str) -> dict[str, Any]:
@@ -160,11 +161,11 @@ def job_failure(state: str, job_id: Any, error: BaseException) -> tuple[str, str
     """(status, why) of a job that returned no records, from its Slurm (or local) state."""
     state = str(state)
     if state.startswith("TIMEOUT"):
-        return "timeout", f"job {job_id} ran past its time limit ({state})"
+        return Status.TIMEOUT, f"job {job_id} ran past its time limit ({state})"
     if state.startswith("OUT_OF_MEMORY"):
-        return "oom", f"job {job_id} ran out of host memory ({state})"
+        return Status.OOM, f"job {job_id} ran out of host memory ({state})"
     last = str(error).strip().splitlines()[-1:] or [type(error).__name__]
-    return "error", f"job {job_id} ended without a result ({state}): {last[0]}"[:500]
+    return Status.ERROR, f"job {job_id} ended without a result ({state}): {last[0]}"[:500]
 
 
 def _done(job) -> bool:

@@ -13,12 +13,13 @@ import traceback
 import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gcbench.env import WARM_MODELS_ENV
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import config_label, new_record
+from gcbench.results.schema import Status, config_label, new_record
 from gcbench.spec import RunSpec
 from gcbench.sweeps.slots import HERE, Slot
 
@@ -27,6 +28,14 @@ STDERR_TAIL_LINES = 30  # of a failed child's stderr, kept in its record
 _START_LOCK = threading.Lock()
 
 OnPhase = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PairingFailed:
+    """What a paired timing gives back when it could not time the policies (the child died, ran out of memory or of
+    time): why, in one line. The policies keep their own, unpaired, step times."""
+
+    why: str
 
 
 def failure_record(spec: RunSpec, status: str, error: str, env: dict | None = None, **extra: Any) -> dict[str, Any]:
@@ -61,13 +70,13 @@ class ProcessRunner:
             return failure_record(spec, status, error, env, stderr_tail=tail)
         return result
 
-    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any]:
-        """paired.run_paired in a child: {policy label: paired fields}, or {"error": why} when the child failed.
+    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
+        """paired.run_paired in a child: {policy label: paired fields}, or PairingFailed when the child failed.
         Its timeout is one config's per policy: it warms up and times each of them."""
         result, failure = self._run_task({"paired": [s.as_record() for s in specs], "baseline": baseline},
                                          f"gcbench paired {config_label(specs[0].as_record())}", on_phase,
                                          self.timeout_s * len(specs))
-        return {"error": failure[1]} if failure is not None else result
+        return PairingFailed(failure[1]) if failure is not None else result
 
     def _run_task(self, task: dict[str, Any], name: str, on_phase: OnPhase,
                   timeout_s: float | None = None) -> tuple[Any, tuple | None]:
@@ -117,7 +126,7 @@ class ProcessRunner:
             if msg is None:
                 proc.join(5)
                 tail = _tail(log_path)
-                return None, ("error", _death_message(proc.exitcode, tail), env, tail)
+                return None, (Status.ERROR, _death_message(proc.exitcode, tail), env, tail)
             kind, payload = msg
             if kind == "record":
                 on_phase("child exiting")  # the next config waits for it: its memory must be released first
@@ -127,7 +136,7 @@ class ProcessRunner:
             elif kind == "progress":
                 phase = payload
                 on_phase(payload)
-        return None, ("timeout", f"no result within {timeout_s:g} s (was: {phase})", env, _tail(log_path))
+        return None, (Status.TIMEOUT, f"no result within {timeout_s:g} s (was: {phase})", env, _tail(log_path))
 
 
 class InProcessRunner:
@@ -146,18 +155,18 @@ class InProcessRunner:
         try:
             return run(spec, on_phase)
         except GcbenchError as e:
-            return failure_record(spec, "error", str(e))
+            return failure_record(spec, Status.ERROR, str(e))
         except Exception as e:  # failure is data: the sweep goes on
             tail = "\n".join(traceback.format_exc().splitlines()[-STDERR_TAIL_LINES:])
-            return failure_record(spec, "error", f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
+            return failure_record(spec, Status.ERROR, f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
 
-    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any]:
+    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
         from gcbench.paired import run_paired
 
         try:
             return run_paired(specs, baseline, on_phase)
         except Exception as e:  # noqa: BLE001 - a pairing that fails leaves the configs' own timings
-            return {"error": f"{type(e).__name__}: {e}"[:500]}
+            return PairingFailed(f"{type(e).__name__}: {e}"[:500])
 
 
 def _child_context():

@@ -23,11 +23,11 @@ from gcbench.grid import SweepSpec
 from gcbench.errors import GcbenchError, WontFit, raise_interrupt
 from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
-from gcbench.results.schema import STATUSES, config_key, policy_label
+from gcbench.results.schema import STATUSES, Status, config_key, policy_label
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.spec import DEVICES_ELSEWHERE, RunSpec
-from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner, failure_record
+from gcbench.sweeps.isolation import InProcessRunner, PairingFailed, ProcessRunner, failure_record
 from gcbench.sweeps.progress import SweepProgress
 from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
 
@@ -35,7 +35,7 @@ from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_sid
 # What --retry-failed runs again, with the oom records that were not run for want of free memory at the time and
 # cluster jobs killed for host memory; an oom (measured, or predicted past the cap) is a result and stays (--rerun
 # runs it).
-RETRIED = ("error", "timeout")
+RETRIED = (Status.ERROR, Status.TIMEOUT)
 
 
 class OomFrontier:
@@ -51,7 +51,7 @@ class OomFrontier:
         return config_key(record, ignore=("seq_len", "batch_size"))
 
     def add(self, record: Mapping[str, Any]) -> None:
-        if record.get("status") == "oom":
+        if record.get("status") == Status.OOM:
             with self._lock:
                 self._ooms.setdefault(self._shape_free_key(record), []).append(
                     (record["seq_len"], record["batch_size"]))
@@ -114,7 +114,7 @@ class Sweep:
 
     def _counts_as_done(self, record: dict[str, Any]) -> bool:
         status = record.get("status")
-        if status == "skipped":
+        if status == Status.SKIPPED:
             return self.skip_after_oom  # --no-skip runs what an earlier sweep skipped
         if status in RETRIED or record.get("oom_limit") in ("free", "host"):
             return not self.retry_failed  # a predicted oom for want of free memory depends on what else ran
@@ -208,9 +208,9 @@ class Sweep:
         time_ratio to the records about to be written; with fewer than two such policies there is nothing to pair.
         Policies that ran in an earlier, interrupted sweep take part (so that `none` stays the baseline), but their
         records in the file stay as they are."""
-        if not any(r["status"] == "ok" for _, r in pending):
+        if not any(r["status"] == Status.OK for _, r in pending):
             return
-        ran = [(spec, r) for spec, r in earlier + pending if r["status"] == "ok"]
+        ran = [(spec, r) for spec, r in earlier + pending if r["status"] == Status.OK]
         if len(ran) < 2:
             return
         writing = {id(r) for _, r in pending}
@@ -226,8 +226,8 @@ class Sweep:
         for spec, r in ran:
             if id(r) not in writing:
                 continue
-            if "error" in result:
-                r["paired_error"] = f"paired timing failed: {result['error']}"
+            if isinstance(result, PairingFailed):
+                r["paired_error"] = f"paired timing failed: {result.why}"
             else:
                 r.update(result[policy_label(r)])
 
@@ -259,10 +259,10 @@ class Sweep:
                  unfit: WontFit | None) -> dict[str, Any]:
         reason = frontier.skip_reason(spec) if self.skip_after_oom else None
         if unfit is not None:
-            record = failure_record(spec, "oom", f"not run: {unfit}", oom_predicted=True, oom_limit=unfit.limit)
+            record = failure_record(spec, Status.OOM, f"not run: {unfit}", oom_predicted=True, oom_limit=unfit.limit)
             wall_ms = None
         elif reason is not None:
-            record, wall_ms = failure_record(spec, "skipped", reason), None
+            record, wall_ms = failure_record(spec, Status.SKIPPED, reason), None
         else:
             view.started(spec, slot)
             t0 = time.perf_counter()

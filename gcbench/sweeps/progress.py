@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from gcbench.results.schema import STATUSES, config_label, peak_bytes
+from gcbench.results.schema import STATUSES, Status, config_label, peak_bytes
 from gcbench.spec import RunSpec
 from gcbench.units import fmt_bytes
 
@@ -110,7 +110,7 @@ def _finished_line(record: dict[str, Any], slots: Sequence[str] = ()) -> str:
     status = record["status"]
     where = f"{record['device_slot']}: " if slots and record.get("device_slot") else ""
     line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {escape(where)}{config_label(record)}"
-    if status == "ok":
+    if status == Status.OK:
         line += f"  {record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(peak_bytes(record))}"
     elif record.get("error"):
         line += f"  [dim]{escape(textwrap.shorten(str(record['error']), 120, placeholder=' ...'))}[/]"

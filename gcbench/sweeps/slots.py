@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gcbench.errors import GcbenchError
+from gcbench.results.schema import Status
 
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 T = TypeVar("T")
@@ -90,7 +91,7 @@ def side_by_side_fields(record: dict[str, Any], slot: Slot, slots: int) -> dict[
     """What a record run beside others says about it: where it ran, beside how many, and on CPU that its step
     time is not one a sequential sweep would measure (its memory is exact all the same)."""
     fields: dict[str, Any] = {"device_slot": slot.name, "parallel_jobs": slots}
-    if slot.cpus is not None and record.get("status") == "ok":
+    if slot.cpus is not None and record.get("status") == Status.OK:
         note = (f"one of {slots} CPU jobs side by side (--jobs): shared caches and memory bandwidth make this step "
                 "time not comparable with a sequential run's")
         fields.update(timing_stable=False, timing_notes=[*(record.get("timing_notes") or []), note])

@@ -1,4 +1,4 @@
-"""A sharded run (--shard fsdp2): torchrun starts --nproc ranks (gcbench/ranks.py), each measures its share with
+"""A sharded run (--shard fsdp2): torchrun starts --nproc ranks (gcbench/rank.py), each measures its share with
 the same protocol as any run (runner.run, in the rank), and their records become one: the world size, each rank's
 peak and model-state bytes with the largest as the record's, the step time of the slowest rank per step, and the
 tokens of all ranks per second."""
@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gcbench.results.schema import new_record
+from gcbench.fields import DeviceKind
+from gcbench.results.schema import Status, new_record
 from gcbench.timing import step_time_fields
 
 # Per-rank measurements: the record keeps the largest (the rank that runs out first), and each rank's in rank_<name>.
@@ -38,7 +39,7 @@ def run_sharded(spec, progress) -> dict[str, Any]:
         (folder / "spec.json").write_text(json.dumps(spec.as_record()))
         log = folder / "torchrun.log"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
-                   "-m", "gcbench.ranks", str(folder)]
+                   "-m", "gcbench.rank", str(folder)]
         # Each rank's intra-op threads: --threads (torchrun would set 1 per rank).
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
         progress(f"{spec.nproc} rank(s) running (torchrun)")
@@ -59,7 +60,7 @@ def run_sharded(spec, progress) -> dict[str, Any]:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:])
     if not ranks:
         last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
-        return new_record(spec.as_record(), "error", f"torchrun exited with code {code} and no rank reported: "
+        return new_record(spec.as_record(), Status.ERROR, f"torchrun exited with code {code} and no rank reported: "
                           f"{last.strip()}"[:500], world_size=spec.nproc, stderr_tail=tail)
     return merge_ranks(spec, sorted(ranks, key=lambda r: r["rank"]), tail)
 
@@ -74,12 +75,12 @@ def merge_ranks(spec, ranks: list[dict[str, Any]], tail: str = "") -> dict[str, 
             merged[name] = max(v for v in values if v is not None)
             if name in LISTED:
                 merged[f"rank_{name}"] = values
-    failed = [r for r in ranks if r["status"] != "ok"]
+    failed = [r for r in ranks if r["status"] != Status.OK]
     if failed or len(ranks) < spec.nproc:
         # One rank's failure stops all (torchrun ends the others): the run is what the first failure says.
-        first = next((r for r in failed if r["status"] == "oom"), failed[0] if failed else None)
+        first = next((r for r in failed if r["status"] == Status.OOM), failed[0] if failed else None)
         status, why = (first["status"], f"rank {first['rank']}: {first['error']}") if first else \
-            ("error", f"only {len(ranks)} of {spec.nproc} ranks reported")
+            (Status.ERROR, f"only {len(ranks)} of {spec.nproc} ranks reported")
         merged.update(status=status, error=why, stderr_tail=(first or {}).get("stderr_tail") or tail)
         for name in MEASURED_TOGETHER:  # rank 0's own, not the run's: the run did not finish
             merged.pop(name, None)
@@ -90,10 +91,10 @@ def merge_ranks(spec, ranks: list[dict[str, Any]], tail: str = "") -> dict[str, 
     tokens = spec.nproc * spec.batch_size * spec.grad_accum * spec.seq_len
     merged["tokens_per_s"] = tokens / (merged["step_ms_median"] / 1e3)
     notes = list(dict.fromkeys(n for r in ranks for n in r.get("timing_notes") or []))
-    if not spec.device.startswith("cuda"):
+    if spec.device_kind is not DeviceKind.CUDA:
         notes.append(CPU_NOTE)
     merged["timing_notes"] = notes
-    merged["timing_stable"] = all(r.get("timing_stable") for r in ranks) and spec.device.startswith("cuda")
+    merged["timing_stable"] = all(r.get("timing_stable") for r in ranks) and spec.device_kind is DeviceKind.CUDA
     return merged
 
 

@@ -1,4 +1,4 @@
-"""One rank of a sharded run, as torchrun starts it (sharded.run_sharded): `python -m gcbench.ranks FOLDER`.
+"""One rank of a sharded run, as torchrun starts it (torchrun.run_sharded): `python -m gcbench.rank FOLDER`.
 
 It joins the process group (NCCL on its own GPU, cuda:N + local rank; gloo on CPU), measures the spec in FOLDER
 with runner.run (the model sharded by FSDP2 there), and writes its record to FOLDER/rank-<rank>.json. A rank whose
@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gcbench.results.schema import new_record
+from gcbench.fields import DeviceKind
+from gcbench.results.schema import Status, new_record
 from gcbench.runner import run
 from gcbench.spec import RunSpec
 
@@ -29,7 +30,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 def rank_device(device: str, local_rank: int) -> torch.device:
     """A rank's device: cuda:<first + local rank> from the launcher's cuda:<first>; the CPU for every CPU rank."""
-    if device.startswith("cuda"):
+    if DeviceKind.of(device) is DeviceKind.CUDA:
         return torch.device("cuda", int(device.split(":")[1]) + local_rank)
     return torch.device("cpu")
 
@@ -48,10 +49,10 @@ def main(folder: str) -> int:
         record = run(spec)
     except Exception as e:  # noqa: BLE001 - reported as this rank's error record; torchrun stops the others
         tail = "\n".join(traceback.format_exc().splitlines()[-30:])
-        record = new_record(spec.as_record(), "error", f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
+        record = new_record(spec.as_record(), Status.ERROR, f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
     record.update(rank=dist.get_rank(), device=launched_on)
     (Path(folder) / f"rank-{record['rank']}.json").write_text(json.dumps(record, default=str))
-    if record["status"] != "ok":
+    if record["status"] != Status.OK:
         return 1  # without a goodbye: the others may be inside a collective this rank will never join
     dist.destroy_process_group()
     return 0

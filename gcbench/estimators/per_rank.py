@@ -34,7 +34,7 @@ def shard_estimate(unsharded: Estimate, spec) -> Estimate:
     one process at the same per-rank batch."""
     world = spec.nproc
     root, block, n_blocks = _root_and_block_params(spec)
-    # FSDP's unit: a block, or a group policy's whole group (sharding.shard_model makes each group one unit)
+    # FSDP's unit: a block, or a group policy's whole group (fsdp.shard_model makes each group one unit)
     block *= max((len(group) for group in spec.policy.groups(n_blocks)), default=1)
     gathered = 2 if spec.precision == "amp-bf16" else torch.tensor([], dtype=spec.param_dtype).element_size()
     reduced = 4 if spec.precision == "amp-bf16" else gathered
