@@ -15,6 +15,7 @@ import pandas as pd
 
 from gcbench.estimators.analytic import analytic
 from gcbench.estimators.simulate import simulate
+from gcbench.resolve import resolve
 from gcbench.spec import RunSpec
 from gcbench.runner import run
 
@@ -29,7 +30,8 @@ def accuracy_rows() -> list[dict]:
     for setup in SETUPS:
         for model in TINY:
             for policy in CLASSIC:
-                spec = RunSpec(model=model, policy=policy, device="cpu", warmup_steps=1, measure_steps=1, **setup)
+                spec = resolve(RunSpec(model=model, policy=policy, device="cpu", warmup_steps=1, measure_steps=1,
+                                       **setup))
                 measured = run(spec)["peak_tracked_bytes"]
                 sim, ana = simulate(spec, "cpu"), analytic(spec, "cpu")
                 rows.append({"setup": f"seq {setup['seq_len']} x batch {setup['batch_size']}, {setup['precision']}",
@@ -46,7 +48,8 @@ def agreement_rows() -> list[dict]:
     for model, seq, batch in (("llama-7b", 4096, 4), ("mistral-7b", 8192, 2), ("gpt2", 1024, 16),
                               ("bert-base", 512, 32)):
         for policy in CLASSIC:
-            spec = RunSpec(model=model, seq_len=seq, batch_size=batch, policy=policy, device="cpu", precision="bf16")
+            spec = resolve(RunSpec(model=model, seq_len=seq, batch_size=batch, policy=policy, device="cpu",
+                                   precision="bf16"))
             sim, ana = simulate(spec, "cuda"), analytic(spec, "cuda")
             rows.append({"model": model, "seq x batch": f"{seq} x {batch}", "policy": policy,
                          "simulate_GiB": sim.peak_bytes / 2**30, "analytic_vs_simulate_%":

@@ -17,6 +17,7 @@ import torch
 
 from gcbench.instruments import instrument_for
 from gcbench.models import build_model, find_blocks
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer
 from gcbench.timing import StepBudget, Stats
@@ -33,14 +34,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
 
-    spec = RunSpec(model=args.model, seq_len=args.seq, batch_size=args.batch, policy=args.policy,
-                   layers=args.layers, device=args.device, measure_steps=1)
+    spec = resolve(RunSpec(model=args.model, seq_len=args.seq, batch_size=args.batch, policy=args.policy,
+                           layers=args.layers, device=args.device, measure_steps=1))
     instrument = instrument_for(spec.device)
     with instrument.session():
         measure(spec, instrument, args.rounds)
 
 
-def measure(spec: RunSpec, instrument, rounds: int) -> None:
+def measure(spec: ResolvedRun, instrument, rounds: int) -> None:
     config, _ = spec.model_config()
     torch.manual_seed(spec.seed)
     model = build_model(config, spec.device, spec.param_dtype)

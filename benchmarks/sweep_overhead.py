@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.grid import SweepSpec
 from gcbench.sweeps import Sweep
@@ -32,13 +33,13 @@ from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner
 PARTS = ("start", "build", "exit", "config")
 
 
-def tiny_spec(i: int) -> RunSpec:
+def tiny_spec(i: int) -> ResolvedRun:
     """A distinct config per round (seq 32, 40, 48, ...), as in a real sweep: no config finds its shapes already
     seen in the process (the memory prediction that runner.run makes is faster on shapes it has seen)."""
-    return RunSpec("tiny-llama", 32 + 8 * i, 1, "none", device="cpu", warmup_steps=1, measure_steps=1)
+    return resolve(RunSpec("tiny-llama", 32 + 8 * i, 1, "none", device="cpu", warmup_steps=1, measure_steps=1))
 
 
-def time_config(runner, spec: RunSpec) -> dict[str, float]:
+def time_config(runner, spec: ResolvedRun) -> dict[str, float]:
     """Seconds per part of one config (see the module docstring); `config` is the whole config."""
     marks: dict[str, float] = {}
 

@@ -24,13 +24,14 @@ except PackageNotFoundError:  # run from a source tree that was never installed 
 # public name -> module that defines it; imported at first use
 _LAZY = {
     "RunSpec": "gcbench.spec",
+    "resolve": "gcbench.resolve",
     "run": "gcbench.runner",
     "sweep": "gcbench.sweeps",
     "estimate": "gcbench.estimators",
     "load": "gcbench.results.frame",
 }
 
-__all__ = ["GcbenchError", "RunSpec", "estimate", "load", "run", "sweep", "__version__"]
+__all__ = ["GcbenchError", "RunSpec", "estimate", "load", "resolve", "run", "sweep", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -77,11 +77,12 @@ def run(
     with domain_errors(lambda: f"interrupted; {'the record is in' if written else 'nothing was written to'} {out}"):
         from gcbench.grid import parse_options
         from gcbench.report.tables import run_table
+        from gcbench.resolve import resolve
         from gcbench.results.store import append_record, check_appendable
         from gcbench.runner import run as run_spec
 
         values, _ = parse_options(spec_values, fields=tuple(BY_NAME))
-        spec = RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`"))
+        spec = resolve(RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`")))
         check_appendable(out)  # before measuring: an output that cannot take the record is known now
         # --steps auto: how many steps is not known in advance; the bar pulses and the text counts them
         fixed = spec.budget.fixed

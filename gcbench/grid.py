@@ -18,11 +18,12 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
-from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
 from gcbench.results.schema import LEVER_FIELDS, config_key, lever_text
 from gcbench.results.store import check_regular
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec, crossed_out
 from gcbench.units import fmt_bytes
+from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
 DEFAULT_TIMEOUT_S = 600.0  # per config; generous: a 7B model at seq 8192 takes minutes to build, warm up and time
@@ -130,19 +131,24 @@ class SweepSpec:
             run.update(run_values)
         return cls(values, **run)
 
-    def expand(self) -> list[RunSpec]:
-        """Every config as a validated RunSpec, in run order: fields in declaration order (model, seq, batch, ...),
+    def expand(self, devices_here: bool = True) -> list[ResolvedRun]:
+        """Every config, resolved (resolve.py), in run order: fields in declaration order (model, seq, batch, ...),
         the policy innermost (the policies of one shape run together, and a shape's OOM is known before the next
         larger shape runs). Combinations that cannot be one config, where the grid crosses several values, are
-        left out (`left_out` says how many and why); given alone, such a combination is an error."""
+        left out (`left_out` says how many and why); given alone, such a combination is an error.
+        `devices_here=False`: the configs run on other machines (resolve.resolve)."""
         names = [n for n in BY_NAME if n in self.values and n != "policy"] + ["policy"]
-        specs: dict[str, tuple[RunSpec, dict[str, Any]]] = {}  # by identity: two values may name one config
+        specs: dict[str, tuple[ResolvedRun, dict[str, Any]]] = {}  # by identity: two values may name one config
+        configs: dict[tuple, tuple[Any, str]] = {}  # one model config per model, layers, seq and attention
         for combo in itertools.product(*(self.values[n] for n in names)):
             fields = dict(zip(names, combo))
             if self._crossed_out(fields):
                 continue
             try:
-                spec = RunSpec(**fields)
+                plain = RunSpec(**fields)
+                shape = (plain.model, plain.layers, plain.seq_len, plain.attn)
+                spec = resolve(plain, devices_here=devices_here, config=configs.get(shape))
+                configs[shape] = spec.model_config()
                 spec.check_runnable()
             except GcbenchError as e:
                 raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "

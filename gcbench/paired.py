@@ -20,12 +20,12 @@ from gcbench.instruments import Progress, instrument_for
 from gcbench.models import build_model, find_blocks
 from gcbench.results.schema import policy_label
 from gcbench.runner import torch_threads
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.step import TrainingStep, make_batch, make_optimizer
 from gcbench.timing import paired_fields, paired_rounds
 
 
-def pairable(spec: RunSpec) -> bool:
+def pairable(spec: ResolvedRun) -> bool:
     """Whether a policy can be timed paired. A compiling policy cannot: applying it resets Dynamo (which does not
     guard on its options), so every round would compile again; nor a sharded run, whose step is its ranks'. Their
     ratio stays the unpaired one."""
@@ -42,13 +42,13 @@ def choose_baseline(records: Sequence[dict[str, Any]]) -> str:
     return min(labels, key=lambda label: (labels[label].get("flops") or inf, labels[label]["step_ms_median"]))
 
 
-def run_paired(specs: Sequence[RunSpec], baseline: str, progress: Progress | None = None) -> dict[str, dict[str, Any]]:
+def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress | None = None) -> dict[str, dict[str, Any]]:
     """Time `specs` (one configuration under several policies; each may have its own seq and batch) interleaved;
     per policy label its paired fields
     (timing.paired_fields: time_ratio to `baseline`, its interval, the step times) and how the rounds stopped.
     torch.OutOfMemoryError propagates: the caller records why nothing was paired."""
     progress = progress or (lambda _: None)
-    specs = [resolve_plan(s) for s in specs]
+    specs = [resolve_plan(resolve(s)) for s in specs]
     first = specs[0]
     labels = [policy_label(s.as_record()) for s in specs]
     if baseline not in labels or len(set(labels)) < 2:

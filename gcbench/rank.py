@@ -8,7 +8,6 @@ than leave them waiting in a collective.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from gcbench.fields import DeviceKind
 from gcbench.results.schema import Status, new_record
 from gcbench.runner import run
-from gcbench.spec import RunSpec
+from gcbench.resolve import resolve_record
 
 # A rank that failed ends the run through torchrun; this only bounds a hang nothing else ends.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -36,7 +35,7 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 
 
 def main(folder: str) -> int:
-    spec = RunSpec.from_record(json.loads((Path(folder) / "spec.json").read_text()))
+    spec = resolve_record(json.loads((Path(folder) / "spec.json").read_text()))
     launched_on = spec.device  # the run's identity; each rank runs on its own GPU from there
     device = rank_device(spec.device, int(os.environ["LOCAL_RANK"]))
     if device.type == "cuda":
@@ -44,7 +43,7 @@ def main(folder: str) -> int:
         dist.init_process_group("nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
     else:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    spec = dataclasses.replace(spec, device=str(device))  # validated again, as a rank
+    spec = spec.replace(device=str(device))  # resolved again, as a rank
     try:
         record = run(spec)
     except Exception as e:  # noqa: BLE001 - reported as this rank's error record; torchrun stops the others

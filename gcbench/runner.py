@@ -35,9 +35,10 @@ from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrum
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.policies import Plan
-from gcbench.results.schema import Status, new_record
+from gcbench.results.schema import Status, new_record, timing_note_fields
 from gcbench.torchrun import run_sharded
 from gcbench.fsdp import AgreedBudget, in_rank, shard_model
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes, param_shapes
 from gcbench.timing import timing_verdict
@@ -77,7 +78,7 @@ class ModelSize:
 _MODEL_SIZES: dict[str, ModelSize] = {}  # by config: a sweep asks once per config, a meta build takes ~0.1-1 s
 
 
-def model_size(spec: RunSpec) -> ModelSize:
+def model_size(spec: ResolvedRun) -> ModelSize:
     """The ModelSize of a spec's model, from a meta-device build (no memory, no init)."""
     config, family = spec.model_config()
     key = f"{family}:{config.to_json_string(use_diff=False)}"
@@ -86,7 +87,7 @@ def model_size(spec: RunSpec) -> ModelSize:
     return _MODEL_SIZES[key]
 
 
-def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak: int | None = None,
+def check_fits(spec: ResolvedRun, size: ModelSize, free: int | None, predicted_peak: int | None = None,
                prediction_method: str | None = None) -> None:
     """Raise WontFit, before anything is allocated, when the config cannot fit: its model state (parameters,
     gradients, optimizer state) takes more than 90% of the device's `free` bytes (None: unknown) or of the memory
@@ -121,11 +122,12 @@ def check_fits(spec: RunSpec, size: ModelSize, free: int | None, predicted_peak:
                           f"is {fmt_bytes(predicted_peak)} but {room(by_cap)}; try {hint}", by_cap=by_cap)
 
 
-def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool = False) -> dict[str, Any]:
+def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse_unfit: bool = False) -> dict[str, Any]:
     """Measure `spec` in this process. An out-of-memory is a result (status 'oom'), not an exception; so is a config
     that cannot fit at all (check_fits), which is then recorded without allocating anything. `refuse_unfit`: raise
     WontFit instead when the device itself is too small (a memory cap stands for a smaller device: that is still an
     `oom` result)."""
+    spec = resolve(spec)  # a RunSpec from Python is looked up here; a sweep's child hands over a ResolvedRun
     spec.check_runnable()
     if spec.shard != "none" and not in_rank():
         return run_sharded(spec, progress or (lambda _: None))  # torchrun starts the ranks, each runs this again
@@ -152,7 +154,7 @@ def run(spec: RunSpec, progress: Progress | None = None, *, refuse_unfit: bool =
     return record
 
 
-def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress: Progress) -> dict[str, Any]:
+def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, progress: Progress) -> dict[str, Any]:
     config, family = spec.model_config()
     out: dict[str, Any] = {
         "family": family,
@@ -182,7 +184,8 @@ def _measure(spec: RunSpec, instrument: CpuInstrument | CudaInstrument, progress
     out["grad_bytes"] = storage_bytes(step.grads())
     out["optimizer_bytes"] = storage_bytes(step.optimizer_state())
     out.update(instrument.time_steps(step, AgreedBudget(spec.budget) if sharded else spec.budget, progress))
-    out["timing_stable"], out["timing_notes"] = timing_verdict(out, instrument.kind)
+    out["timing_stable"], notes = timing_verdict(out, instrument.kind)
+    out.update(timing_note_fields(notes))
     out.update(instrument.peak_fields(step, progress))
     if hidden and instrument.kind == "cpu":
         out.update(dict.fromkeys(TRACKED_PEAK_FIELDS, None))

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 
 from gcbench.fields import DEFAULT_MAX_STEPS, DEFAULT_MAX_TIME_S
-from gcbench.results.schema import half_width
+from gcbench.results.schema import NoteKind, TimingNote, half_width
 
 CONFIDENCE = 0.95
 # --steps auto: measure until the median's 95% interval is within +-2% of it (the issue's target; pyperf and
@@ -218,7 +218,7 @@ def _load_1m() -> float | None:
 
 # ---------------------------------------------------------------------------------------------------- the rule
 
-def timing_verdict(record: Mapping[str, Any], device_kind: str) -> tuple[bool, list[str]]:
+def timing_verdict(record: Mapping[str, Any], device_kind: str) -> tuple[bool, list[TimingNote]]:
     """The stability rule: (timing_stable, why not). Trusted when at least MIN_STEPS_TO_JUDGE steps were measured,
     their IQR is within REL_IQR_LIMIT of the median, other processes (or a hypervisor) kept no more cores busy than
     the run left free (plus SPARE_CORE_SLACK), and the 1-minute load average before the steps, which includes the
@@ -226,19 +226,23 @@ def timing_verdict(record: Mapping[str, Any], device_kind: str) -> tuple[bool, l
     notes = []
     n, limit = len(record["step_ms"]), REL_IQR_LIMIT[device_kind]
     if n < MIN_STEPS_TO_JUDGE:
-        notes.append(f"only {n} measured step{'s' if n != 1 else ''}: too few to judge the spread")
+        notes.append(TimingNote(NoteKind.FEW_STEPS,
+                                f"only {n} measured step{'s' if n != 1 else ''}: too few to judge the spread"))
     elif record["step_ms_rel_iqr"] is None or record["step_ms_rel_iqr"] > limit:
         spread = record["step_ms_rel_iqr"]
-        notes.append(f"step times spread {spread:.0%} of the median (IQR), above {limit:.0%}" if spread is not None
-                     else "step times of 0 ms: no spread to judge")
+        notes.append(TimingNote(NoteKind.SPREAD, f"step times spread {spread:.0%} of the median (IQR), above "
+                                f"{limit:.0%}") if spread is not None
+                     else TimingNote(NoteKind.ZERO_MS, "step times of 0 ms: no spread to judge"))
     cores = len(record["cpu_affinity"]) if record.get("cpu_affinity") else record.get("cpus_logical") or 1
     used = min(record["torch_threads"], cores) if device_kind == "cpu" else 1  # a CUDA run: the launching thread
     others = record.get("other_cpu_cores")
     if others is not None and others > cores - used + SPARE_CORE_SLACK:
-        notes.append(f"other processes kept {others:.1f} of {cores} cores busy while it ran on {used}")
+        notes.append(TimingNote(NoteKind.BUSY_HOST, f"other processes kept {others:.1f} of {cores} cores busy while "
+                                f"it ran on {used}"))
     load = record.get("load_1m_before")
     if load is not None and load > cores + LOAD_SLACK:
-        notes.append(f"1-minute load average {load:.1f} before it ran, above the {cores} cores available")
+        notes.append(TimingNote(NoteKind.LOADED_HOST, f"1-minute load average {load:.1f} before it ran, above the "
+                                f"{cores} cores available"))
     return not notes, notes
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gcbench.fields import DeviceKind
-from gcbench.results.schema import Status, new_record
+from gcbench.results.schema import NoteKind, Status, TimingNote, new_record, timing_note_fields, timing_notes_of
 from gcbench.timing import step_time_fields
 
 # Per-rank measurements: the record keeps the largest (the rank that runs out first), and each rank's in rank_<name>.
@@ -24,7 +24,7 @@ RANK_FIELDS = ("peak_allocated_bytes", "peak_tracked_bytes", "peak_reserved_byte
                "backward_peak_bytes", "optimizer_peak_bytes", "num_alloc_retries")
 # What only a run whose every rank finished has (the step's time, its throughput and FLOPs).
 MEASURED_TOGETHER = ("step_ms", "step_ms_median", "step_ms_iqr", "step_ms_rel_iqr", "step_ms_ci", "steps_stop",
-                     "timing_stable", "timing_notes", "tokens_per_s", "mfu", "flops", "model_flops",
+                     "timing_stable", "timing_notes", "timing_note_kinds", "tokens_per_s", "mfu", "flops", "model_flops",
                      "recompute_flops_ratio", "saved_activation_bytes")
 LISTED = ("peak_allocated_bytes", "peak_tracked_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
 TAIL_LINES = 30
@@ -90,10 +90,10 @@ def merge_ranks(spec, ranks: list[dict[str, Any]], tail: str = "") -> dict[str, 
     merged.update(step_time_fields(step_ms, ranks[0]["steps_stop"]))
     tokens = spec.nproc * spec.batch_size * spec.grad_accum * spec.seq_len
     merged["tokens_per_s"] = tokens / (merged["step_ms_median"] / 1e3)
-    notes = list(dict.fromkeys(n for r in ranks for n in r.get("timing_notes") or []))
+    notes = list(dict.fromkeys(n for r in ranks for n in timing_notes_of(r)))  # each text once
     if spec.device_kind is not DeviceKind.CUDA:
-        notes.append(CPU_NOTE)
-    merged["timing_notes"] = notes
+        notes.append(TimingNote(NoteKind.CPU_RANKS, CPU_NOTE))
+    merged.update(timing_note_fields(notes))
     merged["timing_stable"] = all(r.get("timing_stable") for r in ranks) and spec.device_kind is DeviceKind.CUDA
     return merged
 

@@ -1,12 +1,11 @@
 """What several test modules share: the tiny models, the classic policies, a small spec, and the gradient check.
 Test modules import these from here, never from each other or from conftest."""
 
-import dataclasses
-
 import torch
 
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import POLICIES, classic
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import make_batch
 
@@ -21,20 +20,17 @@ def policy_examples() -> list[str]:
     return [cls.example or name for name, cls in POLICIES.items()]
 
 
-def tiny_spec(model="tiny-llama", policy="none", **overrides) -> RunSpec:
+def tiny_spec(model="tiny-llama", policy="none", **overrides) -> ResolvedRun:
+    """A small config, resolved (its policy parsed, its model config built)."""
     fields = dict(model=model, seq_len=128, batch_size=2, policy=policy, device="cpu", warmup_steps=1,
                   measure_steps=1)
-    return RunSpec(**(fields | overrides))
+    return resolve(RunSpec(**(fields | overrides)))
 
 
 def gradients(model_name: str, policy, dropout_seed: int = 1, device: str = "cpu", **overrides):
     """(loss, gradients in parameter order) of one fp32 forward+backward under `policy` (a string, or a Policy:
     a plan with its mix chosen)."""
-    if isinstance(policy, str):
-        spec = tiny_spec(model_name, policy, device=device, precision="fp32", **overrides)
-    else:
-        spec = dataclasses.replace(tiny_spec(model_name, "none", device=device, precision="fp32", **overrides),
-                                   policy=policy)
+    spec = tiny_spec(model_name, policy, device=device, precision="fp32", **overrides)
     config, _ = spec.model_config()
     torch.manual_seed(0)
     model = build_model(config, device, torch.float32)

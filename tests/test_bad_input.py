@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gcbench.cli import app
+from gcbench.resolve import resolve
 from gcbench.results import store
 from gcbench.results.schema import SCHEMA_VERSION, new_record
 from gcbench.results.store import read_records
@@ -167,7 +168,7 @@ def test_a_sweep_that_cannot_fit_at_all_starts_no_child(tmp_path, monkeypatch):
 
 def test_run_onto_a_torn_last_line_repairs_it_then_appends(tmp_path):
     out = tmp_path / "r.jsonl"
-    good = json.dumps(new_record(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu").as_record()))
+    good = json.dumps(new_record(resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu")).as_record()))
     out.write_text(good + "\n" + '{"schema_version": 1, "mod')
     result = runner.invoke(app, [*RUN, "--out", str(out)])
     assert result.exit_code == 0, result.output

@@ -18,7 +18,8 @@ from gcbench.errors import GcbenchError
 from gcbench.instruments import CudaInstrument
 from gcbench.timing import StepBudget
 from gcbench.results.store import read_records
-from gcbench.spec import RunSpec, resolve_device
+from gcbench.resolve import ResolvedRun, resolve, resolve_device
+from gcbench.spec import RunSpec
 from gcbench.runner import run
 from tests.fake_cuda import DEVICE_ARG_POSITION, REPO_ROOT, is_explicit_device, read_log, subprocess_env
 
@@ -38,9 +39,9 @@ CUDA_FIELDS = {"peak_allocated_bytes": int, "fwd_bwd_peak_bytes": int, "static_b
                "step_ms_median": float, "step_ms_iqr": float, "tokens_per_s": float, "mfu": float}
 
 
-def cuda_spec(**fields) -> RunSpec:
+def cuda_spec(**fields) -> ResolvedRun:
     defaults = dict(model="tiny-llama", seq_len=64, batch_size=2, device="cuda", warmup_steps=1, measure_steps=3)
-    return RunSpec(**(defaults | fields))
+    return resolve(RunSpec(**(defaults | fields)))
 
 
 def assert_every_device_explicit(calls, index: int = 0) -> None:
@@ -81,7 +82,7 @@ def assert_cuda_record(record: dict) -> None:
 
 def test_auto_and_cuda_resolve_to_an_explicit_device(fake_cuda):
     assert resolve_device("auto") == resolve_device("cuda") == resolve_device("cuda:0") == "cuda:0"
-    assert RunSpec(model="tiny-llama", seq_len=8, batch_size=1).device == "cuda:0"
+    assert resolve(RunSpec(model="tiny-llama", seq_len=8, batch_size=1)).device == "cuda:0"
     with pytest.raises(GcbenchError, match="only 1 CUDA device"):
         resolve_device("cuda:1")
 
@@ -278,7 +279,7 @@ def test_sweep_measures_cuda_configs_in_child_processes(tmp_path):
     # one child per config and one timing batch 1's two policies paired; each sets its device once
     assert len(measuring) == 5 and set(measuring.values()) == {1}
     assert all("time_ratio" in r for r in records[:2]) and records[1]["time_ratio_vs"] == "none"
-    parent = {c.pid for c in calls if c.caller == "gcbench.spec"} - set(measuring)
+    parent = {c.pid for c in calls if c.caller == "gcbench.resolve"} - set(measuring)
     assert len(parent) == 1 and not parent & set(measuring)
     assert any(c.name == "pin_memory" and c.pid in measuring for c in calls)
     lifts = [c for c in calls if c.name == "set_per_process_memory_fraction" and c.args[0] == 1.0]
@@ -341,8 +342,8 @@ def test_gpu_validation_plan_prints_without_a_gpu():
     assert len(fits) == 3
     for words in fits:
         given = dict(zip(words[::2], words[1::2]))
-        RunSpec(model=given["--model"], seq_len=int(given["--seq"]), batch_size=1, device="cpu",
-                layers=int(given["--layers"]) if "--layers" in given else None).model_config()
+        resolve(RunSpec(model=given["--model"], seq_len=int(given["--seq"]), batch_size=1, device="cpu",
+                        layers=int(given["--layers"]) if "--layers" in given else None))
     refused = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh")], capture_output=True, text=True,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)  # on a GPU machine too
     assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr

@@ -20,6 +20,7 @@ from gcbench.estimators import Estimate, Unavailable, estimate_grid
 from gcbench.estimators.analytic import ARCHITECTURES, analytic
 from gcbench.estimators.simulate import simulate
 from gcbench.models import MODELS, build_meta_model, describe, find_blocks, load_config
+from gcbench.resolve import resolve
 from gcbench.results.store import read_records
 from gcbench.runner import run
 from gcbench.spec import RunSpec
@@ -312,7 +313,7 @@ def test_a_hub_id_in_the_cache_is_its_config(hub_cache):
     from tests.families import FAMILY_CONFIGS
 
     cache_config(hub_cache, "acme/tiny-qwen3", {"model_type": "qwen3", **FAMILY_CONFIGS["qwen3"]})
-    spec = RunSpec(model="acme/tiny-qwen3", seq_len=SEQ, batch_size=1, device="cpu")
+    spec = resolve(RunSpec(model="acme/tiny-qwen3", seq_len=SEQ, batch_size=1, device="cpu"))
     config, family = spec.model_config()
     assert family == "qwen3" and config.num_hidden_layers == 3
     result = runner.invoke(app, ["estimate", "--model", "acme/tiny-qwen3", "--seq", "32", "--device", "cpu",

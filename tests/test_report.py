@@ -18,6 +18,7 @@ from gcbench.compare import compare_results, parse_thresholds
 from gcbench.errors import GcbenchError
 from gcbench.report.analysis import pareto_front
 from gcbench.results.frame import results_frame
+from gcbench.results.schema import NoteKind, TimingNote, timing_note_fields
 from gcbench.results.store import append_record
 from tests.helpers import tiny_spec
 
@@ -360,9 +361,8 @@ def paired(records, ratio=1.3, ci=(1.28, 1.32), vs="none", stable=True):
     for r in out:
         if r["status"] == "ok":
             mine = 1.0 if r["policy"] == vs else ratio
-            r.update(timing_stable=stable, timing_notes=[] if stable else ["step times spread 31% of the median "
-                                                                           "(IQR), above 10%"],
-                     time_ratio=mine, time_ratio_ci=[mine, mine] if r["policy"] == vs else list(ci),
+            spread = TimingNote(NoteKind.SPREAD, "step times spread 31% of the median (IQR), above 10%")
+            r.update(timing_stable=stable, **timing_note_fields([] if stable else [spread]), time_ratio=mine, time_ratio_ci=[mine, mine] if r["policy"] == vs else list(ci),
                      time_ratio_vs=vs)
     return out
 

@@ -18,6 +18,7 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
 from gcbench.grid import SweepSpec
+from gcbench.resolve import resolve
 from gcbench.results.schema import config_key
 from gcbench.results.store import read_records
 from gcbench.torchrun import merge_ranks
@@ -298,7 +299,7 @@ SHARDED = ["--model", "tiny-llama", "--seq", "64", "--batch", "2", *FAST, "--war
 ])
 def test_sharded_specs_that_cannot_run_are_refused(fields, message):
     with pytest.raises(GcbenchError, match=message):
-        RunSpec(**{"model": "tiny-llama", "seq_len": 32, "batch_size": 1, "device": "cpu", **fields})
+        resolve(RunSpec(**{"model": "tiny-llama", "seq_len": 32, "batch_size": 1, "device": "cpu", **fields}))
 
 
 def test_a_grid_crossing_shard_and_nproc_leaves_out_unsharded_ranks(tmp_path):
@@ -332,9 +333,9 @@ def test_ranks_merge_into_one_record_with_each_rank_and_the_slowest_step():
 
 
 def test_the_per_rank_estimate_shards_model_state_and_adds_fsdp_terms():
-    one = RunSpec(model="tiny-llama", seq_len=64, batch_size=2, device="cpu", shard="fsdp2", nproc=1)
-    unsharded = estimate(dataclasses.replace(one, shard="none"), "simulate", "cpu")
-    ranks = {n: estimate(dataclasses.replace(one, nproc=n), "simulate", "cpu") for n in (1, 2, 4)}
+    one = resolve(RunSpec(model="tiny-llama", seq_len=64, batch_size=2, device="cpu", shard="fsdp2", nproc=1))
+    unsharded = estimate(one.replace(shard="none"), "simulate", "cpu")
+    ranks = {n: estimate(one.replace(nproc=n), "simulate", "cpu") for n in (1, 2, 4)}
     assert ranks[2].param_bytes == pytest.approx(unsharded.param_bytes / 2, abs=1)
     assert ranks[4].optimizer_bytes == pytest.approx(unsharded.optimizer_bytes / 4, abs=1)
     # At one rank FSDP only adds (its gathered copies): never less than the unsharded step.
@@ -384,11 +385,11 @@ def test_a_rank_runs_on_its_own_gpu_and_checks_only_the_launcher_count(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     fields = dict(model="tiny-llama", seq_len=32, batch_size=1, shard="fsdp2", nproc=2, precision="fp32")
-    RunSpec(device="cuda:0", **fields)  # the launcher: 2 ranks from cuda:0 on 2 GPUs
+    resolve(RunSpec(device="cuda:0", **fields))  # the launcher: 2 ranks from cuda:0 on 2 GPUs
     with pytest.raises(GcbenchError, match="needs a GPU per rank from cuda:1: 2 here"):
-        RunSpec(device="cuda:1", **fields)
+        resolve(RunSpec(device="cuda:1", **fields))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # inside rank 1: its own GPU
-    assert RunSpec(device="cuda:1", **fields).device == "cuda:1"
+    assert resolve(RunSpec(device="cuda:1", **fields)).device == "cuda:1"
 
 
 @pytest.mark.parametrize("args", [["--jobs", "2"], ["--devices", "all", "--device", "cuda"]])

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 import gcbench
 from gcbench.cli import app
+from gcbench.resolve import resolve, resolve_record
 from gcbench.results.schema import SCHEMA_VERSION
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
@@ -76,9 +77,9 @@ def test_smoke_toml_is_the_16_config_tiny_cpu_grid():
 def test_runspec_json_round_trip():
     """What resume and the child rely on, for every registered policy (with its default options)."""
     for policy in ("every-k:k=3", "segments:k=2", *policy_examples()):
-        spec = RunSpec("tiny-gpt2", 32, 2, policy, layers=3, device="cpu", memory_cap_bytes=10**9, seed=7)
+        spec = resolve(RunSpec("tiny-gpt2", 32, 2, policy, layers=3, device="cpu", memory_cap_bytes=10**9, seed=7))
         stored = json.loads(json.dumps({**spec.as_record(), "status": "ok", "step_ms": [1.0]}))
-        assert RunSpec.from_record(stored) == spec
+        assert resolve_record(stored) == spec
         assert spec_key(stored) == spec_key(spec.as_record())
 
 
@@ -175,8 +176,9 @@ def test_memory_cap_bites_in_warm_up():
 
 def test_skip_rule_covers_larger_seq_and_batch_only():
     frontier = OomFrontier()
-    frontier.add({**RunSpec("tiny-llama", 64, 2, device="cpu").as_record(), "status": "oom"})
-    skipped = lambda seq, batch, **kw: frontier.skip_reason(RunSpec("tiny-llama", seq, batch, device="cpu", **kw))
+    frontier.add({**resolve(RunSpec("tiny-llama", 64, 2, device="cpu")).as_record(), "status": "oom"})
+    skipped = lambda seq, batch, **kw: frontier.skip_reason(resolve(RunSpec("tiny-llama", seq, batch, device="cpu",
+                                                                            **kw)))
     assert skipped(64, 4) and skipped(128, 2) and skipped(128, 8)
     assert not skipped(32, 8) and not skipped(128, 1)  # not larger in both: may fit
     assert not skipped(64, 4, policy="full") and not skipped(64, 4, layers=2)  # other options: may fit

@@ -3,6 +3,7 @@ and policies timed paired. Every duration here comes from a fake clock: no test 
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import statistics
@@ -18,6 +19,8 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.instruments import CpuInstrument
 from gcbench.paired import choose_baseline, run_paired
+from gcbench.resolve import resolve
+from gcbench.results.schema import NoteKind, TimingNote, note_kinds, timing_note_fields, timing_notes_of
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
 from gcbench.timing import (MIN_STEPS, StepBudget, Stats, median_interval, measure_until, paired_rounds,
@@ -122,22 +125,25 @@ def test_the_spread_limit_is_10_percent_on_cpu_and_5_on_cuda():
     assert 0.05 < seven["step_ms_rel_iqr"] < 0.10
     assert timing_verdict(seven, "cpu")[0]
     stable, notes = timing_verdict(seven, "cuda")
-    assert not stable and notes[0].startswith("step times spread ") and notes[0].endswith("of the median (IQR), above 5%")
+    assert not stable and notes[0].kind is NoteKind.SPREAD
+    assert notes[0].text.startswith("step times spread ") and notes[0].text.endswith("of the median (IQR), above 5%")
 
 
 def test_too_few_steps_cannot_be_judged():
     stable, notes = timing_verdict(_record([100.0, 100.0]), "cpu")
-    assert not stable and notes == ["only 2 measured steps: too few to judge the spread"]
+    assert not stable and notes == [TimingNote(NoteKind.FEW_STEPS, "only 2 measured steps: too few to judge the spread")]
 
 
 def test_a_busy_machine_is_not_trusted_even_when_steps_agree():
     steady = [100, 101, 99, 100, 102, 100]
     stable, notes = timing_verdict(_record(steady, torch_threads=2, other_cpu_cores=0.9), "cpu")
-    assert not stable and notes == ["other processes kept 0.9 of 2 cores busy while it ran on 2"]
+    assert not stable and notes == [TimingNote(NoteKind.BUSY_HOST,
+                                               "other processes kept 0.9 of 2 cores busy while it ran on 2")]
     # one thread on two cores leaves one free for others
     assert timing_verdict(_record(steady, torch_threads=1, other_cpu_cores=0.9), "cpu")[0]
     stable, notes = timing_verdict(_record(steady, load_1m_before=3.4), "cpu")
-    assert not stable and "load average 3.4 before it ran, above the 2 cores" in notes[0]
+    assert not stable and notes[0].kind is NoteKind.LOADED_HOST
+    assert "load average 3.4 before it ran, above the 2 cores" in notes[0].text
 
 
 def test_host_load_counts_other_processes_cpu_time(monkeypatch):
@@ -163,9 +169,9 @@ def test_host_load_counts_other_processes_cpu_time(monkeypatch):
 
 def test_threads_default_to_all_cores_but_one_and_are_recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(timing, "cores_available", lambda: 4)
-    assert RunSpec("tiny-llama", 32, 1, device="cpu").threads == 3
+    assert resolve(RunSpec("tiny-llama", 32, 1, device="cpu")).threads == 3
     monkeypatch.setattr(timing, "cores_available", lambda: 1)
-    assert RunSpec("tiny-llama", 32, 1, device="cpu", threads="auto").threads == 1
+    assert resolve(RunSpec("tiny-llama", 32, 1, device="cpu", threads="auto")).threads == 1
     before = torch.get_num_threads()
     out = tmp_path / "r.jsonl"
     result = runner.invoke(app, ["run", "--model", "tiny-llama", "--seq", "32", "--device", "cpu", "--warmup", "1",
@@ -295,7 +301,7 @@ def test_a_policy_that_changes_more_than_the_block_list_is_applied_for_each_of_i
         return real_timed(self, step)
 
     monkeypatch.setattr(CpuInstrument, "timed", timed)
-    specs = [RunSpec("tiny-llama", 32, 2, policy=p, device="cpu", warmup_steps=1, measure_steps=2)
+    specs = [resolve(RunSpec("tiny-llama", 32, 2, policy=p, device="cpu", warmup_steps=1, measure_steps=2))
              for p in ("none", "attn")]
     assert isinstance(specs[1].policy, AttentionCore)
     run_paired(specs, "none")
@@ -452,3 +458,14 @@ def test_a_process_sweep_pairs_in_a_child_of_its_own(tmp_path):
     assert [r["time_ratio_vs"] for r in records] == ["none", "none"]
     assert records[0]["time_ratio"] == 1.0 and records[1]["paired_rounds"] == 3
     assert read_records(out) == records
+
+
+def test_a_record_keeps_its_notes_kinds_and_older_records_are_read_by_their_texts():
+    notes = [TimingNote(NoteKind.SPREAD, "step times spread 31% of the median (IQR), above 10%"),
+             TimingNote(NoteKind.SIDE_BY_SIDE, "one of 2 CPU jobs side by side (--jobs): not comparable")]
+    stored = json.loads(json.dumps(timing_note_fields(notes)))
+    assert stored["timing_note_kinds"] == ["spread", "side-by-side"] and timing_notes_of(stored) == notes
+    older = {"timing_notes": [n.text for n in notes]}  # written before timing_note_kinds existed
+    assert timing_notes_of(older) == notes
+    assert note_kinds(older) == ["steps spread past the limit", "CPU jobs side by side"]
+    assert note_kinds({"timing_notes": ["a note of no known kind"]}) == ["a note of no known kind"]

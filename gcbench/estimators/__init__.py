@@ -19,15 +19,16 @@ from typing import Any
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, per_rank, plan, simulate
 from gcbench.estimators.prediction import Estimate, Unavailable
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec, crossed_out
 
 __all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run",
            "resolve_plan"]
 
 
-def resolve_plan(spec: RunSpec) -> RunSpec:
+def resolve_plan(spec: ResolvedRun) -> ResolvedRun:
     """`spec` with the mix of its `plan` policy chosen for its device (estimators/plan.py); any other as it is."""
-    return plan.resolve(spec, spec.device_kind)
+    return plan.with_mix(spec, spec.device_kind)
 
 # By the module, not the function: binding `analytic` here to the function would hide the submodule of that name.
 _PREDICTORS = {"analytic": analytic.analytic, "simulate": simulate.simulate}
@@ -35,23 +36,24 @@ METHODS = tuple(_PREDICTORS)
 TARGETS = ("cuda", "cpu")  # what is predicted: max_memory_allocated on a CUDA GPU | peak_tracked_bytes on CPU
 
 
-def estimate(spec: RunSpec, method: str = "simulate", target: str = "cuda", flops: bool = False) -> Estimate:
+def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str = "cuda",
+             flops: bool = False) -> Estimate:
     """Predict the peak memory of one training step of `spec` on `target` (cuda | cpu) by `method`; `flops`: the
     simulation also counts the step's FLOPs with recompute (Estimate.flops)."""
     if method not in METHODS:
         raise GcbenchError(f"unknown estimate method {method!r} ({', '.join(METHODS)})")
     if target not in TARGETS:
         raise GcbenchError(f"unknown estimate target {target!r} ({', '.join(TARGETS)})")
-    spec = plan.resolve(spec, target)
+    spec = plan.with_mix(resolve(spec), target)
     if spec.shard != "none":  # per rank: the unsharded step at the rank's batch, and FSDP2's terms
-        one_process = dataclasses.replace(spec, shard="none", nproc=1)
+        one_process = spec.replace(shard="none", nproc=1)
         return per_rank.shard_estimate(estimate(one_process, method, target, flops), spec)
     return simulate.simulate(spec, target, flops=True) if method == "simulate" and flops else \
         _PREDICTORS[method](spec, target)
 
 
 def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",
-                  **spec_fields: Any) -> list[tuple[RunSpec, Estimate | Unavailable]]:
+                  **spec_fields: Any) -> list[tuple[ResolvedRun, Estimate | Unavailable]]:
     """Every combination of the `axes` (RunSpec field -> its values: model, seq_len, batch_size, policy, precision,
     optimizer, ...), by every method. All specs are validated before anything runs, so bad input fails at once and
     nothing is half done. A config a method cannot predict is an Unavailable cell (n/a, and why), not an abort;
@@ -71,14 +73,15 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     names = list(axes)
     # device="cpu": the spec must be valid on this machine; the target only tells what to predict
     combos = [dict(zip(names, values)) for values in itertools.product(*axes.values())]
-    specs = [RunSpec(**fields, device="cpu", **spec_fields) for fields in combos if not crossed_out(fields, axes)]
+    specs = [resolve(RunSpec(**fields, device="cpu", **spec_fields)) for fields in combos
+             if not crossed_out(fields, axes)]
     cells = [(spec, _predict_cell(spec, method, target, methods)) for spec in specs for method in methods]
     if all(isinstance(cell, Unavailable) for _, cell in cells):
         raise GcbenchError(f"nothing in this grid can be predicted: {cells[0][1].reason}")
     return cells
 
 
-def _predict_cell(spec: RunSpec, method: str, target: str, methods: list[str]) -> Estimate | Unavailable:
+def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str]) -> Estimate | Unavailable:
     reason = analytic.unavailable(spec) if method == "analytic" else None
     if reason is not None and "simulate" in methods:
         return Unavailable(method, target, reason)
@@ -89,7 +92,7 @@ def _predict_cell(spec: RunSpec, method: str, target: str, methods: list[str]) -
     return dataclasses.replace(found, stands_in=reason) if reason else found
 
 
-def predict_for_run(spec: RunSpec) -> dict[str, Any]:
+def predict_for_run(spec: ResolvedRun) -> dict[str, Any]:
     """The predictions a run's record carries, made before anything is allocated (an OOM record has them too):
     `predicted_peak_bytes` by the best method that can predict this policy (`prediction_method`; the simulation,
     exact on CPU, first; None when neither can), and each method's own prediction

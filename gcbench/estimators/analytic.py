@@ -19,7 +19,7 @@ from gcbench.estimators.prediction import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, Shape, attention_kernel
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import EveryK, Full, NoCheckpoint, Policy, Segments, SqrtN
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun
 from gcbench.optimizers import optimizer_kind
 from gcbench.results.schema import peak_phase
 from gcbench.units import round_up
@@ -245,7 +245,7 @@ def understands(policy: Policy) -> bool:
     return type(policy) in ANALYTIC_POLICIES
 
 
-def unavailable(spec: RunSpec) -> str | None:
+def unavailable(spec: ResolvedRun) -> str | None:
     """Why the analytic model cannot predict `spec` (its policy or its model family), or None when it can."""
     if not understands(spec.policy):
         known = ", ".join(cls.name for cls in ANALYTIC_POLICIES)
@@ -258,7 +258,7 @@ def unavailable(spec: RunSpec) -> str | None:
     return None
 
 
-def analytic(spec: RunSpec, target: str = "cuda") -> Estimate:
+def analytic(spec: ResolvedRun, target: str = "cuda") -> Estimate:
     """Add up the per-block formulas along the policy's block groups; see the module docstring."""
     start = time.perf_counter()
     if reason := unavailable(spec):

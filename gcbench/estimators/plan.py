@@ -13,7 +13,6 @@ solves a MILP over op-level choices per module with pulp; docs/policies.md compa
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from gcbench.errors import GcbenchError
 from gcbench.estimators.prediction import Estimate
 from gcbench.policies import AttentionCore, Full, NoCheckpoint, Offload, Plan, SelectiveOps
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun
 
 UNIFORM = {"none": NoCheckpoint(), "attn": AttentionCore(), "sac": SelectiveOps(), "full": Full(),
            "offload": Offload(what="inputs")}
@@ -45,23 +44,23 @@ class PlanChoice:
     fits: bool  # the simulated peak is within the plan's memory
 
 
-def resolve(spec: RunSpec, target: str) -> RunSpec:
+def with_mix(spec: ResolvedRun, target: str) -> ResolvedRun:
     """`spec` with its plan's mix chosen for `target` (cuda | cpu); any other policy, or a chosen plan, as it is."""
     if not isinstance(spec.policy, Plan) or spec.policy.chosen:
         return spec
-    return dataclasses.replace(spec, policy=spec.policy.with_mix(choose(spec, target).counts))
+    return spec.replace(policy=spec.policy.with_mix(choose(spec, target).counts))
 
 
-def choose(spec: RunSpec, target: str) -> PlanChoice:
+def choose(spec: ResolvedRun, target: str) -> PlanChoice:
     """The mix of least recompute whose simulated peak fits the plan's memory; when none fits, the mix of least
     peak (a run under a cap then records the oom)."""
     # what the choice depends on: the shape, the levers, the plan; not how long a run measures, nor its cap
-    return _choose(dataclasses.replace(spec, device="cpu", memory_cap_bytes=None, warmup_steps=1, measure_steps=1,
+    return _choose(spec.replace(device="cpu", memory_cap_bytes=None, warmup_steps=1, measure_steps=1,
                                        max_steps=1, max_time_s=1.0, seed=0), target)
 
 
 @functools.lru_cache(maxsize=64)
-def _choose(spec: RunSpec, target: str) -> PlanChoice:
+def _choose(spec: ResolvedRun, target: str) -> PlanChoice:
     from gcbench.estimators.simulate import simulate
 
     plan: Plan = spec.policy  # type: ignore[assignment]
@@ -69,7 +68,7 @@ def _choose(spec: RunSpec, target: str) -> PlanChoice:
     runs: dict[str, Estimate] = {}
     for kind in plan.kinds:
         try:
-            runs[kind] = simulate(dataclasses.replace(spec, policy=UNIFORM[kind]), target, flops=True)
+            runs[kind] = simulate(spec.replace(policy=UNIFORM[kind]), target, flops=True)
         except GcbenchError:
             if kind == "none":
                 raise
@@ -82,7 +81,7 @@ def _choose(spec: RunSpec, target: str) -> PlanChoice:
     most_saving = {max(costs, key=lambda c: c.saves).kind: n}
     for _ in range(TIGHTEN_ROUNDS):
         counts = solve(costs, n, _fwd_bwd(base) - budget) or most_saving  # None: the linear model says none fits
-        found = simulate(dataclasses.replace(spec, policy=plan.with_mix(counts)), target, flops=True)
+        found = simulate(spec.replace(policy=plan.with_mix(counts)), target, flops=True)
         tried.append(PlanChoice(counts, found.peak_bytes, max((found.flops or 0) - (base.flops or 0), 0),
                                 max(found.peak_bytes, floor) <= plan.memory_bytes))
         if tried[-1].fits or counts == most_saving:

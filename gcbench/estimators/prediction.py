@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcbench.fields import ESTIMATE_FIELDS, POLICY_OPTIONS
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun
 
 # The spec fields an estimate row carries, stored as in every record: those `gcbench estimate` takes (fields.py),
 # `policy` the name and `policy_options` its options. The rest of a spec (device, steps, seed) does not change a
@@ -48,7 +48,7 @@ class Estimate:
         16 under amp-bf16, 8 in pure bf16)."""
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes) / self.n_params
 
-    def as_record(self, spec: RunSpec) -> dict[str, Any]:
+    def as_record(self, spec: ResolvedRun) -> dict[str, Any]:
         """Flat, JSON-ready: the spec's shape fields as a record stores them, then the prediction.
 
         Show the policy with results.schema.policy_label(row), as for any record."""
@@ -67,7 +67,7 @@ class Unavailable:
     def fits(self, memory_bytes: int) -> bool | None:
         return None
 
-    def as_record(self, spec: RunSpec) -> dict[str, Any]:
+    def as_record(self, spec: ResolvedRun) -> dict[str, Any]:
         fields = spec.as_record()
         # every key an Estimate row has, None where there is no prediction, so that JSON rows share one shape
         empty = {f.name: None for f in dataclasses.fields(Estimate)}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun
 
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
 
@@ -34,7 +34,7 @@ class Shape:
     attn_impl: str
 
     @classmethod
-    def of(cls, spec: RunSpec, config) -> Shape:
+    def of(cls, spec: ResolvedRun, config) -> Shape:
         heads = config.num_attention_heads
         stream = torch.tensor([], dtype=spec.param_dtype).element_size()
         window = getattr(config, "sliding_window", None)
@@ -93,7 +93,7 @@ def cpu_kernel(dropout: float) -> str:
     return "math" if dropout > 0 else "cpu-flash"
 
 
-def attention_kernel(spec: RunSpec, config, target: str) -> str:
+def attention_kernel(spec: ResolvedRun, config, target: str) -> str:
     """The kernel the step's attention runs on `target` (the model's own attention when it is eager)."""
     if (getattr(config, "_attn_implementation", None) or "sdpa") == "eager":
         return "eager"

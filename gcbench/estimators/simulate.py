@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -29,12 +28,12 @@ from gcbench.measure import LiveTensorTracker, PhasePeaks, counting_flops, liste
 from gcbench.models import build_model, count_params, find_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun
 from gcbench.step import TrainingStep, make_optimizer
 from gcbench.units import round_up
 
 
-def simulate(spec: RunSpec, target: str = "cuda", flops: bool = False) -> Estimate:
+def simulate(spec: ResolvedRun, target: str = "cuda", flops: bool = False) -> Estimate:
     """Run one warm-up step and one tracked step of `spec` on fake tensors; nothing is allocated for real.
     `flops`: then one more forward and backward counting the FLOPs with recompute (Estimate.flops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -44,7 +43,7 @@ def simulate(spec: RunSpec, target: str = "cuda", flops: bool = False) -> Estima
     # of the garbage collector's choosing inside this one's tracked step: the same spec would give another peak.
     gc.collect()
     # The fakes are CPU tensors whatever the target (autocast, too, must act on CPU tensors); see the module docstring.
-    spec = dataclasses.replace(spec, device="cpu", memory_cap_bytes=None)
+    spec = spec.replace(device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
     config, _ = spec.model_config()
     # bitsandbytes keeps its quantisation maps as real tensors, made when the optimizer is

@@ -17,6 +17,7 @@ from gcbench.fits.search import Search
 from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
 from gcbench.grid import one_value_each
 from gcbench.fields import run_field
+from gcbench.resolve import resolve
 from gcbench.spec import RunSpec
 from gcbench.units import fmt_bytes, parse_bytes
 
@@ -38,7 +39,7 @@ def fit_range(text: str | None, vary: str, values: dict[str, Any]) -> tuple[int,
     if text is None:
         if vary == "batch_size":
             return DEFAULT_BATCH_RANGE
-        config, _ = RunSpec(**{**values, "seq_len": DEFAULT_SEQ_LO, "policy": "none"}).model_config()
+        config = resolve(RunSpec(**{**values, "seq_len": DEFAULT_SEQ_LO, "policy": "none"})).config
         longest = getattr(config, "max_position_embeddings", None) or 131_072
         return DEFAULT_SEQ_LO, int(longest)
     lo, sep, hi = text.partition("..")

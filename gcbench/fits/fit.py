@@ -28,15 +28,15 @@ from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
 from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
-from gcbench.results.schema import Status, config_label, fastest, peak_bytes, policy_label
+from gcbench.results.schema import SHAPE_FIELDS, Status, config_label, fastest, peak_bytes, policy_label
 from gcbench.results.store import append_record, check_appendable
 from gcbench.runner import check_fits, model_size
-from gcbench.fields import RUN_FIELDS, DeviceKind, Role
-from gcbench.spec import RunSpec
+from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
+from gcbench.resolve import ResolvedRun
 from gcbench.sweeps.isolation import InProcessRunner, PairingFailed, ProcessRunner
 from gcbench.sweeps.progress import SweepProgress
 
-VARY = {"batch": "batch_size", "seq": "seq_len"}  # --vary -> the RunSpec field it searches
+VARY = {run_field(name).flag: name for name in SHAPE_FIELDS}  # --vary batch | seq -> the field it searches
 DEFAULT_POLICIES = ("none", "full", "sqrtn", "sac", "plan")
 DEFAULT_OUT = Path("results/fit.jsonl")
 DEFAULT_BATCH_RANGE = (1, 4096)
@@ -117,11 +117,11 @@ class Fit:
             raise GcbenchError(f"the budget is below what the model needs before any activation: {e}") from None
         check_appendable(spec.out)
 
-    def _trial_spec(self, policy: str, value: int) -> RunSpec:
+    def _trial_spec(self, policy: str, value: int) -> ResolvedRun:
         """The config of one trial: the shared fields, the policy, the size, the fit's cap."""
         return spec_at({**self.spec.fields, "memory_cap_bytes": self.trial_cap}, policy, self.spec.vary, value)
 
-    def _budget(self, first: RunSpec) -> int:
+    def _budget(self, first: ResolvedRun) -> int:
         if self.spec.memory is not None:
             return self.spec.memory
         if first.device_kind is not DeviceKind.CUDA:

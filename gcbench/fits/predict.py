@@ -17,6 +17,7 @@ from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, estimate
 from gcbench.estimators.prediction import Estimate
 from gcbench.fits.search import Search, Trial, extrapolate
+from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 
 DEFAULT_EFFICIENCY = 0.4  # of the dense peak, recompute included (hardware FLOPs utilisation): an assumption
@@ -38,9 +39,9 @@ class PredictedFit:
         return self.flops / (peak_flops * efficiency)
 
 
-def spec_at(fields: Mapping[str, Any], policy: str, vary: str, value: int) -> RunSpec:
-    """The config of one tried size (validated: bad input fails here, before anything runs)."""
-    return RunSpec(**{**fields, "policy": policy, vary: value})
+def spec_at(fields: Mapping[str, Any], policy: str, vary: str, value: int) -> ResolvedRun:
+    """The config of one tried size, resolved (bad input fails here, before anything runs)."""
+    return resolve(RunSpec(**{**fields, "policy": policy, vary: value}))
 
 
 def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Search, target: str,

@@ -46,7 +46,7 @@ class Plan(Policy):
     memory: str = option("", "the peak memory to fit, e.g. 24GiB (required; in `gcbench fit`, the fit's budget)")
     allow_offload: str = option("false", "true: a block may also be checkpointed with its input offloaded to host "
                                 "memory", choices=("true", "false"))
-    # Filled in for one run shape by estimators.plan.resolve: one kind per block, in block order.
+    # Filled in for one run shape by estimators.plan.with_mix: one kind per block, in block order.
     chosen: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False, metadata={"chosen": True})
 
     def __post_init__(self) -> None:
@@ -82,7 +82,7 @@ class Plan(Policy):
     def apply(self, blocks: nn.ModuleList) -> Callable[[], None]:
         if len(self.chosen) != len(blocks):
             raise GcbenchError(f"plan:memory={self.memory} has no mix chosen for this run's {len(blocks)} blocks "
-                               "(gcbench.estimators.plan.resolve chooses it)")
+                               "(gcbench.estimators.plan.with_mix chooses it)")
         originals = list(blocks)
         undo_attn = AttentionCore().apply([b for b, kind in zip(originals, self.chosen) if kind == "attn"])
         wrap = {"full": lambda b: CheckpointedGroup([b]), "sac": lambda b: SelectiveCheckpointedBlock(b, "all"),

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank, without_fit_trials
+from gcbench.results.schema import note_kinds
 from gcbench.units import byte_unit, fmt_bytes
 
 ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
@@ -112,23 +113,11 @@ PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}  # the p
 
 OTHER_BASELINE = "†"  # a time ratio relative to another policy than none (none did not fit)
 
-# The stability rule's notes (timing.timing_verdict), by kind: how the report names them.
-NOTE_KINDS = {"only ": "too few steps to judge", "step times spread": "steps spread past the limit",
-              "step times of 0": "steps of 0 ms", "other processes": "other processes busy",
-              "1-minute load": "host loaded before the run"}
-
-
 def time_ratio_text(ratio: float, vs: str, trusted: bool, unpaired: bool = False) -> str:
     """A time ratio as tables show it: `1.49x`, `~1.49x` (not trusted), `1.08x†` (relative to another policy than
     none), `1.52x u` (not paired, in a table that has paired ratios)."""
     return (("" if trusted else "~") + f"{ratio:.2f}x" + ("" if vs == "none" else OTHER_BASELINE)
             + (" u" if unpaired else ""))
-
-
-def note_kinds(notes: Any) -> list[str]:
-    """A record's timing_notes as their kinds (without the record's own numbers), in order."""
-    return [next((v for k, v in NOTE_KINDS.items() if note.startswith(k)), note)
-            for note in (notes if isinstance(notes, list) else [])]
 
 
 def time_caption(part: pd.DataFrame) -> str:
@@ -146,8 +135,8 @@ def time_caption(part: pd.DataFrame) -> str:
     untrusted = ok[~ok["timing_trusted"]]
     if len(untrusted):
         kinds: dict[str, int] = {}
-        for notes in untrusted["timing_notes"]:
-            for kind in note_kinds(notes):
+        for record in untrusted[["timing_notes", "timing_note_kinds"]].to_dict("records"):
+            for kind in note_kinds(record):
                 kinds[kind] = kinds.get(kind, 0) + 1
         why = ", ".join(f"{k} ({n})" for k, n in kinds.items())
         text += (f"~step ms = timing not trusted ({len(untrusted)} of {len(ok)} configs: {why}; each record's "

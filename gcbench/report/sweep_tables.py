@@ -14,11 +14,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gcbench.report.cells import OTHER_BASELINE, largest_fit_grid, note_kinds, time_ratio_text
+from gcbench.report.cells import OTHER_BASELINE, largest_fit_grid, time_ratio_text
 from gcbench.report.tables import rich_table
 from gcbench.results.frame import given, paired_ratio_trusted, results_frame
 from gcbench.fields import RUN_FIELDS, Role
-from gcbench.results.schema import LEVER_FIELDS, STATUSES, lever_text, peak_bytes, policy_label
+from gcbench.results.schema import LEVER_FIELDS, STATUSES, lever_text, note_kinds, peak_bytes, policy_label
 from gcbench.units import fmt_bytes
 
 STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "red", "error": "bold red"}
@@ -71,7 +71,7 @@ def _ok_note(record: dict[str, Any]) -> str | None:
     all the configs with the same reasons; each record's timing_notes has its own numbers)."""
     parts = []
     if record.get("timing_stable") is False:
-        parts.append("timing not trusted: " + ", ".join(note_kinds(record.get("timing_notes"))))
+        parts.append("timing not trusted: " + ", ".join(note_kinds(record)))
     if record.get("paired_error"):
         parts.append(record["paired_error"])
     return "; ".join(parts) or None

@@ -28,7 +28,7 @@ EXPECTED = [*spec_columns(), "peak_allocated_bytes", "peak_tracked_bytes", "acti
             "fwd_bwd_peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr",
             "tokens_per_s", "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
             "predicted_peak_bytes_analytic", "error", "env.gpu_name", "env.gpu_memory_bytes", "env.cpu",
-            "env.cpu_count", "env.torch_threads", "env.gcbench", "timing_stable", "timing_notes", "step_ms_ci",
+            "env.cpu_count", "env.torch_threads", "env.gcbench", "timing_stable", "timing_notes", "timing_note_kinds", "step_ms_ci",
             "step_ms_rel_iqr", "time_ratio", "time_ratio_ci", "time_ratio_vs", "paired_error", "peak_phase",
             "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "n_params",
             # `gcbench fit`'s trials (fits/fit.py): the search a record belonged to

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from gcbench.fields import RUN_FIELDS, Role, identity_columns, names, run_field, setup_words
@@ -33,6 +34,65 @@ class Status(enum.StrEnum):
 
 
 STATUSES = tuple(Status)
+
+
+class NoteKind(enum.StrEnum):
+    """Why a step time is not trusted, by kind (a record's timing_note_kinds, beside the texts in timing_notes)."""
+
+    FEW_STEPS = "few-steps"  # too few measured steps to judge their spread
+    SPREAD = "spread"  # the steps' IQR past the limit (docs/methodology.md, "When a step time is trusted")
+    ZERO_MS = "zero-ms"  # steps of 0 ms: no spread to judge
+    BUSY_HOST = "busy-host"  # other processes kept cores busy during the steps
+    LOADED_HOST = "loaded-host"  # the 1-minute load average before the steps was past the cores
+    SIDE_BY_SIDE = "side-by-side"  # one of several CPU jobs side by side (--jobs)
+    CPU_RANKS = "cpu-ranks"  # a sharded run's CPU ranks share one machine's cores
+    OTHER = "other"  # a text of no known kind (named by its own words)
+
+    @property
+    def words(self) -> str:
+        """How tables name the kind (each record's text has its own numbers)."""
+        return NOTE_WORDS[self]
+
+
+NOTE_WORDS = {NoteKind.FEW_STEPS: "too few steps to judge", NoteKind.SPREAD: "steps spread past the limit",
+              NoteKind.ZERO_MS: "steps of 0 ms", NoteKind.BUSY_HOST: "other processes busy",
+              NoteKind.LOADED_HOST: "host loaded before the run", NoteKind.SIDE_BY_SIDE: "CPU jobs side by side",
+              NoteKind.CPU_RANKS: "CPU ranks", NoteKind.OTHER: ""}
+# Records written before timing_note_kinds existed: their notes' kinds, by how each kind's text begins.
+_LEGACY_NOTE_STARTS = {"only ": NoteKind.FEW_STEPS, "step times spread": NoteKind.SPREAD,
+                       "step times of 0": NoteKind.ZERO_MS, "other processes": NoteKind.BUSY_HOST,
+                       "1-minute load": NoteKind.LOADED_HOST, "one of ": NoteKind.SIDE_BY_SIDE,
+                       "CPU ranks": NoteKind.CPU_RANKS}
+
+
+@dataclass(frozen=True)
+class TimingNote:
+    """One reason a step time is not trusted: its kind, and the text with this record's own numbers."""
+
+    kind: NoteKind
+    text: str
+
+
+def timing_note_fields(notes: Sequence[TimingNote]) -> dict[str, list[str]]:
+    """A record's timing notes as stored: the texts in timing_notes, their kinds beside them (one per text)."""
+    return {"timing_notes": [n.text for n in notes], "timing_note_kinds": [n.kind.value for n in notes]}
+
+
+def timing_notes_of(record: Mapping[str, Any]) -> list[TimingNote]:
+    """A record's timing notes back as TimingNotes (an older record's kinds told by their texts' beginnings; a text
+    of no known kind is OTHER)."""
+    texts = record.get("timing_notes")
+    texts = texts if isinstance(texts, list) else []
+    kinds = record.get("timing_note_kinds")
+    if isinstance(kinds, list) and len(kinds) == len(texts) and all(k in NOTE_WORDS for k in kinds):
+        return [TimingNote(NoteKind(k), t) for k, t in zip(kinds, texts)]
+    return [TimingNote(next((kind for start, kind in _LEGACY_NOTE_STARTS.items() if str(t).startswith(start)),
+                            NoteKind.OTHER), str(t)) for t in texts]
+
+
+def note_kinds(record: Mapping[str, Any]) -> list[str]:
+    """A record's timing notes as their kinds in words (without the record's own numbers), in order."""
+    return [n.kind.words or n.text for n in timing_notes_of(record)]
 
 
 class Record(TypedDict, total=False):
@@ -70,6 +130,7 @@ class Record(TypedDict, total=False):
     steps_stop: str  # why measuring stopped: fixed | ci (interval within +-2%) | max-steps | max-time
     timing_stable: bool  # the stability rule (timing.timing_verdict, docs/methodology.md)
     timing_notes: list[str]  # why the timing is not trusted; empty when stable
+    timing_note_kinds: list[str]  # each note's NoteKind, in the same order
     # the host around the timed steps
     load_1m_before: float | None  # 1-minute load average
     load_1m_after: float | None

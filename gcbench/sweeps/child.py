@@ -25,7 +25,7 @@ from typing import Any
 from gcbench import env
 from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, load_config
-from gcbench.spec import RunSpec
+from gcbench.resolve import resolve_record
 from gcbench.paired import run_paired
 from gcbench.runner import run
 from gcbench.sweeps.slots import HERE, Slot
@@ -63,7 +63,7 @@ def run_child(task: dict[str, Any], conn: Connection, lifeline: Connection, log_
         os._exit(70)
     faulthandler.enable()  # a segfault leaves a Python traceback in the log the parent reads
     try:
-        specs = [RunSpec.from_record(r) for r in task.get("paired", [task.get("spec")])]
+        specs = [resolve_record(r) for r in task.get("paired", [task.get("spec")])]
         conn.send(("env", env.capture_env(specs[0].device, specs[0].threads)))
         progress = lambda text: conn.send(("progress", text))  # noqa: E731
         record = run_paired(specs, task["baseline"], progress) if "paired" in task else run(specs[0], progress)

@@ -20,7 +20,7 @@ from typing import Any
 from gcbench.env import WARM_MODELS_ENV
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import Status, config_label, new_record
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun
 from gcbench.sweeps.slots import HERE, Slot
 
 STDERR_TAIL_LINES = 30  # of a failed child's stderr, kept in its record
@@ -38,7 +38,7 @@ class PairingFailed:
     why: str
 
 
-def failure_record(spec: RunSpec, status: str, error: str, env: dict | None = None, **extra: Any) -> dict[str, Any]:
+def failure_record(spec: ResolvedRun, status: str, error: str, env: dict | None = None, **extra: Any) -> dict[str, Any]:
     """The record of a config that produced no measurement (skipped, timeout, error)."""
     return new_record(spec.as_record(), status, error, **extra, env=env)
 
@@ -61,7 +61,7 @@ class ProcessRunner:
         self._target = run_child
         self._ctx = _child_context()
 
-    def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:
+    def __call__(self, spec: ResolvedRun, on_phase: OnPhase) -> dict[str, Any]:
         """The config's record: measured by a child, or a failure record when the child died or ran out of time."""
         result, failure = self._run_task({"spec": spec.as_record()}, f"gcbench {config_label(spec.as_record())}",
                                          on_phase)
@@ -70,7 +70,7 @@ class ProcessRunner:
             return failure_record(spec, status, error, env, stderr_tail=tail)
         return result
 
-    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
+    def paired(self, specs: list[ResolvedRun], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
         """paired.run_paired in a child: {policy label: paired fields}, or PairingFailed when the child failed.
         Its timeout is one config's per policy: it warms up and times each of them."""
         result, failure = self._run_task({"paired": [s.as_record() for s in specs], "baseline": baseline},
@@ -149,7 +149,7 @@ class InProcessRunner:
         self.slot = slot  # always HERE: Sweep refuses slots side by side without process isolation
         self.timeout_s = None  # cannot be enforced without a process to kill
 
-    def __call__(self, spec: RunSpec, on_phase: OnPhase) -> dict[str, Any]:
+    def __call__(self, spec: ResolvedRun, on_phase: OnPhase) -> dict[str, Any]:
         from gcbench.runner import run
 
         try:
@@ -160,7 +160,7 @@ class InProcessRunner:
             tail = "\n".join(traceback.format_exc().splitlines()[-STDERR_TAIL_LINES:])
             return failure_record(spec, Status.ERROR, f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
 
-    def paired(self, specs: list[RunSpec], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
+    def paired(self, specs: list[ResolvedRun], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
         from gcbench.paired import run_paired
 
         try:

@@ -26,7 +26,8 @@ from gcbench.paired import choose_baseline, pairable
 from gcbench.results.schema import STATUSES, Status, config_key, policy_label
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
 from gcbench.runner import check_fits, model_size
-from gcbench.spec import DEVICES_ELSEWHERE, RunSpec
+from gcbench.resolve import ResolvedRun, resolve_record
+from gcbench.spec import RunSpec
 from gcbench.sweeps.isolation import InProcessRunner, PairingFailed, ProcessRunner, failure_record
 from gcbench.sweeps.progress import SweepProgress
 from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
@@ -56,7 +57,7 @@ class OomFrontier:
                 self._ooms.setdefault(self._shape_free_key(record), []).append(
                     (record["seq_len"], record["batch_size"]))
 
-    def skip_reason(self, spec: RunSpec) -> str | None:
+    def skip_reason(self, spec: ResolvedRun) -> str | None:
         with self._lock:
             ooms = list(self._ooms.get(self._shape_free_key(spec.as_record()), []))
         for seq, batch in ooms:
@@ -67,7 +68,7 @@ class OomFrontier:
 
 @dataclass(frozen=True)
 class PlannedConfig:
-    spec: RunSpec
+    spec: ResolvedRun
     done: dict[str, Any] | None  # its record already in the output file (resume), or None: to run
 
 
@@ -75,7 +76,7 @@ class Sweep:
     """Runs a grid: resume from the output file, skip after OOMs, the policies of one configuration (same model, seq,
     batch, options) timed paired once each has run (unless `paired` is off), and their records appended together.
 
-    Everything is validated when the Sweep is made (every RunSpec, the output file's schema), before anything
+    Everything is validated when the Sweep is made (every config resolved, the output file's schema), before anything
     runs or is written. Ctrl-C and SIGTERM stop the running child and raise KeyboardInterrupt after it: the
     records written so far stay, and running the same sweep again resumes.
     """
@@ -88,8 +89,8 @@ class Sweep:
         self.skip_after_oom = skip_after_oom
         self.console = console  # progress and warnings go here (stderr); None: quiet, warnings via `warnings`
         self.sweep_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-        with _devices_elsewhere(grid.executor == "slurm"):  # the jobs' nodes check their devices themselves
-            self.specs = grid.expand()
+        # A Slurm job's node checks its devices itself: here only their form.
+        self.specs = grid.expand(devices_here=grid.executor != "slurm")
         # Where configs run: one slot (here), or side by side on GPUs (--devices) or disjoint cores (--jobs).
         self.slots = make_slots([spec.device for spec in self.specs], grid.devices, grid.jobs)
         if len(self.slots) > 1 and grid.isolation != "process":
@@ -177,8 +178,8 @@ class Sweep:
                    envs: dict[tuple[str, int], dict], view: SweepProgress) -> list[dict[str, Any]]:
         """The configs of one model/seq/batch (its policies) in `slot`, then their paired timing; appended together
         when it ends. Whatever stops it first (Ctrl-C, an error), what was measured is written unpaired."""
-        pending: list[tuple[RunSpec, dict[str, Any]]] = []
-        earlier: list[tuple[RunSpec, dict[str, Any]]] = []  # in the file already (a resumed sweep)
+        pending: list[tuple[ResolvedRun, dict[str, Any]]] = []
+        earlier: list[tuple[ResolvedRun, dict[str, Any]]] = []  # in the file already (a resumed sweep)
         records = []
         try:
             for config in group:
@@ -202,7 +203,8 @@ class Sweep:
                 self._warn_torn(append_record(self.grid.out, record))  # another writer killed mid-line meanwhile
         return records
 
-    def _pair(self, pending: list[tuple[RunSpec, dict[str, Any]]], earlier: list[tuple[RunSpec, dict[str, Any]]],
+    def _pair(self, pending: list[tuple[ResolvedRun, dict[str, Any]]],
+              earlier: list[tuple[ResolvedRun, dict[str, Any]]],
               runner, slot: int, view: SweepProgress) -> None:
         """Time the group's policies that ran interleaved in one process (paired.run_paired) and add each one's
         time_ratio to the records about to be written; with fewer than two such policies there is nothing to pair.
@@ -231,7 +233,7 @@ class Sweep:
             else:
                 r.update(result[policy_label(r)])
 
-    def _unfit(self, specs: list[RunSpec]) -> dict[RunSpec, WontFit]:
+    def _unfit(self, specs: list[ResolvedRun]) -> dict[ResolvedRun, WontFit]:
         """The configs that cannot fit at all (their model state alone is too large for the memory cap or the free
         memory), known when the sweep is made, before the first child starts: they are recorded as `oom` without
         running. The rest is checked by the child before it allocates (runner.check_fits with the predicted peak)."""
@@ -255,7 +257,7 @@ class Sweep:
         free = [free_without_context(gpu) for gpu in gpus]
         return None if None in free else max(free)
 
-    def _run_one(self, spec: RunSpec, runner, slot: int, frontier: OomFrontier, view: SweepProgress,
+    def _run_one(self, spec: ResolvedRun, runner, slot: int, frontier: OomFrontier, view: SweepProgress,
                  unfit: WontFit | None) -> dict[str, Any]:
         reason = frontier.skip_reason(spec) if self.skip_after_oom else None
         if unfit is not None:
@@ -290,14 +292,14 @@ class Sweep:
 def run_as_job(task: dict[str, Any]) -> list[dict[str, Any]]:
     """What a cluster job runs (cluster.py): one configuration's policies as a sweep runs them (a child each, then
     paired), into the job's own file, from which a requeued job resumes; returns their records to the driver."""
-    specs = [RunSpec.from_record(r) for r in task["specs"]]  # validated again, on the node that runs them
+    specs = [resolve_record(r) for r in task["specs"]]  # resolved again, on the node that runs them
     values = {f.name: (getattr(specs[0], f.name),) for f in dataclasses.fields(RunSpec) if f.name != "policy"}
     values["policy"] = tuple(spec.policy for spec in specs)
     grid = SweepSpec(values, out=Path(task["out"]), timeout_s=task["timeout_s"], paired=task["paired"])
     return Sweep(grid).run()
 
 
-def _threads_within_slots(specs: list[RunSpec], slots: list[Slot], given: bool) -> list[RunSpec]:
+def _threads_within_slots(specs: list[ResolvedRun], slots: list[Slot], given: bool) -> list[ResolvedRun]:
     """With --jobs, each config's torch threads: by default as many as its slot's cores (the fewest of any slot,
     so that every config of the grid is the same wherever it runs); more than that is refused."""
     cores = min((len(slot.cpus) for slot in slots if slot.cpus), default=None)
@@ -308,10 +310,10 @@ def _threads_within_slots(specs: list[RunSpec], slots: list[Slot], given: bool) 
         if over > cores:
             raise GcbenchError(f"--threads {over} is more than the {cores} core(s) each of --jobs {len(slots)} gets")
         return specs
-    return [dataclasses.replace(spec, threads=cores) for spec in specs]
+    return [spec.replace(threads=cores) for spec in specs]
 
 
-def _policy_free_key(spec: RunSpec) -> str:
+def _policy_free_key(spec: ResolvedRun) -> str:
     """What the configs of one paired group share: everything but the policy."""
     return config_key(spec.as_record(), ignore=("policy", "policy_options"))
 
@@ -329,21 +331,12 @@ def _existing_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return records, [str(w.message) for w in caught]
 
 
-def _host_env(spec: RunSpec) -> dict:
+def _host_env(spec: ResolvedRun) -> dict:
     # For records no child produced (skipped, or a child that died before reporting): the sweep process must not
     # create a CUDA context of its own (it would hold device memory during every config), so no GPU fields here.
     from gcbench.env import capture_env
 
     return capture_env("cpu", spec.threads)
-
-
-@contextmanager
-def _devices_elsewhere(elsewhere: bool) -> Iterator[None]:
-    token = DEVICES_ELSEWHERE.set(elsewhere)
-    try:
-        yield
-    finally:
-        DEVICES_ELSEWHERE.reset(token)
 
 
 @contextmanager

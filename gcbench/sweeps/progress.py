@@ -16,7 +16,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeRemainingColumn)
 
 from gcbench.results.schema import STATUSES, Status, config_label, peak_bytes
-from gcbench.spec import RunSpec
+from gcbench.resolve import ResolvedRun
 from gcbench.units import fmt_bytes
 
 
@@ -64,11 +64,11 @@ class SweepProgress:
         else:
             self._bar.update(self._task, description=text)
 
-    def started(self, spec: RunSpec, slot: int = 0) -> None:
+    def started(self, spec: ResolvedRun, slot: int = 0) -> None:
         self._labels[slot] = config_label(spec.as_record())
         self._show(slot, f"{self._labels[slot]} · starting")
 
-    def pairing(self, specs: list[RunSpec], slot: int = 0) -> None:
+    def pairing(self, specs: list[ResolvedRun], slot: int = 0) -> None:
         first = specs[0].as_record()
         self._labels[slot] = (f"{first['model']} seq {first['seq_len']} batch {first['batch_size']} · timing "
                               f"{len(specs)} policies paired")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import Status
+from gcbench.results.schema import NoteKind, Status, TimingNote, timing_note_fields, timing_notes_of
 
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 T = TypeVar("T")
@@ -94,7 +94,8 @@ def side_by_side_fields(record: dict[str, Any], slot: Slot, slots: int) -> dict[
     if slot.cpus is not None and record.get("status") == Status.OK:
         note = (f"one of {slots} CPU jobs side by side (--jobs): shared caches and memory bandwidth make this step "
                 "time not comparable with a sequential run's")
-        fields.update(timing_stable=False, timing_notes=[*(record.get("timing_notes") or []), note])
+        notes = [*timing_notes_of(record), TimingNote(NoteKind.SIDE_BY_SIDE, note)]
+        fields.update(timing_stable=False, **timing_note_fields(notes))
     return fields
 
 
