@@ -61,9 +61,12 @@ SWEEP_SPEC = ("model", "seq_len", "batch_size", "policy", "policy_options", "lay
               "device", "attn", "warmup_steps", "measure_steps", "seed", "memory_cap_bytes")
 ESTIMATE_SPEC = ("model", "seq_len", "batch_size", "policy", "policy_options", "layers", "precision",
                  "optimizer", "method", "target")
-# Wall-clock numbers differ on every run; "seconds" is the time an estimate row took.
-TIMINGS = {"step_ms", "step_ms_median", "step_ms_iqr", "tokens_per_s", "mfu", "wall_ms", "compile_ms",
-           "config_wall_ms", "seconds"}
+# Wall-clock numbers differ on every run, and so does what is read off them or off the host around them (the
+# spread, the paired ratios, the stability rule's notes, the host's load); "seconds" is the time an estimate row took.
+TIMINGS = {"step_ms", "step_ms_median", "step_ms_iqr", "step_ms_rel_iqr", "step_ms_ci", "steps_stop", "tokens_per_s",
+           "mfu", "wall_ms", "compile_ms", "config_wall_ms", "seconds", "paired_step_ms", "paired_rounds",
+           "paired_stop", "time_ratio", "time_ratio_ci", "timing_stable", "timing_notes", "timing_note_kinds",
+           "other_cpu_cores", "load_1m_before", "load_1m_after"}
 RUN_IDS = {"sweep_id"}
 ENV_IGNORED = {"git_sha"}  # differs by construction: the two trees are different checkouts
 ENV_NOTE = {"gcbench"}  # the version: a release may bump it; worth a line, not a failure

@@ -28,7 +28,8 @@ from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.grid import SweepSpec
 from gcbench.sweeps import Sweep
-from gcbench.sweeps.isolation import InProcessRunner, ProcessRunner
+from gcbench.launch.inline import InProcessRunner
+from gcbench.launch.process import ProcessRunner
 
 PARTS = ("start", "build", "exit", "config")
 

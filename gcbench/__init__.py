@@ -25,7 +25,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed 
 _LAZY = {
     "RunSpec": "gcbench.spec",
     "resolve": "gcbench.resolve",
-    "run": "gcbench.runner",
+    "run": "gcbench.launch",
     "sweep": "gcbench.sweeps",
     "estimate": "gcbench.estimators",
     "load": "gcbench.results.frame",

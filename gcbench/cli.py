@@ -79,7 +79,7 @@ def run(
         from gcbench.report.tables import run_table
         from gcbench.resolve import resolve
         from gcbench.results.store import append_record, check_appendable
-        from gcbench.runner import run as run_spec
+        from gcbench.launch import run as run_spec
 
         values, _ = parse_options(spec_values, fields=tuple(BY_NAME))
         spec = resolve(RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`")))

@@ -29,14 +29,13 @@ from torch import nn
 
 from gcbench.fields import DeviceKind
 from gcbench.env import capture_env
-from gcbench.errors import WontFit
+from gcbench.errors import GcbenchError, WontFit
 from gcbench.estimators import predict_for_run, resolve_plan
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.policies import Plan
 from gcbench.results.schema import Status, new_record, timing_note_fields
-from gcbench.torchrun import run_sharded
 from gcbench.fsdp import AgreedBudget, in_rank, shard_model
 from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec
@@ -130,7 +129,7 @@ def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse
     spec = resolve(spec)  # a RunSpec from Python is looked up here; a sweep's child hands over a ResolvedRun
     spec.check_runnable()
     if spec.shard != "none" and not in_rank():
-        return run_sharded(spec, progress or (lambda _: None))  # torchrun starts the ranks, each runs this again
+        raise GcbenchError("a sharded config runs on its ranks: gcbench.launch.run starts them under torchrun")
     record = new_record(spec.as_record())
     spec = resolve_plan(spec)  # a plan's mix, chosen for this shape before anything is allocated
     if isinstance(spec.policy, Plan):

@@ -147,7 +147,8 @@ def test_memory_cap_below_model_state_is_an_oom_in_human_units(tmp_path):
 def test_a_sweep_that_cannot_fit_at_all_starts_no_child(tmp_path, monkeypatch):
     """The README's llama-7b sweep on a machine too small: every config is known not to fit before the first child
     (model state 28 GiB in fp32 against 1 GiB free) and is recorded as oom without one."""
-    from gcbench.sweeps import isolation, orchestrate
+    from gcbench.launch import process as isolation
+    from gcbench.sweeps import orchestrate
 
     def no_child(self, spec, on_phase):
         raise AssertionError("a child was started for a config that cannot fit")

@@ -377,7 +377,7 @@ def test_an_unknown_name_that_is_no_hub_id_names_the_three_forms():
 
 
 def test_a_sweep_warms_its_own_models_up(monkeypatch):
-    from gcbench.sweeps.isolation import ProcessRunner
+    from gcbench.launch.process import ProcessRunner
 
     monkeypatch.setenv(WARM_MODELS_ENV, "")  # restored after the test
     ProcessRunner(1.0, models=["tiny-llama", "tiny-bert"])

@@ -23,7 +23,8 @@ LAYERS = [
     ("cli", "cli_options", "__main__"),
     ("sweeps", "fits"),
     ("grid",),
-    ("rank", "runner", "paired", "torchrun"),
+    ("launch",),
+    ("runner", "paired"),
     ("estimators",),
     ("env",),
     ("resolve",),
@@ -46,7 +47,7 @@ def module_name(path: Path) -> str:
 
 
 def room(module: str) -> str:
-    """gcbench.sweeps.child -> sweeps; gcbench -> __init__."""
+    """gcbench.launch.child -> launch; gcbench -> __init__."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -65,7 +66,7 @@ def imports_of(path: Path) -> set[str]:
             found |= {a.name for a in node.names if a.name.split(".")[0] == "gcbench"}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gcbench":
             found.add(node.module)
-            # `from gcbench.sweeps import child` names a module too
+            # `from gcbench.launch import child` names a module too
             found |= {f"{node.module}.{a.name}" for a in node.names
                       if (PACKAGE.parent / f"{node.module}.{a.name}".replace(".", "/")).with_suffix(".py").exists()}
     return found

@@ -21,11 +21,11 @@ from gcbench.grid import SweepSpec
 from gcbench.resolve import resolve
 from gcbench.results.schema import config_key
 from gcbench.results.store import read_records
-from gcbench.torchrun import merge_ranks
+from gcbench.launch.torchrun import merge_ranks
 from gcbench.spec import RunSpec
-from gcbench.sweeps.cluster import job_failure, jobs_path
+from gcbench.launch.slurm import job_failure, jobs_path
 from gcbench.sweeps.orchestrate import Sweep
-from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
+from gcbench.launch.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
 from tests.fake_cuda import read_log, subprocess_env
 from tests.helpers import policy_examples
 
@@ -379,7 +379,7 @@ def test_a_sweep_over_nproc_gives_per_rank_state_of_about_half(tmp_path):
 def test_a_rank_runs_on_its_own_gpu_and_checks_only_the_launcher_count(monkeypatch):
     import torch
 
-    from gcbench.rank import rank_device
+    from gcbench.launch.rank import rank_device
 
     assert rank_device("cuda:2", 1) == torch.device("cuda", 3) and rank_device("cpu", 1) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

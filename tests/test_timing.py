@@ -402,7 +402,7 @@ def test_gpu_state_reads_clocks_power_and_temperature_through_nvml(monkeypatch):
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_ctrl_c_during_the_pairing_writes_the_finished_configs_unpaired(tmp_path, monkeypatch):
     import gcbench
-    from gcbench.sweeps.isolation import InProcessRunner
+    from gcbench.launch.inline import InProcessRunner
 
     def interrupted(self, specs, baseline, on_phase):
         raise KeyboardInterrupt
@@ -425,7 +425,7 @@ def test_ctrl_c_during_the_pairing_writes_the_finished_configs_unpaired(tmp_path
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_a_resumed_policy_is_paired_with_the_baseline_that_ran_before(tmp_path, monkeypatch):
     import gcbench
-    from gcbench.sweeps.isolation import InProcessRunner
+    from gcbench.launch.inline import InProcessRunner
 
     real = InProcessRunner.__call__
 

@@ -4,7 +4,7 @@ Both predict the number a measured run reports for the same RunSpec: on a CUDA t
 the whole step (`peak_allocated_bytes`), on a CPU target the live-tensor peak (`peak_tracked_bytes`).
 - simulate.py runs the real training step on fake tensors (seconds; any policy that runs on fakes).
 - analytic.py adds up per-block formulas along the policy's block groups (instant; the classic policies only).
-- shape.py holds what both read off a spec (sizes, byte widths, the attention kernel); prediction.py the Estimate
+- shape.py holds what both read off a spec (sizes, byte widths, the attention kernel); estimates.py the Estimate
   both return.
 The runner asks for a record's predictions through `predict_for_run`; nothing here imports the runner.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, per_rank, plan, simulate
-from gcbench.estimators.prediction import Estimate, Unavailable
+from gcbench.estimators.estimates import Estimate, Unavailable
 from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec, crossed_out
 

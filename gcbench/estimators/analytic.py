@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators.prediction import Estimate
+from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, Shape, attention_kernel
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import EveryK, Full, NoCheckpoint, Policy, Segments, SqrtN

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from gcbench.estimators.prediction import Estimate
+from gcbench.estimators.estimates import Estimate
 
 GATHERED_BLOCKS = 2  # computing + prefetched (FSDP2's default: one block ahead, forward and backward)
 UNSHARDED_GRAD_BLOCKS = 2  # computing + reduce-scattering

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators.prediction import Estimate
+from gcbench.estimators.estimates import Estimate
 from gcbench.policies import AttentionCore, Full, NoCheckpoint, Offload, Plan, SelectiveOps
 from gcbench.resolve import ResolvedRun
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gcbench.errors import GcbenchError, quiet_logger
-from gcbench.estimators.prediction import Estimate
+from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
 from gcbench.measure import LiveTensorTracker, PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import build_model, count_params, find_blocks

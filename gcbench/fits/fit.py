@@ -33,7 +33,7 @@ from gcbench.results.store import append_record, check_appendable
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
 from gcbench.resolve import ResolvedRun
-from gcbench.sweeps.isolation import InProcessRunner, PairingFailed, ProcessRunner
+from gcbench.launch import PairingFailed, launcher
 from gcbench.sweeps.progress import SweepProgress
 
 VARY = {run_field(name).flag: name for name in SHAPE_FIELDS}  # --vary batch | seq -> the field it searches
@@ -134,8 +134,7 @@ class Fit:
 
     def run(self) -> tuple[list[PolicyFit], Recommendation | None]:
         spec = self.spec
-        runner = (ProcessRunner if spec.isolation == "process" else InProcessRunner)(
-            spec.timeout_s, models=[spec.fields["model"]])
+        runner = launcher(spec.isolation, spec.timeout_s, models=[spec.fields["model"]])
         fits = [PolicyFit(p, Search(spec.lo, spec.hi, self.cap, spec.multiple), None, search_field=spec.vary)
                 for p in self.policies]
         target = DeviceKind.of(self.device)

@@ -15,7 +15,7 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, estimate
-from gcbench.estimators.prediction import Estimate
+from gcbench.estimators.estimates import Estimate
 from gcbench.fits.search import Search, Trial, extrapolate
 from gcbench.resolve import ResolvedRun, resolve
 from gcbench.spec import RunSpec

@@ -6,8 +6,8 @@ record appended per config as it finishes, resumable, and an OOM recorded as a r
 
 Statuses: ok | oom | timeout | error (with the last lines of the child's stderr) | skipped (a config that needs
 at least as much memory as one that already ran out, with the reason). See docs/sweep.md.
-orchestrate.py runs the grid, isolation.py runs one config in a child (child.py is the child's side), progress.py
-shows it.
+orchestrate.py runs the grid, progress.py shows it; where each config runs (a child, this process, a GPU of its
+own, a Slurm job) is the launcher's (gcbench/launch/).
 """
 
 from __future__ import annotations

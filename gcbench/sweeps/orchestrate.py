@@ -28,9 +28,9 @@ from gcbench.results.store import append_record, drop_truncated_last_line, ensur
 from gcbench.runner import check_fits, model_size
 from gcbench.resolve import ResolvedRun, resolve_record
 from gcbench.spec import RunSpec
-from gcbench.sweeps.isolation import InProcessRunner, PairingFailed, ProcessRunner, failure_record
+from gcbench.launch import PairingFailed, failure_record, launcher
+from gcbench.launch.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
 from gcbench.sweeps.progress import SweepProgress
-from gcbench.sweeps.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
 
 
 # What --retry-failed runs again, with the oom records that were not run for want of free memory at the time and
@@ -138,8 +138,8 @@ class Sweep:
                        "comparable with a sequential sweep's (shared caches and memory bandwidth; each record says so)")
         cancel = threading.Event()  # Ctrl-C with several slots: every slot stops its child
         models = sorted({p.spec.model for p in plan if p.done is None})
-        runner_class = ProcessRunner if self.grid.isolation == "process" else InProcessRunner
-        runners = [runner_class(self.grid.timeout_s, models=models, slot=slot, cancel=cancel) for slot in self.slots]
+        runners = [launcher(self.grid.isolation, self.grid.timeout_s, models=models, slot=slot, cancel=cancel)
+                   for slot in self.slots]
         frontier = OomFrontier()
         envs: dict[tuple[str, int], dict] = {}
         groups = [list(g) for _, g in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec))]
@@ -157,7 +157,7 @@ class Sweep:
 
     def _run_as_jobs(self, plan: list[PlannedConfig]) -> list[dict[str, Any]]:
         """Each configuration as a job through submitit (cluster.py); its records appended as the job finishes."""
-        from gcbench.sweeps.cluster import ClusterRun
+        from gcbench.launch.slurm import ClusterRun
 
         groups = [[p.spec.as_record() for p in g if p.done is None]
                   for _, g in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec))]

@@ -1,4 +1,4 @@
-"""A sharded run (--shard fsdp2): torchrun starts --nproc ranks (gcbench/rank.py), each measures its share with
+"""A sharded run (--shard fsdp2): torchrun starts --nproc ranks (rank.py), each measures its share with
 the same protocol as any run (runner.run, in the rank), and their records become one: the world size, each rank's
 peak and model-state bytes with the largest as the record's, the step time of the slowest rank per step, and the
 tokens of all ranks per second."""
@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from gcbench.fields import DeviceKind
-from gcbench.results.schema import NoteKind, Status, TimingNote, new_record, timing_note_fields, timing_notes_of
+from gcbench.launch.base import OnPhase, died, failure_record, read_tail, stop
+from gcbench.resolve import ResolvedRun
+from gcbench.results.schema import NoteKind, Status, TimingNote, timing_note_fields, timing_notes_of
 from gcbench.timing import step_time_fields
 
 # Per-rank measurements: the record keeps the largest (the rank that runs out first), and each rank's in rank_<name>.
@@ -27,19 +29,18 @@ MEASURED_TOGETHER = ("step_ms", "step_ms_median", "step_ms_iqr", "step_ms_rel_iq
                      "timing_stable", "timing_notes", "timing_note_kinds", "tokens_per_s", "mfu", "flops", "model_flops",
                      "recompute_flops_ratio", "saved_activation_bytes")
 LISTED = ("peak_allocated_bytes", "peak_tracked_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
-TAIL_LINES = 30
 CPU_NOTE = ("CPU ranks share this machine's cores and talk through gloo: the step time checks the tool, it says "
             "nothing about FSDP's cost on GPUs")
 
 
-def run_sharded(spec, progress) -> dict[str, Any]:
-    """Run `spec` (a RunSpec with shard != none) on spec.nproc ranks under torchrun; its one record."""
+def run_sharded(spec: ResolvedRun, progress: OnPhase) -> dict[str, Any]:
+    """Run `spec` (shard != none) on spec.nproc ranks under torchrun; its one record."""
     with tempfile.TemporaryDirectory(prefix="gcbench-ranks-") as tmp:
         folder = Path(tmp)
         (folder / "spec.json").write_text(json.dumps(spec.as_record()))
         log = folder / "torchrun.log"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
-                   "-m", "gcbench.rank", str(folder)]
+                   "-m", "gcbench.launch.rank", str(folder)]
         # Each rank's intra-op threads: --threads (torchrun would set 1 per rank).
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
         progress(f"{spec.nproc} rank(s) running (torchrun)")
@@ -49,20 +50,14 @@ def run_sharded(spec, progress) -> dict[str, Any]:
             try:
                 code = proc.wait()
             except BaseException:  # Ctrl-C, a sweep's timeout: torchrun stops its ranks on SIGTERM
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop(proc, grace_s=0.0, term_s=30.0)
                 raise
         ranks = [json.loads(p.read_text()) for p in folder.glob("rank-*.json")]
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+        output = read_tail(log)
     if not ranks:
-        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
-        return new_record(spec.as_record(), Status.ERROR, f"torchrun exited with code {code} and no rank reported: "
-                          f"{last.strip()}"[:500], world_size=spec.nproc, stderr_tail=tail)
-    return merge_ranks(spec, sorted(ranks, key=lambda r: r["rank"]), tail)
+        return failure_record(spec, Status.ERROR, died("torchrun", code, output, "and no rank reported"),
+                              world_size=spec.nproc, stderr_tail=output)
+    return merge_ranks(spec, sorted(ranks, key=lambda r: r["rank"]), output)
 
 
 def merge_ranks(spec, ranks: list[dict[str, Any]], tail: str = "") -> dict[str, Any]:

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gcbench.fields import DeviceKind
 from gcbench.errors import GcbenchError
+from gcbench.fields import DeviceKind
+from gcbench.launch.base import failure_record, tail
 from gcbench.results.schema import Status, config_label
 
 # How often the driver asks whether a job finished: Slurm through sacct (submitit batches the calls), not too often;
@@ -99,15 +100,13 @@ class ClusterRun:
 
     def _records(self, job, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The job's records, or for a job that did not finish one failure record per config."""
-        from gcbench.results.schema import new_record
-
         try:
             return job.result()
         except Exception as e:  # noqa: BLE001 - a job that died is data, as a child that died is
             status, why = job_failure(job.state, job.job_id, e)
             # A job out of host memory says nothing about the config's device memory: --retry-failed runs it again.
             extra = {"oom_limit": "host"} if status == Status.OOM else {}
-            return [new_record(spec, status, why, stderr_tail=_stderr_tail(job), **extra) for spec in specs]
+            return [failure_record(spec, status, why, stderr_tail=_stderr_tail(job), **extra) for spec in specs]
 
     def _task(self, gid: str, specs: list[dict[str, Any]], sweep_id: str) -> dict[str, Any]:
         # The job's own file: a job Slurm requeues resumes from it; a later sweep's job starts a new one.
@@ -183,9 +182,9 @@ def _done(job) -> bool:
     return job.done()
 
 
-def _stderr_tail(job, lines: int = 30) -> str | None:
+def _stderr_tail(job) -> str | None:
     try:
         text = job.stderr() or ""
     except Exception:  # noqa: BLE001 - no log (a job that never started)
         return None
-    return "\n".join(text.splitlines()[-lines:]) or None
+    return tail(text) or None

@@ -1,5 +1,5 @@
-"""Process isolation for a sweep: each config in a fresh child process with a timeout (or, for quick CPU checks,
-in this process), returning the config's record; a child that dies or runs out of time becomes a record too."""
+"""Each config in a fresh child process with a timeout, returning the config's record; a child that dies or runs
+out of time becomes a record too. The child's side is child.py."""
 
 from __future__ import annotations
 
@@ -9,38 +9,20 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gcbench.env import WARM_MODELS_ENV
-from gcbench.errors import GcbenchError
-from gcbench.results.schema import Status, config_label, new_record
+from gcbench.launch.base import OnPhase, PairingFailed, died, failure_record, read_tail, stop
+from gcbench.launch.slots import HERE, Slot
 from gcbench.resolve import ResolvedRun
-from gcbench.sweeps.slots import HERE, Slot
+from gcbench.results.schema import Status, config_label
 
-STDERR_TAIL_LINES = 30  # of a failed child's stderr, kept in its record
 # Slots side by side start children from several threads: one at a time, since starting swaps sys.modules' __main__.
 _START_LOCK = threading.Lock()
-
-OnPhase = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class PairingFailed:
-    """What a paired timing gives back when it could not time the policies (the child died, ran out of memory or of
-    time): why, in one line. The policies keep their own, unpaired, step times."""
-
-    why: str
-
-
-def failure_record(spec: ResolvedRun, status: str, error: str, env: dict | None = None, **extra: Any) -> dict[str, Any]:
-    """The record of a config that produced no measurement (skipped, timeout, error)."""
-    return new_record(spec.as_record(), status, error, **extra, env=env)
 
 
 class ProcessRunner:
@@ -53,7 +35,7 @@ class ProcessRunner:
         # The fork server, started with this process's environment, builds each of the sweep's models on the meta
         # device once (child.py), so that no child imports their modeling code again.
         os.environ[WARM_MODELS_ENV] = "\n".join(models)
-        from gcbench.sweeps.child import run_child  # here, not at import: importing it warms up (git sha, model code)
+        from gcbench.launch.child import run_child  # here, not at import: importing it warms up (git sha, model code)
 
         self.timeout_s = timeout_s
         self.slot = slot  # the GPU or the cores every child of this runner is given
@@ -67,7 +49,7 @@ class ProcessRunner:
                                          on_phase)
         if failure is not None:
             status, error, env, tail = failure
-            return failure_record(spec, status, error, env, stderr_tail=tail)
+            return failure_record(spec, status, error, env=env, stderr_tail=tail)
         return result
 
     def paired(self, specs: list[ResolvedRun], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
@@ -103,7 +85,8 @@ class ProcessRunner:
             return result, failure
         finally:
             if started:
-                _stop(proc, grace_s=10.0 if finished else 0.0)
+                stop(proc, grace_s=10.0 if finished else 0.0)
+                proc.close()
             for conn in (results, results_w, lifeline, lifeline_r):
                 conn.close()
             os.unlink(log_path)
@@ -125,8 +108,8 @@ class ProcessRunner:
                     msg = None
             if msg is None:
                 proc.join(5)
-                tail = _tail(log_path)
-                return None, (Status.ERROR, _death_message(proc.exitcode, tail), env, tail)
+                output = read_tail(log_path)
+                return None, (Status.ERROR, died("child", proc.exitcode, output, "without a result"), env, output)
             kind, payload = msg
             if kind == "record":
                 on_phase("child exiting")  # the next config waits for it: its memory must be released first
@@ -136,37 +119,7 @@ class ProcessRunner:
             elif kind == "progress":
                 phase = payload
                 on_phase(payload)
-        return None, (Status.TIMEOUT, f"no result within {timeout_s:g} s (was: {phase})", env, _tail(log_path))
-
-
-class InProcessRunner:
-    """--isolation none: every config in this process. Starts faster, but less safe: no timeout, a crash or a
-    sticky CUDA error ends the whole sweep, and what one config leaves in the CUDA caching allocator or in host
-    memory can shift the next one's numbers. For quick CPU checks."""
-
-    def __init__(self, timeout_s: float | None = None, models: Iterable[str] = (), slot: Slot = HERE,
-                 cancel: threading.Event | None = None):
-        self.slot = slot  # always HERE: Sweep refuses slots side by side without process isolation
-        self.timeout_s = None  # cannot be enforced without a process to kill
-
-    def __call__(self, spec: ResolvedRun, on_phase: OnPhase) -> dict[str, Any]:
-        from gcbench.runner import run
-
-        try:
-            return run(spec, on_phase)
-        except GcbenchError as e:
-            return failure_record(spec, Status.ERROR, str(e))
-        except Exception as e:  # failure is data: the sweep goes on
-            tail = "\n".join(traceback.format_exc().splitlines()[-STDERR_TAIL_LINES:])
-            return failure_record(spec, Status.ERROR, f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
-
-    def paired(self, specs: list[ResolvedRun], baseline: str, on_phase: OnPhase) -> dict[str, Any] | PairingFailed:
-        from gcbench.paired import run_paired
-
-        try:
-            return run_paired(specs, baseline, on_phase)
-        except Exception as e:  # noqa: BLE001 - a pairing that fails leaves the configs' own timings
-            return PairingFailed(f"{type(e).__name__}: {e}"[:500])
+        return None, (Status.TIMEOUT, f"no result within {timeout_s:g} s (was: {phase})", env, read_tail(log_path))
 
 
 def _child_context():
@@ -188,7 +141,7 @@ def _child_context():
     if Path(root).name not in ("site-packages", "dist-packages") and root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gcbench.sweeps.child"])
+    ctx.set_forkserver_preload(["gcbench.launch.child"])
     return ctx
 
 
@@ -213,7 +166,7 @@ def _signals_deferred() -> Iterator[None]:
 
 @contextmanager
 def _main_module_hidden() -> Iterator[None]:
-    """Start a child without the caller's __main__. The child runs gcbench.sweeps.child.run_child and needs nothing from
+    """Start a child without the caller's __main__. The child runs gcbench.launch.child.run_child and needs nothing from
     the calling script, but multiprocessing would re-run that script in every child (its unguarded top level
     included: a notebook-style script calling gcbench.sweep() would recurse) and cannot at all for `python -`."""
     main = sys.modules["__main__"]
@@ -222,34 +175,3 @@ def _main_module_hidden() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = main
-
-
-def _stop(proc, grace_s: float) -> None:
-    """Wait `grace_s` for a child to exit by itself, then SIGTERM, then SIGKILL; always reaped before returning,
-    so the next config starts on a device this one has released."""
-    proc.join(grace_s)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    proc.close()
-
-
-def _tail(path: str, lines: int = STDERR_TAIL_LINES) -> str:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - 16384))
-        text = f.read().decode(errors="replace")
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _death_message(exitcode: int | None, tail: str) -> str:
-    if exitcode is not None and exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        how = f"child killed by {name}" + (" (the kernel's OOM killer?)" if name == "SIGKILL" else "")
-    else:
-        how = f"child exited with code {exitcode} without a result"
-    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
-    return f"{how}: {last}"[:500] if last else how

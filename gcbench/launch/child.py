@@ -1,7 +1,7 @@
 """The child side of a sweep: one process runs one RunSpec and sends its Record back over a pipe.
 
 Children are forked from a multiprocessing fork server that imported torch, transformers and gcbench once
-(see isolation.ProcessRunner), so a child starts in tens of milliseconds instead of the seconds a fresh interpreter
+(see process.ProcessRunner), so a child starts in tens of milliseconds instead of the seconds a fresh interpreter
 spends on imports. The fork server never touches CUDA: every child still creates its own CUDA context and
 allocator, and an OOM, a sticky CUDA error or a segfault dies with it.
 
@@ -24,11 +24,11 @@ from typing import Any
 
 from gcbench import env
 from gcbench.errors import GcbenchError
+from gcbench.launch.direct import run
 from gcbench.models import build_meta_model, load_config
 from gcbench.resolve import resolve_record
 from gcbench.paired import run_paired
-from gcbench.runner import run
-from gcbench.sweeps.slots import HERE, Slot
+from gcbench.launch.slots import HERE, Slot
 
 
 def _warm_up_fork_server() -> None:

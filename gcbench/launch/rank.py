@@ -1,4 +1,4 @@
-"""One rank of a sharded run, as torchrun starts it (torchrun.run_sharded): `python -m gcbench.rank FOLDER`.
+"""One rank of a sharded run, as torchrun starts it (torchrun.run_sharded): `python -m gcbench.launch.rank FOLDER`.
 
 It joins the process group (NCCL on its own GPU, cuda:N + local rank; gloo on CPU), measures the spec in FOLDER
 with runner.run (the model sharded by FSDP2 there), and writes its record to FOLDER/rank-<rank>.json. A rank whose
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from gcbench.fields import DeviceKind
-from gcbench.results.schema import Status, new_record
-from gcbench.runner import run
+from gcbench.launch.base import error_record
 from gcbench.resolve import resolve_record
+from gcbench.results.schema import Status
+from gcbench.runner import run
 
 # A rank that failed ends the run through torchrun; this only bounds a hang nothing else ends.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -47,8 +47,7 @@ def main(folder: str) -> int:
     try:
         record = run(spec)
     except Exception as e:  # noqa: BLE001 - reported as this rank's error record; torchrun stops the others
-        tail = "\n".join(traceback.format_exc().splitlines()[-30:])
-        record = new_record(spec.as_record(), Status.ERROR, f"{type(e).__name__}: {e}"[:500], stderr_tail=tail)
+        record = error_record(spec, e)
     record.update(rank=dist.get_rank(), device=launched_on)
     (Path(folder) / f"rank-{record['rank']}.json").write_text(json.dumps(record, default=str))
     if record["status"] != Status.OK:
