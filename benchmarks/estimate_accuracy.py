@@ -15,7 +15,7 @@ import pandas as pd
 
 from gcbench.estimators.analytic import analytic
 from gcbench.estimators.simulate import simulate
-from gcbench.resolve import resolve
+from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
 from gcbench.runner import run
 

@@ -17,7 +17,7 @@ import torch
 
 from gcbench.instruments import instrument_for
 from gcbench.models import build_model, find_blocks
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer
 from gcbench.timing import StepBudget, Stats

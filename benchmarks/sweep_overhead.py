@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.grid import SweepSpec
 from gcbench.sweeps import Sweep

@@ -24,7 +24,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed 
 # public name -> module that defines it; imported at first use
 _LAZY = {
     "RunSpec": "gcbench.spec",
-    "resolve": "gcbench.resolve",
+    "resolve": "gcbench.resolved",
     "run": "gcbench.launch",
     "sweep": "gcbench.sweeps",
     "estimate": "gcbench.estimators",

@@ -20,7 +20,7 @@ from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
 from gcbench.results.schema import LEVER_FIELDS, config_key, lever_text
 from gcbench.results.store import check_regular
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec, crossed_out
 from gcbench.units import fmt_bytes
 from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
@@ -132,11 +132,11 @@ class SweepSpec:
         return cls(values, **run)
 
     def expand(self, devices_here: bool = True) -> list[ResolvedRun]:
-        """Every config, resolved (resolve.py), in run order: fields in declaration order (model, seq, batch, ...),
+        """Every config, resolved (resolved.py), in run order: fields in declaration order (model, seq, batch, ...),
         the policy innermost (the policies of one shape run together, and a shape's OOM is known before the next
         larger shape runs). Combinations that cannot be one config, where the grid crosses several values, are
         left out (`left_out` says how many and why); given alone, such a combination is an error.
-        `devices_here=False`: the configs run on other machines (resolve.resolve)."""
+        `devices_here=False`: the configs run on other machines (resolved.resolve)."""
         names = [n for n in BY_NAME if n in self.values and n != "policy"] + ["policy"]
         specs: dict[str, tuple[ResolvedRun, dict[str, Any]]] = {}  # by identity: two values may name one config
         configs: dict[tuple, tuple[Any, str]] = {}  # one model config per model, layers, seq and attention

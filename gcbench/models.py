@@ -256,7 +256,10 @@ def max_positions(config) -> tuple[int | None, bool]:
 
 
 def build_model(config, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
-    """Random-init the model directly on `device` in `dtype` (a 7B model is never materialised on the host)."""
+    """Random-init the model directly on `device` in `dtype` (a 7B model is never materialised on the host). The
+    model gets its own copy of `config` (transformers writes the dtype into it, a policy the attention kernel): a
+    resolved run's config is shared by every build of that run."""
+    config = copy.deepcopy(config)
     with torch.device(device):
         model = auto_class(config).from_config(config, dtype=dtype,
                                                attn_implementation=getattr(config, "_attn_implementation", None))
@@ -265,8 +268,9 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype) -> nn.Mo
 
 
 def build_meta_model(config) -> nn.Module:
-    """The model on the meta device: shapes and parameter counts, no memory, no init time."""
-    return _meta_build(auto_class(config), config)
+    """The model on the meta device: shapes and parameter counts, no memory, no init time (on its own copy of
+    `config`, as build_model)."""
+    return _meta_build(auto_class(config), copy.deepcopy(config))
 
 
 def _meta_build(head: type, config) -> nn.Module:

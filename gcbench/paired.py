@@ -20,7 +20,7 @@ from gcbench.instruments import Progress, instrument_for
 from gcbench.models import build_model, find_blocks
 from gcbench.results.schema import policy_label
 from gcbench.runner import torch_threads
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.step import TrainingStep, make_batch, make_optimizer
 from gcbench.timing import paired_fields, paired_rounds
 

@@ -37,7 +37,7 @@ from gcbench.models import build_meta_model, build_model, count_params, find_blo
 from gcbench.policies import Plan
 from gcbench.results.schema import Status, new_record, timing_note_fields
 from gcbench.fsdp import AgreedBudget, in_rank, shard_model
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer, model_state_bytes, param_shapes
 from gcbench.timing import timing_verdict

@@ -3,7 +3,7 @@
 RunSpec has one attribute per field of fields.RUN_FIELDS, in that order, each read by its field's kind (so a value
 typed on the command line, written in a TOML file or passed from Python is the same value), and checks what
 concerns several fields at once (the optimizer in backward with accumulation, sharding and its ranks). It looks
-nothing up: the device, the threads, the precision's default, the policy and the model's config are resolve.py's
+nothing up: the device, the threads, the precision's default, the policy and the model's config are resolved.py's
 (`resolve(spec)` -> a ResolvedRun). A new field is declared in fields.py alone.
 Importing this module is cheap (no torch).
 """
@@ -61,7 +61,7 @@ RunSpec = dataclasses.make_dataclass(
 RunSpec.__module__ = __name__  # pickled by name: a sweep's child and a Slurm job receive specs
 RunSpec.__doc__ = ("One configuration to measure, as given: one attribute per run field (fields.RUN_FIELDS, where "
                    "each is declared with its help and unit), each value checked by its kind. A plain value: "
-                   "resolve.resolve(spec) looks up what it names (device, policy, model config).")
+                   "resolved.resolve(spec) looks up what it names (device, policy, model config).")
 
 
 def crossed_out(fields: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) -> bool:

@@ -77,7 +77,10 @@ class IntOrAuto(Int):
             return AUTO
         if isinstance(value, bool) or not re.fullmatch(r"\s*-?[0-9]+\s*", str(value)):
             raise GcbenchError(f"{value!r} is neither an integer nor 'auto'")
-        return super().parse(value)
+        try:
+            return super().parse(value)
+        except GcbenchError as e:
+            raise GcbenchError(f"{e} (or auto)") from None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import torch
 
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import POLICIES, classic
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import make_batch
 

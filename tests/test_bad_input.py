@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gcbench.cli import app
-from gcbench.resolve import resolve
+from gcbench.resolved import resolve
 from gcbench.results import store
 from gcbench.results.schema import SCHEMA_VERSION, new_record
 from gcbench.results.store import read_records

@@ -18,7 +18,7 @@ from gcbench.errors import GcbenchError
 from gcbench.instruments import CudaInstrument
 from gcbench.timing import StepBudget
 from gcbench.results.store import read_records
-from gcbench.resolve import ResolvedRun, resolve, resolve_device
+from gcbench.resolved import ResolvedRun, resolve, resolve_device
 from gcbench.spec import RunSpec
 from gcbench.runner import run
 from tests.fake_cuda import DEVICE_ARG_POSITION, REPO_ROOT, is_explicit_device, read_log, subprocess_env
@@ -279,7 +279,7 @@ def test_sweep_measures_cuda_configs_in_child_processes(tmp_path):
     # one child per config and one timing batch 1's two policies paired; each sets its device once
     assert len(measuring) == 5 and set(measuring.values()) == {1}
     assert all("time_ratio" in r for r in records[:2]) and records[1]["time_ratio_vs"] == "none"
-    parent = {c.pid for c in calls if c.caller == "gcbench.resolve"} - set(measuring)
+    parent = {c.pid for c in calls if c.caller == "gcbench.resolved"} - set(measuring)
     assert len(parent) == 1 and not parent & set(measuring)
     assert any(c.name == "pin_memory" and c.pid in measuring for c in calls)
     lifts = [c for c in calls if c.name == "set_per_process_memory_fraction" and c.args[0] == 1.0]

@@ -20,7 +20,7 @@ from gcbench.estimators import Estimate, Unavailable, estimate_grid
 from gcbench.estimators.analytic import ARCHITECTURES, analytic
 from gcbench.estimators.simulate import simulate
 from gcbench.models import MODELS, build_meta_model, describe, find_blocks, load_config
-from gcbench.resolve import resolve
+from gcbench.resolved import resolve
 from gcbench.results.store import read_records
 from gcbench.runner import run
 from gcbench.spec import RunSpec

@@ -112,3 +112,13 @@ def test_what_readers_group_by_is_declared():
     assert BY_NAME["grad_accum"].text({"grad_accum": 1}) == ""
     values, run = parse_options({"grad-accum": "1,4", "timeout": "30"})
     assert values == {"grad_accum": (1, 4)} and run == {"timeout_s": 30.0}
+
+
+def test_the_public_names_stay_the_functions_once_their_modules_are_loaded():
+    import gcbench
+    import gcbench.grid  # noqa: F401 - loads gcbench.resolved, gcbench.launch's neighbours
+    import gcbench.launch  # noqa: F401
+
+    for name in ("run", "resolve", "estimate", "sweep", "load"):
+        assert callable(getattr(gcbench, name)), name
+    assert gcbench.resolve.__module__ == "gcbench.resolved" and gcbench.run.__module__ == "gcbench.launch.direct"

@@ -27,7 +27,7 @@ LAYERS = [
     ("runner", "paired"),
     ("estimators",),
     ("env",),
-    ("resolve",),
+    ("resolved",),
     ("step", "fsdp", "policies", "models", "presets", "hub"),
     ("instruments",),
     ("measure", "timing"),

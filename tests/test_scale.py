@@ -18,7 +18,7 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
 from gcbench.grid import SweepSpec
-from gcbench.resolve import resolve
+from gcbench.resolved import resolve
 from gcbench.results.schema import config_key
 from gcbench.results.store import read_records
 from gcbench.launch.torchrun import merge_ranks
@@ -346,8 +346,8 @@ def test_the_per_rank_estimate_shards_model_state_and_adds_fsdp_terms():
 @pytest.mark.slow  # torchrun: a fresh interpreter per rank
 def test_every_policy_gives_the_unsharded_gradients_under_fsdp2(tmp_path):
     out = tmp_path / "grads.json"
-    policies = [p for p in policy_examples() if not RunSpec(model="tiny-llama", seq_len=8, batch_size=1,
-                                                            device="cpu", policy=p).policy.compiles]
+    policies = [p for p in policy_examples() if not resolve(RunSpec(model="tiny-llama", seq_len=8, batch_size=1,
+                                                                    device="cpu", policy=p)).policy.compiles]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "tests.sharded_grads", str(out), *policies], capture_output=True, text=True,
                           timeout=600, cwd=Path(__file__).resolve().parent.parent)

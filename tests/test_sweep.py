@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import gcbench
 from gcbench.cli import app
-from gcbench.resolve import resolve, resolve_record
+from gcbench.resolved import resolve, resolve_record
 from gcbench.results.schema import SCHEMA_VERSION
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec

@@ -19,7 +19,7 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.instruments import CpuInstrument
 from gcbench.paired import choose_baseline, run_paired
-from gcbench.resolve import resolve
+from gcbench.resolved import resolve
 from gcbench.results.schema import NoteKind, TimingNote, note_kinds, timing_note_fields, timing_notes_of
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec

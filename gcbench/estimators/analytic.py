@@ -19,7 +19,8 @@ from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, Shape, attention_kernel
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import EveryK, Full, NoCheckpoint, Policy, Segments, SqrtN
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun, resolve
+from gcbench.spec import RunSpec
 from gcbench.optimizers import optimizer_kind
 from gcbench.results.schema import peak_phase
 from gcbench.units import round_up
@@ -245,8 +246,9 @@ def understands(policy: Policy) -> bool:
     return type(policy) in ANALYTIC_POLICIES
 
 
-def unavailable(spec: ResolvedRun) -> str | None:
+def unavailable(spec: RunSpec | ResolvedRun) -> str | None:
     """Why the analytic model cannot predict `spec` (its policy or its model family), or None when it can."""
+    spec = resolve(spec)
     if not understands(spec.policy):
         known = ", ".join(cls.name for cls in ANALYTIC_POLICIES)
         return (f"the analytic model does not know policy {spec.policy.name!r} (it knows policies that only group "
@@ -258,9 +260,10 @@ def unavailable(spec: ResolvedRun) -> str | None:
     return None
 
 
-def analytic(spec: ResolvedRun, target: str = "cuda") -> Estimate:
+def analytic(spec: RunSpec | ResolvedRun, target: str = "cuda") -> Estimate:
     """Add up the per-block formulas along the policy's block groups; see the module docstring."""
     start = time.perf_counter()
+    spec = resolve(spec)
     if reason := unavailable(spec):
         raise GcbenchError(f"{reason}; use --method simulate")
     config, family = spec.model_config()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcbench.fields import ESTIMATE_FIELDS, POLICY_OPTIONS
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 
 # The spec fields an estimate row carries, stored as in every record: those `gcbench estimate` takes (fields.py),
 # `policy` the name and `policy_options` its options. The rest of a spec (device, steps, seed) does not change a

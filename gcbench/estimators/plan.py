@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from gcbench.errors import GcbenchError
 from gcbench.estimators.estimates import Estimate
 from gcbench.policies import AttentionCore, Full, NoCheckpoint, Offload, Plan, SelectiveOps
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 
 UNIFORM = {"none": NoCheckpoint(), "attn": AttentionCore(), "sac": SelectiveOps(), "full": Full(),
            "offload": Offload(what="inputs")}

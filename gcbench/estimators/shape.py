@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
 

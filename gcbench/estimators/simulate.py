@@ -28,12 +28,13 @@ from gcbench.measure import LiveTensorTracker, PhasePeaks, counting_flops, liste
 from gcbench.models import build_model, count_params, find_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun, resolve
+from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_optimizer
 from gcbench.units import round_up
 
 
-def simulate(spec: ResolvedRun, target: str = "cuda", flops: bool = False) -> Estimate:
+def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False) -> Estimate:
     """Run one warm-up step and one tracked step of `spec` on fake tensors; nothing is allocated for real.
     `flops`: then one more forward and backward counting the FLOPs with recompute (Estimate.flops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -43,7 +44,7 @@ def simulate(spec: ResolvedRun, target: str = "cuda", flops: bool = False) -> Es
     # of the garbage collector's choosing inside this one's tracked step: the same spec would give another peak.
     gc.collect()
     # The fakes are CPU tensors whatever the target (autocast, too, must act on CPU tensors); see the module docstring.
-    spec = spec.replace(device="cpu", memory_cap_bytes=None)
+    spec = resolve(spec).replace(device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
     config, _ = spec.model_config()
     # bitsandbytes keeps its quantisation maps as real tensors, made when the optimizer is

@@ -17,7 +17,7 @@ from gcbench.fits.search import Search
 from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
 from gcbench.grid import one_value_each
 from gcbench.fields import run_field
-from gcbench.resolve import resolve
+from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
 from gcbench.units import fmt_bytes, parse_bytes
 

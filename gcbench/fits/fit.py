@@ -32,7 +32,7 @@ from gcbench.results.schema import SHAPE_FIELDS, Status, config_label, fastest, 
 from gcbench.results.store import append_record, check_appendable
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 from gcbench.launch import PairingFailed, launcher
 from gcbench.sweeps.progress import SweepProgress
 

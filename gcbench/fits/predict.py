@@ -17,7 +17,7 @@ from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, estimate
 from gcbench.estimators.estimates import Estimate
 from gcbench.fits.search import Search, Trial, extrapolate
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 
 DEFAULT_EFFICIENCY = 0.4  # of the dense peak, recompute included (hardware FLOPs utilisation): an assumption

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 from gcbench.results.schema import Status, new_record
 
 TAIL_LINES = 30  # of a failed process's output, kept in its record (stderr_tail)
@@ -40,11 +40,12 @@ class Launcher(Protocol):
                on_phase: OnPhase) -> dict[str, Any] | PairingFailed: ...
 
 
-def failure_record(spec: ResolvedRun | dict[str, Any], status: str, error: str, **extra: Any) -> dict[str, Any]:
+def failure_record(spec: ResolvedRun | dict[str, Any], status: str, error: str, env: dict | None = None,
+                   **extra: Any) -> dict[str, Any]:
     """The record of a config that produced no measurement (skipped, timeout, error, an oom not run); `spec` is a
-    run or its record's spec fields."""
+    run or its record's spec fields; `env` what the process that tried it saw (None: none reported)."""
     fields = spec if isinstance(spec, dict) else spec.as_record()
-    return new_record(fields, status, error, **extra)
+    return new_record(fields, status, error, **extra, env=env)
 
 
 def error_record(spec: ResolvedRun, error: BaseException) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from gcbench import env
 from gcbench.errors import GcbenchError
 from gcbench.launch.direct import run
 from gcbench.models import build_meta_model, load_config
-from gcbench.resolve import resolve_record
+from gcbench.resolved import resolve_record
 from gcbench.paired import run_paired
 from gcbench.launch.slots import HERE, Slot
 

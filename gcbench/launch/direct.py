@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gcbench.launch.base import OnPhase
-from gcbench.resolve import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 
 

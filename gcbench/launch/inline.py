@@ -14,7 +14,7 @@ from gcbench.errors import GcbenchError
 from gcbench.launch.base import OnPhase, PairingFailed, error_record, failure_record
 from gcbench.launch.direct import run
 from gcbench.launch.slots import HERE, Slot
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 from gcbench.results.schema import Status
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from gcbench.env import WARM_MODELS_ENV
 from gcbench.launch.base import OnPhase, PairingFailed, died, failure_record, read_tail, stop
 from gcbench.launch.slots import HERE, Slot
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 from gcbench.results.schema import Status, config_label
 
 # Slots side by side start children from several threads: one at a time, since starting swaps sys.modules' __main__.

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gcbench.fields import DeviceKind
 from gcbench.launch.base import error_record
-from gcbench.resolve import resolve_record
+from gcbench.resolved import resolve_record
 from gcbench.results.schema import Status
 from gcbench.runner import run
 

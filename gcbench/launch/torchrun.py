@@ -16,7 +16,7 @@ from typing import Any
 
 from gcbench.fields import DeviceKind
 from gcbench.launch.base import OnPhase, died, failure_record, read_tail, stop
-from gcbench.resolve import ResolvedRun
+from gcbench.resolved import ResolvedRun
 from gcbench.results.schema import NoteKind, Status, TimingNote, timing_note_fields, timing_notes_of
 from gcbench.timing import step_time_fields
 

@@ -97,7 +97,7 @@ def note_kinds(record: Mapping[str, Any]) -> list[str]:
 
 class Record(TypedDict, total=False):
     """One configuration's result: the spec's columns first (fields.spec_columns(), one per run field as
-    RunSpec.as_record writes them, declared in fields.py), then these. Measurement fields are present when status
+    ResolvedRun.as_record writes them, declared in fields.py), then these. Measurement fields are present when status
     is "ok" (some also on "oom")."""
 
     schema_version: int

@@ -26,7 +26,7 @@ from gcbench.paired import choose_baseline, pairable
 from gcbench.results.schema import STATUSES, Status, config_key, policy_label
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
 from gcbench.runner import check_fits, model_size
-from gcbench.resolve import ResolvedRun, resolve_record
+from gcbench.resolved import ResolvedRun, resolve_record
 from gcbench.spec import RunSpec
 from gcbench.launch import PairingFailed, failure_record, launcher
 from gcbench.launch.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
@@ -156,7 +156,7 @@ class Sweep:
         return [r for group in records for r in group]
 
     def _run_as_jobs(self, plan: list[PlannedConfig]) -> list[dict[str, Any]]:
-        """Each configuration as a job through submitit (cluster.py); its records appended as the job finishes."""
+        """Each configuration as a job through submitit (launch/slurm.py); its records appended as the job finishes."""
         from gcbench.launch.slurm import ClusterRun
 
         groups = [[p.spec.as_record() for p in g if p.done is None]
@@ -290,7 +290,7 @@ class Sweep:
 
 
 def run_as_job(task: dict[str, Any]) -> list[dict[str, Any]]:
-    """What a cluster job runs (cluster.py): one configuration's policies as a sweep runs them (a child each, then
+    """What a cluster job runs (launch/slurm.py): one configuration's policies as a sweep runs them (a child each, then
     paired), into the job's own file, from which a requeued job resumes; returns their records to the driver."""
     specs = [resolve_record(r) for r in task["specs"]]  # resolved again, on the node that runs them
     values = {f.name: (getattr(specs[0], f.name),) for f in dataclasses.fields(RunSpec) if f.name != "policy"}

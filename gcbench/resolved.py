@@ -117,7 +117,10 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
         return spec
     from gcbench.policies import Policy, parse_policy
 
-    policy = spec.policy if isinstance(spec.policy, Policy) else parse_policy(spec.policy)
+    try:
+        policy = spec.policy if isinstance(spec.policy, Policy) else parse_policy(spec.policy)
+    except GcbenchError as e:
+        raise GcbenchError(f"--policy: {e}") from None
     device = resolve_device(spec.device, devices_here)
     threads = spec.threads if spec.threads not in (None, AUTO) else \
         default_threads() if device == "cpu" else _torch_default_threads()
