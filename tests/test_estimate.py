@@ -97,10 +97,10 @@ def test_foreach_adamw_temporaries_can_be_the_peak_on_cuda():
 
 
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
-def test_llama_7b_simulates_all_32_blocks_quickly_without_memory():
+def test_llama_7b_simulates_all_32_blocks_without_memory():
+    # how long it takes is benchmarks/estimate_accuracy.py's to say (simulate_s), not a test's: machines differ
     spec = RunSpec(model="llama-7b", seq_len=4096, batch_size=4, policy="sqrtn", device="cpu", precision="bf16")
     s = simulate(spec, "cuda")
-    assert s.seconds <= 60
     assert 60 * 2**30 < s.peak_bytes < 80 * 2**30  # params+grads+AdamW in bf16 are 50 GiB; no real memory used
     assert abs(analytic(spec, "cuda").peak_bytes / s.peak_bytes - 1) <= 0.02
 
