@@ -19,7 +19,6 @@ from gcbench.models import build_model, find_blocks
 from gcbench.policies import (SAC_ATTENTION, SAC_MATMULS, AttentionCore, CompileBudget, Full, OffloadedBlock,
                               SelectiveCheckpointedBlock, attention_modules, sac_policy_fn)
 from gcbench.resolved import resolve_record
-from gcbench.spec import RunSpec
 from gcbench.runner import run
 from gcbench.step import make_batch
 from tests.helpers import TINY, tiny_spec

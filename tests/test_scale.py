@@ -1,7 +1,6 @@
 """Beyond one device: a sweep's configs side by side on disjoint CPU cores (--jobs) or one per GPU (--devices, on
 fake GPUs here), each config exactly once, resumable after the driver is killed."""
 
-import dataclasses
 import json
 import os
 import signal

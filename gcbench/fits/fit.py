@@ -206,12 +206,11 @@ class Fit:
         if self.trial_cap:
             given["memory_cap_bytes"] = canonical_size(f"{self.trial_cap}B")
         words = ["gcbench", "run"]
-        for field in RUN_FIELDS:  # how long to measure and on how many threads: the run's own defaults
-            value = given.get(field.name)
-            if value is None or field.role is Role.LENGTH or field.name == "threads":
+        for run_option in RUN_FIELDS:  # how long to measure and on how many threads: the run's own defaults
+            value = given.get(run_option.name)
+            if value is None or run_option.role is Role.LENGTH or run_option.name == "threads":
                 continue
-            text = ("on" if value else "off") if isinstance(value, bool) else str(value)
-            words += [f"--{field.flag}", text]
+            words += [f"--{run_option.flag}", run_option.kind.show(value)]
         return " ".join(words)
 
 
