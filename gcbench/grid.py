@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -18,9 +18,9 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
-from gcbench.results.schema import LEVER_FIELDS, config_key, lever_text
+from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
-from gcbench.resolved import ResolvedRun, resolve
+from gcbench.resolved import ResolvedRun, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
 from gcbench.units import fmt_bytes
 from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
@@ -138,28 +138,25 @@ class SweepSpec:
         left out (`left_out` says how many and why); given alone, such a combination is an error.
         `devices_here=False`: the configs run on other machines (resolved.resolve)."""
         names = [n for n in BY_NAME if n in self.values and n != "policy"] + ["policy"]
-        specs: dict[str, tuple[ResolvedRun, dict[str, Any]]] = {}  # by identity: two values may name one config
         configs: dict[tuple, tuple[Any, str]] = {}  # one model config per model, layers, seq and attention
-        for combo in itertools.product(*(self.values[n] for n in names)):
-            fields = dict(zip(names, combo))
-            if self._crossed_out(fields):
-                continue
-            try:
-                plain = RunSpec(**fields)
-                shape = (plain.model, plain.layers, plain.seq_len, plain.attn)
-                spec = resolve(plain, devices_here=devices_here, config=configs.get(shape))
-                configs[shape] = spec.model_config()
-                spec.check_runnable()
-            except GcbenchError as e:
-                raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "
-                                   f"{fields['batch_size']}, {fields['policy']})") from None
-            key = config_key(spec.as_record())
-            if key in specs:  # "every-k" and "every-k:k=2": one value written two ways
-                name = next(n for n in names if fields[n] != specs[key][1][n])
-                raise GcbenchError(f"--{BY_NAME[name].flag}: duplicate value {getattr(spec, name)} (each config "
-                                   "would run twice)")
-            specs[key] = (spec, fields)
-        return [spec for spec, _ in specs.values()]
+
+        def runs() -> Iterator[tuple[ResolvedRun, dict[str, Any]]]:
+            for combo in itertools.product(*(self.values[n] for n in names)):
+                fields = dict(zip(names, combo))
+                if self._crossed_out(fields):
+                    continue
+                try:
+                    plain = RunSpec(**fields)
+                    shape = (plain.model, plain.layers, plain.seq_len, plain.attn)
+                    spec = resolve(plain, devices_here=devices_here, config=configs.get(shape))
+                    configs[shape] = spec.model_config()
+                    spec.check_runnable()
+                except GcbenchError as e:
+                    raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "
+                                       f"{fields['batch_size']}, {fields['policy']})") from None
+                yield spec, fields
+
+        return distinct_runs(runs(), "run")
 
     def _crossed_out(self, fields: Mapping[str, Any]) -> bool:
         """A combination that cannot be one config, from a grid that crosses several values (spec.crossed_out)."""

@@ -15,13 +15,14 @@ import dataclasses
 import functools
 import importlib.util
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gcbench.errors import GcbenchError
-from gcbench.fields import POLICY_OPTIONS, PRECISIONS, DeviceKind
+from gcbench.fields import POLICY_OPTIONS, PRECISIONS, DeviceKind, run_field
+from gcbench.results.schema import config_key
 from gcbench.spec import RunSpec
 from gcbench.timing import StepBudget, default_threads
 from gcbench.values import AUTO
@@ -135,6 +136,20 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
     policy.validate(config.num_hidden_layers)
     concrete = dataclasses.replace(spec, policy=str(policy), device=device, threads=threads, precision=precision)
     return ResolvedRun(concrete, policy, config, family)
+
+
+def distinct_runs(runs: Iterable[tuple[ResolvedRun, Mapping[str, Any]]], twice: str) -> list[ResolvedRun]:
+    """`runs` (each with the values it was made from), each configuration once, in order; GcbenchError naming the
+    option when two are one configuration written two ways ("every-k" and "every-k:k=2"). `twice`: what each config
+    would otherwise be, twice ("run", "predicted")."""
+    seen: dict[str, tuple[ResolvedRun, Mapping[str, Any]]] = {}
+    for run, given in runs:
+        if (key := config_key(run.as_record())) in seen:
+            name = next(n for n in given if given[n] != seen[key][1].get(n))
+            raise GcbenchError(f"--{run_field(name).flag}: duplicate value {getattr(run, name)} (each config would be "
+                               f"{twice} twice)")
+        seen[key] = (run, given)
+    return [run for run, _ in seen.values()]
 
 
 def resolve_record(record: Mapping[str, Any], **how: Any) -> ResolvedRun:

@@ -19,9 +19,7 @@ from typing import Any
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, per_rank, plan, simulate
 from gcbench.estimators.estimates import Estimate, Unavailable
-from gcbench.fields import run_field
-from gcbench.resolved import ResolvedRun, resolve
-from gcbench.results.schema import config_key
+from gcbench.resolved import ResolvedRun, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
 
 __all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run",
@@ -75,15 +73,9 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     names = list(axes)
     # device="cpu": the spec must be valid on this machine; the target only tells what to predict
     combos = [dict(zip(names, values)) for values in itertools.product(*axes.values())]
-    specs: dict[str, tuple[ResolvedRun, dict[str, Any]]] = {}  # by identity: every-k and every-k:k=2 are one
-    for fields in (f for f in combos if not crossed_out(f, axes)):
-        spec = resolve(RunSpec(**fields, device="cpu", **spec_fields))
-        if (key := config_key(spec.as_record())) in specs:
-            name = next(n for n in names if fields[n] != specs[key][1][n])
-            raise GcbenchError(f"--{run_field(name).flag}: duplicate value {getattr(spec, name)} (each config would "
-                               "be predicted twice)")
-        specs[key] = (spec, fields)
-    cells = [(spec, _predict_cell(spec, method, target, methods)) for spec, _ in specs.values() for method in methods]
+    specs = distinct_runs(((resolve(RunSpec(**fields, device="cpu", **spec_fields)), fields) for fields in combos
+                           if not crossed_out(fields, axes)), "predicted")
+    cells = [(spec, _predict_cell(spec, method, target, methods)) for spec in specs for method in methods]
     if all(isinstance(cell, Unavailable) for _, cell in cells):
         raise GcbenchError(f"nothing in this grid can be predicted: {cells[0][1].reason}")
     return cells
