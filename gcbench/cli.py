@@ -23,12 +23,10 @@ from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
 from gcbench.grid import one_value_each
 from gcbench.results.schema import Status
 from gcbench.spec import RunSpec
+from gcbench.validate import command as validate_command
 
-app = typer.Typer(
-    help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
+app = typer.Typer(help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
+                  pretty_exceptions_enable=False, add_completion=False)
 console = Console()
 err_console = Console(stderr=True)
 
@@ -41,7 +39,7 @@ def _print_version(value: bool) -> None:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    import gcbench
+    from gcbench import __version__
 
     def installed(name: str) -> str:  # read from the package metadata: importing torch would take seconds
         try:
@@ -49,7 +47,7 @@ def _print_version(value: bool) -> None:
         except PackageNotFoundError:
             return "not installed"
 
-    typer.echo(f"gcbench {gcbench.__version__} (torch {installed('torch')}, transformers {installed('transformers')}, "
+    typer.echo(f"gcbench {__version__} (torch {installed('torch')}, transformers {installed('transformers')}, "
                f"python {platform.python_version()})")
     raise typer.Exit(0)
 
@@ -391,9 +389,11 @@ def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | No
     _print_rows(rows, output_format, lambda: predicted_fit_table(rows, field_name, title, caption), piped_width=100)
 
 
+app.command(name="validate")(validate_command.validate)  # its options and work: validate/command.py (no torch)
+
+
 def _print_rows(rows: list[dict], output_format: str, table: Callable[[], Any], piped_width: int) -> None:
-    """--format json: one object per line; else the table (piped output has no width of its own: `piped_width`
-    columns rather than rich's default 80, which would squeeze them)."""
+    """--format json: one object per line; else the table (piped: `piped_width` columns, not rich's squeezing 80)."""
     if output_format == "json":
         for row in rows:
             typer.echo(json.dumps(row))

@@ -76,6 +76,8 @@ def driver_version() -> str | None:
         return None
     try:
         return pynvml.nvmlSystemGetDriverVersion()
+    except pynvml.NVMLError:  # a driver whose NVML cannot say: the record says "unknown" rather than fail
+        return None
     finally:
         pynvml.nvmlShutdown()
 

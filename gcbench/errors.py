@@ -24,6 +24,11 @@ class WontFit(GcbenchError):
         return "cap" if self.by_cap else "free"
 
 
+class DeadlineReached(Exception):
+    """A long job stopped cleanly before work that would pass its deadline (`gcbench validate --deadline`): what
+    finished is written, and the same command resumes from there. Not an error."""
+
+
 def raise_interrupt(signum: int, frame: object) -> None:
     """A signal handler that makes the signal (SIGTERM) take Ctrl-C's path: a KeyboardInterrupt."""
     raise KeyboardInterrupt

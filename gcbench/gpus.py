@@ -7,6 +7,11 @@ Where each number comes from:
 - `CUDA_CONTEXT_BYTES`: what a PyTorch process's CUDA context takes before the first tensor (CUDA 12 with lazy
   module loading, the default). An assumption, not a measurement of gcbench's: `gcbench fit` on a GPU reads the
   device's real free memory instead, and benchmarks/gpu/validate.sh records the context on the card it runs on.
+- `cublas_workspace_bytes`: what cuBLAS takes inside the caching allocator (so max_memory_allocated counts it, the
+  step's own tensors do not): PyTorch allocates one workspace per (cuBLAS handle, stream) through the caching
+  allocator (aten/src/ATen/cuda/CublasHandlePool.cpp, getNewWorkspace), of CUBLAS_WORKSPACE_CONFIG's size, by
+  default 4096 KiB x 8 = 32 MiB on sm90 (Hopper) and 4096 KiB x 2 + 16 KiB x 8 elsewhere; handles are per thread,
+  and a training step runs matmuls on two: the forward in the caller's, the backward in autograd's device thread.
 - `peak_flops`: dense bf16 tensor-core FLOP/s with FP32 accumulation, no sparsity, from NVIDIA's datasheets
   (the URL beside each).
 """
@@ -18,6 +23,15 @@ from dataclasses import dataclass
 from gcbench.errors import GcbenchError
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
+CUBLAS_THREADS = 2  # the forward's thread and autograd's device thread each get a cuBLAS handle and its workspace
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
+    """One cuBLAS workspace as PyTorch sizes it by default for a GPU of this compute capability (None: unknown,
+    the larger Hopper size)."""
+    if capability is None or capability[0] == 9:
+        return 4096 * 1024 * 8
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 @dataclass(frozen=True)
@@ -28,41 +42,50 @@ class Gpu:
     memory_mib: int | None  # nvidia-smi's total; None: the name is matched for its peak only
     peak_flops: float
     source: str
+    capability: tuple[int, int] | None = None  # CUDA compute capability (sm90: (9, 0))
 
     @property
     def memory_bytes(self) -> int | None:
         return None if self.memory_mib is None else self.memory_mib * 2**20
 
     @property
+    def workspace_bytes(self) -> int:
+        """The cuBLAS workspaces a training step allocates on this card (counted by max_memory_allocated)."""
+        return CUBLAS_THREADS * cublas_workspace_bytes(self.capability)
+
+    @property
     def usable_bytes(self) -> int | None:
-        """Memory a PyTorch process can allocate: the total minus the CUDA context."""
-        return None if self.memory_mib is None else self.memory_bytes - CUDA_CONTEXT_BYTES
+        """Memory a training step's own tensors can take: the total minus the CUDA context and cuBLAS's
+        workspaces (predictions count the step's tensors only)."""
+        return None if self.memory_mib is None else self.memory_bytes - CUDA_CONTEXT_BYTES - self.workspace_bytes
 
 
 # Order matters for matching a device name: the more specific names first ("H100 PCIe" before "H100", "GH200"
 # before "H200").
 GPUS: list[Gpu] = [
     Gpu("gh200", "NVIDIA GH200", "GH200", None, 989e12,
-        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/"),
+        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/", (9, 0)),
     Gpu("h200-141gb", "NVIDIA H200", "H200", 143_771, 989e12,
-        "https://www.nvidia.com/en-us/data-center/h200/"),
+        "https://www.nvidia.com/en-us/data-center/h200/", (9, 0)),
     Gpu("h100-pcie-80gb", "NVIDIA H100 PCIe", "H100 PCIe", 81_559, 756e12,
-        "https://www.nvidia.com/en-us/data-center/h100/"),
+        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
     Gpu("h100-nvl", "NVIDIA H100 NVL", "H100 NVL", None, 835e12,
-        "https://www.nvidia.com/en-us/data-center/h100/"),
+        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
     Gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", "H100", 81_559, 989e12,
-        "https://www.nvidia.com/en-us/data-center/h100/"),
-    Gpu("b200", "NVIDIA B200", "B200", None, 2250e12, "https://www.nvidia.com/en-us/data-center/dgx-b200/"),
+        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
+    Gpu("b200", "NVIDIA B200", "B200", None, 2250e12, "https://www.nvidia.com/en-us/data-center/dgx-b200/", (10, 0)),
     Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB", 81_920, 312e12,
-        "https://www.nvidia.com/en-us/data-center/a100/"),
-    Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", "A100", 40_960, 312e12, "https://www.nvidia.com/en-us/data-center/a100/"),
-    Gpu("a800", "NVIDIA A800", "A800", None, 312e12, "https://www.nvidia.com/en-us/data-center/a800/"),
-    Gpu("l40s-48gb", "NVIDIA L40S", "L40S", 46_068, 362e12, "https://www.nvidia.com/en-us/data-center/l40s/"),
-    Gpu("l40", "NVIDIA L40", "L40", None, 181e12, "https://www.nvidia.com/en-us/data-center/l40/"),
-    Gpu("l4-24gb", "NVIDIA L4", "L4", 23_034, 121e12, "https://www.nvidia.com/en-us/data-center/l4/"),
-    Gpu("a10", "NVIDIA A10", "A10", None, 125e12, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"),
+        "https://www.nvidia.com/en-us/data-center/a100/", (8, 0)),
+    Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", "A100", 40_960, 312e12,
+        "https://www.nvidia.com/en-us/data-center/a100/", (8, 0)),
+    Gpu("a800", "NVIDIA A800", "A800", None, 312e12, "https://www.nvidia.com/en-us/data-center/a800/", (8, 0)),
+    Gpu("l40s-48gb", "NVIDIA L40S", "L40S", 46_068, 362e12, "https://www.nvidia.com/en-us/data-center/l40s/", (8, 9)),
+    Gpu("l40", "NVIDIA L40", "L40", None, 181e12, "https://www.nvidia.com/en-us/data-center/l40/", (8, 9)),
+    Gpu("l4-24gb", "NVIDIA L4", "L4", 23_034, 121e12, "https://www.nvidia.com/en-us/data-center/l4/", (8, 9)),
+    Gpu("a10", "NVIDIA A10", "A10", None, 125e12, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/",
+        (8, 6)),
     Gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", "RTX 4090", 24_564, 165.2e12,
-        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"),
+        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf", (8, 9)),
 ]
 
 

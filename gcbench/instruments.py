@@ -65,6 +65,38 @@ def free_without_context(device: str) -> int | None:
     return psutil.virtual_memory().available  # Linux: MemAvailable, what can be had without swapping
 
 
+# What a probe runs: CUDA context, then a bf16 matmul forward and backward (cuBLAS loaded, its workspaces allocated
+# by the caching allocator, as in a trial), then the device's free memory plus what the probe's allocator holds
+# (a trial allocates that itself, inside its budget).
+_PROBE = """
+import sys, torch
+device = torch.device(sys.argv[1])
+torch.cuda.set_device(device)
+a = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+(a @ a).sum().backward()
+torch.cuda.synchronize(device)
+free, total = torch.cuda.mem_get_info(device)
+print(free + torch.cuda.memory_reserved(device))
+"""
+
+
+def free_after_context(device: str, timeout_s: float = 300.0) -> int | None:
+    """Free memory of CUDA `device` as a run's own process finds it once its CUDA context and cuBLAS exist (a
+    parent must not create a context of its own: it would hold that memory during every run): read by a probe
+    process. None when the probe fails. On CPU, free host memory."""
+    import subprocess
+    import sys
+
+    if DeviceKind.of(device) is not DeviceKind.CUDA:
+        return free_without_context(device)
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, device], capture_output=True, text=True,
+                              timeout=timeout_s)
+        return int(done.stdout.split()[-1]) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
 def _nvml_free_bytes(cuda_index: int) -> int | None:
     """Free memory of CUDA device `cuda_index` through NVML (nvidia-ml-py), which creates no CUDA context."""
     return _with_nvml_device(cuda_index, lambda pynvml, h: int(pynvml.nvmlDeviceGetMemoryInfo(h).free))

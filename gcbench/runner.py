@@ -31,6 +31,7 @@ from gcbench.fields import DeviceKind
 from gcbench.env import capture_env
 from gcbench.errors import GcbenchError, WontFit
 from gcbench.estimators import predict_for_run, resolve_plan
+from gcbench.estimators.stored import stored_prediction
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
@@ -135,8 +136,8 @@ def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse
     if isinstance(spec.policy, Plan):
         record["plan_mix"] = spec.policy.mix
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
-    # (CUDA) or peak_tracked_bytes (CPU) should read.
-    record.update(predict_for_run(spec))
+    # (CUDA) or peak_tracked_bytes (CPU) should read. Made beforehand where GCBENCH_PREDICTIONS holds it.
+    record.update(stored_prediction(record, spec.device_kind) or predict_for_run(spec))
     instrument = instrument_for(spec.device, spec.memory_cap_bytes)
     try:
         with torch_threads(spec.threads), instrument.session():

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 SEGMENT_BYTES = 2 * 2**20  # the caching allocator reserves device memory in segments of (at least) 2 MiB
 ENV_LOG = "GCBENCH_FAKE_CUDA_LOG"
 ENV_DEVICES = "GCBENCH_FAKE_CUDA_DEVICES"  # how many fake GPUs the machine has (1 unless set)
+ENV_CONTEXT = "GCBENCH_FAKE_CUDA_CONTEXT"  # bytes a process's CUDA context takes outside the allocator (0 unless set)
 SITE_DIR = Path(__file__).resolve().parent / "fake_cuda_site"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,11 +123,12 @@ def fresh_library_caches() -> None:
             value.cache_clear()
 
 
-def subprocess_env(log_path: Path, devices: int = 1) -> dict[str, str]:
+def subprocess_env(log_path: Path, devices: int = 1, context_bytes: int = 0) -> dict[str, str]:
     """Environment for a subprocess (and every process it starts) that sees `devices` fake GPUs and logs to
-    `log_path`."""
+    `log_path`; NVML (nvidia-ml-py) is faked too (fake_cuda_site/pynvml.py): it sees the whole fake GPU free."""
     path = os.pathsep.join([str(SITE_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {**os.environ, ENV_LOG: str(log_path), ENV_DEVICES: str(devices), "PYTHONPATH": path}
+    return {**os.environ, ENV_LOG: str(log_path), ENV_DEVICES: str(devices), ENV_CONTEXT: str(context_bytes),
+            "PYTHONPATH": path}
 
 
 @dataclass
@@ -143,6 +145,7 @@ class FakeGpu:
     op_ms: float = 0.01  # fake-clock milliseconds per dispatched op
     retry_above_bytes: int | None = None  # count an allocation retry whenever allocated bytes cross this line
     log_path: Path | None = None
+    context_bytes: int = 0  # what this process's CUDA context takes outside the allocator, once CUDA is initialised
 
     def __post_init__(self) -> None:
         self.calls: list[Call] = []
@@ -161,7 +164,8 @@ class FakeGpu:
 
     @classmethod
     def from_env(cls) -> FakeGpu:
-        return cls(log_path=Path(os.environ[ENV_LOG]), devices=int(os.environ.get(ENV_DEVICES, "1")))
+        return cls(log_path=Path(os.environ[ENV_LOG]), devices=int(os.environ.get(ENV_DEVICES, "1")),
+                   context_bytes=int(os.environ.get(ENV_CONTEXT, "0")))
 
     # ------------------------------------------------------------------------------------------------ logging
 
@@ -351,7 +355,8 @@ class FakeGpu:
 
     def _mem_get_info(self, device: int) -> tuple[int, int]:
         self._check_index(device)
-        return self.total_memory - self.reserved * (device == self.current_device), self.total_memory
+        used = (self.reserved + self.context_bytes) * (device == self.current_device)
+        return self.total_memory - used, self.total_memory
 
     def _properties(self, device: int) -> SimpleNamespace:
         self._check_index(device)

@@ -5,7 +5,7 @@ themselves come from a model of the caching allocator, not from a GPU."""
 
 import json
 import os
-import shutil
+import re
 import subprocess
 from collections import Counter
 
@@ -286,64 +286,12 @@ def test_sweep_measures_cuda_configs_in_child_processes(tmp_path):
     assert {c.pid for c in lifts} == set(measuring)  # lifted in every child, after an OOM too
 
 
-@pytest.mark.slow
-def test_gpu_validation_script_runs_every_step_and_resumes(tmp_path):
-    """benchmarks/gpu/validate.sh --smoke on the fake GPU: every sweep, the overhead benchmark and the report with
-    both methods' prediction errors; called again, it measures nothing twice."""
-    for part in ("gcbench", "benchmarks"):
-        shutil.copytree(REPO_ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
-    log = tmp_path / "calls.jsonl"
-    validate = ["bash", str(tmp_path / "benchmarks/gpu/validate.sh"), "--smoke"]
-    first = subprocess.run(validate, env=subprocess_env(log), capture_output=True, text=True, timeout=1200)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    results = tmp_path / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
-    counts = {f.name: Counter(r["status"] for r in read_records(f)) for f in results.glob("*.jsonl")}
-    fits = read_records(results / "fit.jsonl")
-    assert len({r["fit_id"] for r in fits}) == 2 and {"ok", "oom"} <= {r["status"] for r in fits}
-    assert {r["policy"] for r in fits} == {"none", "full", "plan"}
-    for name in ("tiny-llama-4layers-seq64", "tiny-llama-seq128"):
-        assert "recommended:" in (results / f"fit-{name}.txt").read_text()
-        assert "PREDICTED" in (results / f"estimate-fit-{name}.txt").read_text()
-    assert "outside the allocator after the context" in (results / "cuda-context.txt").read_text()
-    assert "largest batch that fits" in (results / "report/report.md").read_text()
-    del counts["fit.jsonl"]
-    assert counts == {"tiny-llama-canonical.jsonl": {"ok": 5}, "tiny-llama-4layers.jsonl": {"ok": 16},
-                      "tiny-gpt2.jsonl": {"ok": 5}, "tiny-llama-oom-line.jsonl": {"ok": 6, "oom": 2},
-                      "tiny-llama-4layers-levers.jsonl": {"ok": 2 * 3 * 2},  # 2 policies x 3 optimizers x in bwd
-                      "tiny-gpt2-devices-all.jsonl": {"ok": 2 * 2},  # batch 1 and 2 x none, full
-                      "tiny-llama-4layers-fsdp2.jsonl": {"ok": 3 * 2}}  # 3 policies x sharded or not
-    assert "prediction error · tiny-gpt2" in first.stdout and "analytic" in first.stdout
-    assert "Prediction error per method" in (results / "report/report.md").read_text()
-    assert "ratio gcbench / bare" in (results / "overhead.txt").read_text()
-    measured = sum(c.name == "set_device" for c in read_log(log))
-
-    second = subprocess.run(validate, env=subprocess_env(log), capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "harness overhead: done earlier" in second.stdout and "fit tiny-llama-seq128: done earlier" in second.stdout
-    assert {f.name: len(read_records(f)) for f in results.glob("*.jsonl")} == {
-        "fit.jsonl": len(fits), **{name: sum(c.values()) for name, c in counts.items()}}
-    assert sum(c.name == "set_device" for c in read_log(log)) == measured  # no config measured again
-
-
-@pytest.mark.slow  # the script starts python several times
-def test_gpu_validation_plan_prints_without_a_gpu():
+@pytest.mark.slow  # the script starts python twice
+def test_the_validation_script_prints_the_plan_without_a_gpu_and_refuses_to_run_there():
     result = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh"), "--dry-run"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    for step in ("GPU tests", "llama-7b-canonical: 5 configs", "llama-7b-8layers: 32 configs", "gpt2: 5 configs",
-                 "gpt2-devices-all: 4 configs", "llama-7b-8layers-fsdp2: 6 configs",
-                 "llama-7b-oom-line: 32 configs", "harness overhead", "CUDA context", "fit llama-7b-8layers-seq2048",
-                 "fit llama-7b-8layers-seq4096", "estimate --fit llama-7b-seq2048", "report",
-                 "dry run: nothing was run"):
-        assert step in result.stdout
-    # Each fit's model, layers and seq make a config gcbench accepts (a seq past the model's positions would not)
-    fits = [line.split("gcbench fit ")[1].split(" --warmup")[0].split() for line in result.stdout.splitlines()
-            if line.startswith("== fit ")]
-    assert len(fits) == 3
-    for words in fits:
-        given = dict(zip(words[::2], words[1::2]))
-        resolve(RunSpec(model=given["--model"], seq_len=int(given["--seq"]), batch_size=1, device="cpu",
-                        layers=int(given["--layers"]) if "--layers" in given else None))
+    assert re.fullmatch(r"total: \d+ s of device time in \d+ commands", result.stdout.splitlines()[-1])
     refused = subprocess.run(["bash", str(REPO_ROOT / "benchmarks/gpu/validate.sh")], capture_output=True, text=True,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)  # on a GPU machine too
     assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr

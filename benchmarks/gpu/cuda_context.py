@@ -1,6 +1,8 @@
-"""The memory a PyTorch process takes on a GPU outside its caching allocator: the CUDA context, then what the
-first bf16 matmul's libraries (cuBLAS) add. `gcbench estimate --fit --gpu NAME` assumes gcbench.gpus
-.CUDA_CONTEXT_BYTES; this measures it on the card at hand. Prints a line per reading and one JSON line.
+"""The memory a PyTorch process takes on a GPU beside a step's own tensors: the CUDA context (outside the caching
+allocator), then what the first bf16 matmuls add: cuBLAS's code outside the allocator, and its workspaces inside it
+(one per thread that runs matmuls: the forward's, then autograd's device thread in the backward), which
+max_memory_allocated counts. `gcbench estimate --fit --gpu NAME` assumes gcbench.gpus.CUDA_CONTEXT_BYTES and
+Gpu.workspace_bytes; this measures both on the card at hand. Prints a line per reading and one JSON line.
 
     python benchmarks/gpu/cuda_context.py        # on a GPU nothing else uses
 """
@@ -11,7 +13,7 @@ import json
 
 import torch
 
-from gcbench.gpus import CUDA_CONTEXT_BYTES
+from gcbench.gpus import CUDA_CONTEXT_BYTES, CUBLAS_THREADS, cublas_workspace_bytes
 from gcbench.units import fmt_bytes
 
 
@@ -24,16 +26,29 @@ def outside_allocator() -> int:
 def main() -> None:
     torch.cuda.init()
     context = outside_allocator()  # mem_get_info creates the context (lazy module loading: no kernels yet)
-    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
-    (a @ a).sum().item()  # loads cuBLAS and the kernels a training step starts with
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tensors = torch.cuda.memory_allocated()
+    b = a @ a  # the forward's thread: cuBLAS loads, its handle gets a workspace from the caching allocator
+    torch.cuda.synchronize()
+    forward_workspace = torch.cuda.memory_allocated() - tensors - b.untyped_storage().nbytes()
     after_matmul = outside_allocator()
+    tensors = torch.cuda.memory_allocated()
+    b.sum().backward()  # autograd's device thread runs the backward matmuls: a second handle, a second workspace
+    torch.cuda.synchronize()
+    backward_workspace = torch.cuda.memory_allocated() - tensors - a.grad.untyped_storage().nbytes()
     total = torch.cuda.mem_get_info()[1]
-    print(f"device: {torch.cuda.get_device_name()}, total {fmt_bytes(total)}")
+    capability = torch.cuda.get_device_capability()
+    assumed_workspace = CUBLAS_THREADS * cublas_workspace_bytes(capability)
+    print(f"device: {torch.cuda.get_device_name()} (sm{capability[0]}{capability[1]}), total {fmt_bytes(total)}")
     print(f"outside the allocator after the context: {fmt_bytes(context)}")
     print(f"outside the allocator after a bf16 matmul: {fmt_bytes(after_matmul)}")
-    print(f"gcbench.gpus assumes: {fmt_bytes(CUDA_CONTEXT_BYTES)}")
+    print(f"cuBLAS workspace allocated by the forward's matmul: {fmt_bytes(forward_workspace)}")
+    print(f"cuBLAS workspace allocated by the backward's matmuls: {fmt_bytes(backward_workspace)}")
+    print(f"gcbench.gpus assumes: context {fmt_bytes(CUDA_CONTEXT_BYTES)}, workspaces {fmt_bytes(assumed_workspace)}")
     print(json.dumps({"device": torch.cuda.get_device_name(), "total_bytes": total, "context_bytes": context,
-                      "after_matmul_bytes": after_matmul, "assumed_bytes": CUDA_CONTEXT_BYTES}))
+                      "after_matmul_bytes": after_matmul, "assumed_bytes": CUDA_CONTEXT_BYTES,
+                      "forward_workspace_bytes": forward_workspace, "backward_workspace_bytes": backward_workspace,
+                      "assumed_workspace_bytes": assumed_workspace}))
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      "predictions": found.predictions, "flops": found.flops, "budget_bytes": cap,
                      "gpu": card.name if card else None, "efficiency": efficiency if card else None})
     where = (f"{card.name}: {card.memory_mib:,} MiB (nvidia-smi's total) less {fmt_bytes(CUDA_CONTEXT_BYTES)} of "
-             f"CUDA context (assumed)" if card else f"--gpu-memory {fmt_bytes(memory)}")
+             f"CUDA context (assumed) and {fmt_bytes(card.workspace_bytes)} of cuBLAS workspaces" if card
+             else f"--gpu-memory {fmt_bytes(memory)}")
     caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
                "PREDICTED, nothing ran: peaks by the method in `by`; step s = FLOPs with recompute / (dense bf16 "
                f"peak x {efficiency:g})" if card else "PREDICTED, nothing ran: peaks by the method in `by`; step "

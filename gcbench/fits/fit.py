@@ -5,7 +5,12 @@ Each trial is one config run like a sweep's (a fresh child process, a timeout; a
 the results file as a normal record with the search it belonged to (`fit_id`, `fit_vary`, `fit_budget_bytes`,
 `fit_trial`). The search (search.py) starts from the predicted maximum (predict.py) and ends exact: the maximum ran
 and the next size ran out of memory. The budget is a memory cap on every trial (--memory, less --headroom), or on a
-GPU without --memory its free memory.
+GPU without --memory its free memory as a trial sees it: read by a probe process once its CUDA context exists.
+
+Resumable: a fit reads back the trials of the same search already in its results file (same setup, policy and
+budget) and never runs one again; it goes on under their fit_id. On a GPU the winners are not timed paired in one
+process: each runs at its memory edge, where an earlier run in the same process would fragment the allocator for
+the next; they are ranked by their own runs.
 """
 
 from __future__ import annotations
@@ -14,22 +19,22 @@ import math
 import secrets
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from gcbench.errors import GcbenchError, WontFit
+from gcbench.errors import DeadlineReached, GcbenchError, WontFit
 from gcbench.fits.predict import spec_at, try_predict
 from gcbench.fits.search import Search, Trial, extrapolate
-from gcbench.instruments import free_without_context
+from gcbench.instruments import free_after_context
 from gcbench.paired import choose_baseline, pairable
 from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
-from gcbench.results.schema import SHAPE_FIELDS, Status, config_label, fastest, peak_bytes, policy_label
-from gcbench.results.store import append_record, check_appendable
+from gcbench.results.schema import SHAPE_FIELDS, Status, config_key, config_label, fastest, peak_bytes, policy_label
+from gcbench.results.store import append_record, check_appendable, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
 from gcbench.resolved import ResolvedRun
@@ -41,6 +46,11 @@ DEFAULT_POLICIES = ("none", "full", "sqrtn", "sac", "plan")
 DEFAULT_OUT = Path("results/fit.jsonl")
 DEFAULT_BATCH_RANGE = (1, 4096)
 DEFAULT_SEQ_LO = 16
+# A free-memory budget read again (a resumed fit, another machine of the same kind) differs by a few MiB: trials
+# recorded under a budget this close are the same search.
+SAME_BUDGET = 0.01
+NOT_PAIRED_ON_GPU = ("not paired: on a GPU each winner runs at its memory edge, where an earlier run in the same "
+                     "process fragments the allocator for the next; ranked by its own run")
 
 
 @dataclass(frozen=True)
@@ -97,9 +107,12 @@ class Fit:
     """Runs the searches of a FitSpec. Everything is validated when made (every policy at the range's ends, the
     budget against the model state), before anything runs or is written."""
 
-    def __init__(self, spec: FitSpec, console: Console | None = None):
+    def __init__(self, spec: FitSpec, console: Console | None = None,
+                 stop_before: Callable[[ResolvedRun], bool] | None = None):
         self.spec = spec
         self.console = console
+        # Asked before each trial: True stops the fit there with DeadlineReached, its trials written.
+        self.stop_before = stop_before
         self.fit_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
         first = spec_at(spec.fields, "none", spec.vary, spec.lo)
         self.device = first.device
@@ -116,6 +129,27 @@ class Fit:
         except WontFit as e:
             raise GcbenchError(f"the budget is below what the model needs before any activation: {e}") from None
         check_appendable(spec.out)
+        self.earlier = self._earlier_trials()
+        if self.earlier:  # a resumed fit goes on under the id its trials have
+            self.fit_id = self.earlier[-1]["fit_id"]
+
+    def _earlier_trials(self) -> list[dict[str, Any]]:
+        """The trials of this same search already in the results file (ok or oom), oldest first."""
+        if not self.spec.out.exists():
+            return []
+        keys = {self._key(self._trial_spec(p, self.spec.lo).as_record()) for p in self.policies}
+
+        def same(record: dict[str, Any]) -> bool:
+            budget = record.get("fit_budget_bytes")
+            return (record.get("fit_vary") == self.spec.vary and record.get("status") in (Status.OK, Status.OOM)
+                    and budget is not None and abs(budget - self.cap) <= SAME_BUDGET * self.cap
+                    and self._key(record) in keys)
+
+        return [r for r in read_records(self.spec.out) if r.get("fit_id") and same(r)]
+
+    def _key(self, record: dict[str, Any]) -> str:
+        """A trial's search: its config less the size searched and the run's thread count."""
+        return config_key(record, ignore=(self.spec.vary, "threads"))
 
     def _trial_spec(self, policy: str, value: int) -> ResolvedRun:
         """The config of one trial: the shared fields, the policy, the size, the fit's cap."""
@@ -127,9 +161,9 @@ class Fit:
         if first.device_kind is not DeviceKind.CUDA:
             raise GcbenchError("on CPU give --memory: the budget the live-tensor tracker holds each trial to "
                                "(e.g. --memory 12MiB)")
-        free = free_without_context(first.device)
+        free = free_after_context(first.device)
         if free is None:
-            raise GcbenchError(f"cannot read the free memory of {first.device} (NVML): give --memory")
+            raise GcbenchError(f"cannot read the free memory of {first.device}: give --memory")
         return free
 
     def run(self) -> tuple[list[PolicyFit], Recommendation | None]:
@@ -138,6 +172,7 @@ class Fit:
         fits = [PolicyFit(p, Search(spec.lo, spec.hi, self.cap, spec.multiple), None, search_field=spec.vary)
                 for p in self.policies]
         target = DeviceKind.of(self.device)
+        written = {id(r) for r in self.earlier}  # records already in the file (earlier trials, appended ones)
         pending: list[dict[str, Any]] = []  # the winners, appended once the paired timing is in them
         with SweepProgress(self.console, sum(f.search.bound for f in fits), 0) as view:
             try:
@@ -148,42 +183,58 @@ class Fit:
                     self._search(fit, runner, view)
                     best = fit.best
                     for record in fit.records:
-                        if record is best:
+                        if record is best and id(record) not in written:
                             pending.append(record)
-                        else:
+                        elif id(record) not in written:
                             append_record(spec.out, record)
+                            written.add(id(record))
                     view.shrink(fit.search.bound - len(fit.records))
-                if spec.paired:
-                    self._pair([f for f in fits if f.best is not None], runner, view)
-            finally:
-                for record in pending:
-                    append_record(spec.out, record)
+                if spec.paired and target is DeviceKind.CUDA:
+                    for record in pending:
+                        record["paired_error"] = NOT_PAIRED_ON_GPU
+                elif spec.paired:
+                    self._pair([f for f in fits if f.best is not None], runner, view, pending)
+            finally:  # stopped (deadline, Ctrl-C, an error): every trial that finished is kept
+                for record in [*pending, *(r for f in fits for r in f.records)]:
+                    if id(record) not in written:
+                        append_record(spec.out, record)
+                        written.add(id(record))
         return fits, recommend([f.best for f in fits if f.best is not None], self._command)
 
     def _search(self, fit: PolicyFit, runner, view: SweepProgress) -> None:
         search = fit.search
-        while not search.done:
+        for record in self.earlier:  # a resumed fit: its trials so far, never run again
+            if policy_label(record) == fit.policy and not search.done:
+                self._add(fit, record)
+        while not search.done and fit.error is None:
             value = search.next_value(*extrapolate(search, fit.predicted))
             trial_spec = self._trial_spec(fit.policy, value)
+            if self.stop_before is not None and self.stop_before(trial_spec):
+                raise DeadlineReached(f"stopped before {config_label(trial_spec.as_record())}")
             view.started(trial_spec)
             record = runner(trial_spec, view.phase)
             record = {**record, "fit_id": self.fit_id, "fit_vary": self.spec.vary, "fit_budget_bytes": self.cap,
                       "fit_trial": len(search.trials) + 1}
             view.finished(record)
-            fit.records.append(record)
-            if record["status"] == Status.OK:
-                state = sum(record.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
-                # On CUDA the allocator's reserve is what runs out (whole segments), so it guides the next guess.
-                peak = record.get("peak_reserved_bytes") or peak_bytes(record)
-                search.add(Trial(value, True, peak, state or None))
-            elif record["status"] == Status.OOM:
-                search.add(Trial(value, False))
-            else:
-                fit.error = f"{config_label(record)}: {record['status']}: {record.get('error')}"
-                return
+            self._add(fit, record)
 
-    def _pair(self, fits: list[PolicyFit], runner, view: SweepProgress) -> None:
-        """Time the winners interleaved in one process; each gets its paired tokens/s."""
+    def _add(self, fit: PolicyFit, record: dict[str, Any]) -> None:
+        """A trial's record into its search: fits (ok), does not (oom), or stops the search (anything else)."""
+        fit.records.append(record)
+        value, search = record[self.spec.vary], fit.search
+        if record["status"] == Status.OK:
+            state = sum(record.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+            # On CUDA the allocator's reserve is what runs out (whole segments), so it guides the next guess.
+            peak = record.get("peak_reserved_bytes") or peak_bytes(record)
+            search.add(Trial(value, True, peak, state or None))
+        elif record["status"] == Status.OOM:
+            search.add(Trial(value, False))
+        else:
+            fit.error = f"{config_label(record)}: {record['status']}: {record.get('error')}"
+
+    def _pair(self, fits: list[PolicyFit], runner, view: SweepProgress, pending: list[dict[str, Any]]) -> None:
+        """Time the winners interleaved in one process; each about to be written gets its paired tokens/s (a
+        winner of a resumed fit, in the file already, takes part but stays as it is)."""
         winners = [(self._trial_spec(f.policy, f.search.maximum), f.best) for f in fits]
         winners = [(s, r) for s, r in winners if pairable(s)]
         if len(winners) < 2:
@@ -191,6 +242,8 @@ class Fit:
         view.pairing([s for s, _ in winners])
         result = runner.paired([s for s, _ in winners], choose_baseline([r for _, r in winners]), view.phase)
         for spec, record in winners:
+            if not any(record is p for p in pending):
+                continue
             if isinstance(result, PairingFailed):
                 record["paired_error"] = f"paired timing failed: {result.why}"
                 continue

@@ -20,10 +20,10 @@ from typing import Any
 from rich.console import Console
 
 from gcbench.grid import SweepSpec
-from gcbench.errors import GcbenchError, WontFit, raise_interrupt
+from gcbench.errors import DeadlineReached, GcbenchError, WontFit, raise_interrupt
 from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
-from gcbench.results.schema import STATUSES, Status, config_key, policy_label
+from gcbench.results.schema import STATUSES, Status, config_key, config_label, policy_label
 from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.resolved import ResolvedRun, resolve_record
@@ -82,8 +82,12 @@ class Sweep:
     """
 
     def __init__(self, grid: SweepSpec, *, rerun: bool = False, retry_failed: bool = False,
-                 skip_after_oom: bool = True, console: Console | None = None):
+                 skip_after_oom: bool = True, console: Console | None = None,
+                 stop_before: Callable[[list[ResolvedRun]], bool] | None = None):
         self.grid = grid
+        # Asked before each config ([spec]) and each paired timing (its specs): True stops the sweep there with
+        # DeadlineReached, after writing what finished (gcbench validate --deadline).
+        self.stop_before = stop_before
         self.rerun = rerun  # run every config again, even those with a record in the output file
         self.retry_failed = retry_failed  # run again errors, timeouts and ooms not run for want of free memory
         self.skip_after_oom = skip_after_oom
@@ -223,6 +227,13 @@ class Sweep:
         if len(ran) < 2:
             return
         baseline = choose_baseline([r for _, r in ran])
+        try:
+            self._check_deadline([spec for spec, _ in ran])
+        except DeadlineReached:
+            for _, r in ran:
+                if id(r) in writing:
+                    r["paired_error"] = "not paired: the sweep stopped at its deadline before the paired timing"
+            raise
         view.pairing([spec for spec, _ in ran], slot)
         result = runner.paired([spec for spec, _ in ran], baseline, view.phase_of(slot))
         for spec, r in ran:
@@ -232,6 +243,11 @@ class Sweep:
                 r["paired_error"] = f"paired timing failed: {result.why}"
             else:
                 r.update(result[policy_label(r)])
+
+    def _check_deadline(self, specs: list[ResolvedRun]) -> None:
+        if self.stop_before is not None and self.stop_before(specs):
+            raise DeadlineReached(f"stopped before {config_label(specs[0].as_record())}"
+                                  + (" (paired timing)" if len(specs) > 1 else ""))
 
     def _unfit(self, specs: list[ResolvedRun]) -> dict[ResolvedRun, WontFit]:
         """The configs that cannot fit at all (their model state alone is too large for the memory cap or the free
@@ -266,6 +282,7 @@ class Sweep:
         elif reason is not None:
             record, wall_ms = failure_record(spec, Status.SKIPPED, reason), None
         else:
+            self._check_deadline([spec])
             view.started(spec, slot)
             t0 = time.perf_counter()
             record = runner(spec, view.phase_of(slot))

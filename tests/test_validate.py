@@ -1,0 +1,220 @@
+"""gcbench validate: the GPU plan within its budget, its predictions made beforehand, and the whole tiered plan
+rehearsed on the fake GPU: a deadline stop, a resume that runs each config once, the archive, its import."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from gcbench.estimators.stored import stored_prediction
+from gcbench.results.schema import config_key
+from gcbench.results.store import read_records
+from gcbench.validate import cost
+from gcbench.validate.execute import Validation
+from gcbench.validate.home import BEGIN, END, gpu_results_block, import_archive
+from gcbench.validate.plan import COMMAND_LIMIT_S, PLAN_LIMIT_S, PREDICTED, StepKind, results_folder, tiers
+from tests.fake_cuda import REPO_ROOT, subprocess_env
+
+GCBENCH = [sys.executable, "-m", "gcbench"]
+TOTAL = re.compile(r"^total: (\d+) s of device time in (\d+) commands$")
+
+
+@pytest.fixture(scope="module")
+def real_plan() -> Validation:
+    return Validation(tiers(), results_folder("NVIDIA H100 80GB HBM3", smoke=False), predicted=REPO_ROOT / PREDICTED,
+                      card="h100-80gb", planning=True, python=sys.executable)
+
+
+def test_the_dry_run_prints_every_tier_and_a_total_within_the_budget():
+    done = subprocess.run([*GCBENCH, "validate", "--dry-run"], capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    total = TOTAL.match(lines[-1])
+    assert total, lines[-1]
+    assert int(total.group(1)) <= PLAN_LIMIT_S
+    tier_seconds = [int(m.group(1)) for line in lines if (m := re.match(r"tier \d: .* — (\d+) s", line))]
+    assert len(tier_seconds) == 4 and tier_seconds[0] <= COMMAND_LIMIT_S
+    assert abs(sum(tier_seconds) - int(total.group(1))) <= 4  # each rounded on its own
+    for name in ("gpu-tests", "llama-7b-8layers-policies", "llama-7b-oom-line", "llama-7b-8layers-seq2048",
+                 "llama-7b-8layers-fsdp2", "llama-7b-canonical", "overhead"):
+        assert any(line.strip().startswith(f"{name}:") for line in lines), name
+
+
+def test_no_single_config_or_trial_of_the_plan_is_longer_than_a_command(real_plan):
+    for planned in real_plan.steps:
+        for spec in planned.specs:
+            seconds = cost.config_seconds(spec, real_plan._params_of(spec), real_plan.peak)
+            assert seconds < COMMAND_LIMIT_S / 2, (planned.step.name, spec, seconds)
+
+
+def test_every_planned_config_has_its_prediction_made_beforehand_by_this_code(real_plan):
+    """benchmarks/gpu/predicted/ holds each sweep config's predictions, made by the predictor code of this commit
+    (after changing it: gcbench validate --predict), and each fit's estimate --fit answer per card."""
+    missing = [f"{planned.step.name}: {spec.as_record()['policy']} seq {spec.seq_len} batch {spec.batch_size}"
+               for planned in real_plan.steps if planned.step.kind is StepKind.SWEEP for spec in planned.specs
+               if stored_prediction(spec.as_record(), "cuda", REPO_ROOT / PREDICTED / "predictions.jsonl") is None]
+    assert not missing, f"stale or missing predictions (run gcbench validate --predict): {missing[:3]}"
+    for planned in real_plan.steps:
+        if planned.step.kind is StepKind.FIT:
+            rows = json.loads((REPO_ROOT / PREDICTED / f"estimate-fit-{planned.step.name}-h100-80gb.json").read_text())
+            assert {r["policy"] for r in rows} == set(planned.step.options["policy"].split(","))
+
+
+def test_a_stored_prediction_is_what_the_run_would_predict(tmp_path, monkeypatch):
+    """A run looks its prediction up (GCBENCH_PREDICTIONS) instead of predicting; the stored row is exactly what
+    predict_for_run gives for a CUDA target."""
+    from gcbench.estimators import predict_for_run
+    from gcbench.estimators.stored import PREDICTIONS_ENV, stored_row
+    from gcbench.resolved import resolve
+    from gcbench.spec import RunSpec
+
+    spec = resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=2, policy="full", device="cuda", threads=1),
+                   devices_here=False)
+    made = predict_for_run(spec.replace(device="cpu"), target="cuda")
+    (tmp_path / "p.jsonl").write_text(json.dumps(stored_row(spec.as_record(), "cuda", made)) + "\n")
+    monkeypatch.setenv(PREDICTIONS_ENV, str(tmp_path / "p.jsonl"))
+    elsewhere = {**spec.as_record(), "threads": 16, "device": "cuda:3", "measure_steps": 5}  # another machine
+    assert stored_prediction(elsewhere, "cuda") == made and made["predicted_peak_bytes"] > 0
+    assert stored_prediction({**elsewhere, "batch_size": 3}, "cuda") is None
+    assert stored_prediction(elsewhere, "cpu") is None
+
+
+def test_fit_reads_its_budget_after_the_context_exists_and_nvml_sees_the_whole_card(tmp_path):
+    """On a GPU without --memory, fit's budget is the free memory a trial finds once its CUDA context exists (a
+    probe process), not NVML's free memory read from a parent without one."""
+    context = 512 * 2**20
+    code = ("from gcbench.instruments import free_after_context, free_without_context; "
+            "print(free_without_context('cuda:0'), free_after_context('cuda:0'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(tmp_path / "calls.jsonl", context_bytes=context))
+    assert done.returncode == 0, done.stderr
+    nvml, probed = map(int, done.stdout.split())
+    assert nvml == 80 * 2**30 and probed == 80 * 2**30 - context
+
+
+def _copy_repo(root: Path) -> None:
+    for part in ("gcbench", "benchmarks", "tests"):
+        shutil.copytree(REPO_ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__", "predicted"))
+    for name in ("README.md", "docs/gpu.md"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"# {name}\n\n{BEGIN}\nnothing yet\n{END}\n\nafter\n")
+
+
+def _rehearse(tmp_path: Path, selection: tuple[str, ...], deadline: str) -> tuple[Path, Path, dict]:
+    """The smoke plan (tiny models) on the fake GPU under a fake clock (each reading 1 s after the last):
+    predictions made beforehand; a first call stops at its deadline between configs (exit 75) with an archive;
+    a second finishes. Returns the GPU side's results folder, the second archive and the call environment."""
+    gpu_side = tmp_path / "gpu"
+    _copy_repo(gpu_side)
+    env = {**subprocess_env(tmp_path / "calls.jsonl"), "GCBENCH_FAKE_VALIDATE_CLOCK": "1"}
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(REPO_ROOT), str(gpu_side))
+
+    def validate(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*GCBENCH, "validate", "--smoke", *selection, *args], capture_output=True, text=True,
+                              cwd=gpu_side, env=env, timeout=900)
+
+    predicted = validate("--predict")
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    assert (gpu_side / "results/gpu-smoke/predicted/predictions.jsonl").exists()
+
+    first = validate("--deadline", deadline, "--archive", str(tmp_path / "out1"))
+    assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "stopped at the deadline" in first.stdout and "run the same command again" in first.stdout
+    folder = gpu_side / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
+    assert 0 < sum(len(read_records(f)) for f in folder.glob("*.jsonl"))
+    assert (tmp_path / "out1/summary.txt").exists() and list((tmp_path / "out1").glob("*.tar.gz"))
+
+    second = validate("--archive", str(tmp_path / "out2"))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "done in" in second.stdout
+    for path in folder.glob("*.jsonl"):
+        records = read_records(path)
+        if path.name == "fit.jsonl":
+            trials = Counter((r["policy"], r["batch_size"]) for r in records)
+            assert max(trials.values()) == 1, trials  # no trial run twice
+            assert {r["status"] for r in records} >= {"ok", "oom"} and len({r["fit_id"] for r in records}) == 1
+        else:
+            keys = Counter(config_key(r) for r in records)
+            assert max(keys.values()) == 1, (path.name, keys)  # each config once, across both calls
+    policies = read_records(folder / "tiny-llama-4layers-policies.jsonl")
+    assert len(policies) == 8 and all(r["predicted_peak_bytes"] for r in policies)
+    assert "cuBLAS workspace allocated by the backward" in (folder / "cuda-context.txt").read_text()
+    for planned in Validation(tiers(smoke=True), folder, predicted=folder.parent / "predicted",
+                              planning=True).steps:
+        if planned.tier.number <= 2 or "--tiers" not in selection:
+            assert planned.finished, planned.step.name  # every config and trial of those tiers is recorded
+    return folder, next((tmp_path / "out2").glob("*.tar.gz")), env
+
+
+def test_tiers_1_and_2_rehearsed_on_the_fake_gpu_stop_at_a_deadline_resume_and_come_home(tmp_path):
+    folder, archive, env = _rehearse(tmp_path, ("--tiers", "1,2"), deadline="20")
+    home = tmp_path / "home"
+    _copy_repo(home)
+    imported = subprocess.run([*GCBENCH, "validate", "--import", str(archive)], capture_output=True, text=True,
+                              cwd=home, env=env, timeout=300)
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    mine = home / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
+    assert {f.name: len(read_records(f)) for f in mine.glob("*.jsonl")} == \
+        {f.name: len(read_records(f)) for f in folder.glob("*.jsonl")}
+    assert (mine / "report/report.html").exists() and "nothing quoted" in imported.stdout
+    assert "nothing yet" in (home / "README.md").read_text()  # fake-GPU numbers are never quoted
+
+    # The same archive as a real GPU's: merged once (a second import adds nothing), the quotes regenerated.
+    real = tmp_path / "real.tar.gz"
+    with tarfile.open(archive) as src, tarfile.open(real, "w:gz") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read()
+            member.name = member.name.replace("results/gpu-smoke/", "results/gpu/")
+            dst.addfile(member, io.BytesIO(data))
+    result = import_archive(real, home)
+    assert result.records_added > 0 and not result.smoke
+    assert import_archive(real, home).records_added == 0
+    readme = (home / "README.md").read_text()
+    assert "nothing yet" not in readme and "| full |" in readme and readme.endswith("after\n")
+    assert (home / "docs/gpu-report/report.md").exists()
+
+
+@pytest.mark.slow  # the whole smoke plan: a few minutes on 2 cores
+def test_the_whole_plan_rehearsed_on_the_fake_gpu_runs_every_step_once(tmp_path):
+    folder, _, _ = _rehearse(tmp_path, (), deadline="40")
+    assert all((folder / f"{name}.txt").read_text().splitlines()[-1] == "exit 0"
+               for name in ("cuda-context", "overhead", "timing-cv"))
+    canonical = read_records(folder / "tiny-llama-canonical.jsonl")
+    assert all("time_ratio" in r or r.get("paired_error") for r in canonical)
+
+
+def test_import_refuses_an_archive_that_writes_outside_its_folder(tmp_path):
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as tar:
+        (tmp_path / "x").write_text("x")
+        tar.add(tmp_path / "x", arcname="results/gpu/a/../../../../etc/x")
+    done = subprocess.run([*GCBENCH, "validate", "--import", str(bad)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "unexpected entry" in done.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_quote_of_no_records_says_so(tmp_path):
+    assert gpu_results_block(tmp_path).startswith("No GPU record yet")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dry-run", "--predict"], "different jobs"),
+    (["--dry-run", "--deadline", "10"], "go with a run"),
+    (["--deadline", "nan"], "positive number"),
+    (["--tiers", "5"], "tier numbers"),
+    (["--gpu", "a100-40gb", "--dry-run"], "plan is made for"),
+])
+def test_bad_validate_input_is_one_line_and_exit_2(args, message):
+    done = subprocess.run([*GCBENCH, "validate", *args], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
