@@ -169,19 +169,32 @@ def test_tiers_1_and_2_rehearsed_on_the_fake_gpu_stop_at_a_deadline_resume_and_c
     assert (mine / "report/report.html").exists() and "nothing quoted" in imported.stdout
     assert "nothing yet" in (home / "README.md").read_text()  # fake-GPU numbers are never quoted
 
-    # The same archive as a real GPU's: merged once (a second import adds nothing), the quotes regenerated.
-    real = tmp_path / "real.tar.gz"
-    with tarfile.open(archive) as src, tarfile.open(real, "w:gz") as dst:
-        for member in src.getmembers():
-            data = src.extractfile(member).read()
-            member.name = member.name.replace("results/gpu-smoke/", "results/gpu/")
-            dst.addfile(member, io.BytesIO(data))
-    result = import_archive(real, home)
-    assert result.records_added > 0 and not result.smoke
-    assert import_archive(real, home).records_added == 0
+
+def test_a_real_gpu_archive_is_merged_once_and_its_numbers_quoted_from_the_records(tmp_path):
+    """An archive of results/gpu/<gpu>/ (here built from this project's CPU records of one config): imported, its
+    records added once (a second import adds nothing), the report rendered into docs/gpu-report/, and the README's
+    gpu-results block rewritten from the records, the text around it kept."""
+    _copy_repo(home := tmp_path / "home")
+    lines = [line for line in (REPO_ROOT / "results/cpu/policies-beyond.jsonl").read_text().splitlines()
+             if json.loads(line)["model"] == "tiny-llama"]
+    folder = "results/gpu/nvidia-h100-80gb-hbm3"
+    archive = tmp_path / "gcbench-gpu-nvidia-h100-80gb-hbm3.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, text in (("tiny-llama-4layers-policies.jsonl", "\n".join(lines) + "\n"),
+                           ("overhead.txt", "ratio gcbench / bare:  1.0311  (2 interleaved rounds)\nexit 0\n")):
+            data = text.encode()
+            member = tarfile.TarInfo(f"{folder}/{name}")
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    result = import_archive(archive, home)
+    assert result.records_added == len(lines) and not result.smoke
+    assert import_archive(archive, home).records_added == 0
+    assert len(read_records(home / folder / "tiny-llama-4layers-policies.jsonl")) == len(lines)
     readme = (home / "README.md").read_text()
     assert "nothing yet" not in readme and "| full |" in readme and readme.endswith("after\n")
-    assert (home / "docs/gpu-report/report.md").exists()
+    assert "Harness overhead: ratio gcbench / bare:  1.0311" in readme
+    assert (home / "docs/gpu-report/report.md").exists() and result.quoted == [home / "README.md",
+                                                                                home / "docs/gpu.md"]
 
 
 @pytest.mark.slow  # the whole smoke plan: a few minutes on 2 cores

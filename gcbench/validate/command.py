@@ -55,6 +55,8 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
     if gpu is not None and gpu not in CARDS:
         raise GcbenchError(f"--gpu {gpu!r}: the plan is made for {', '.join(CARDS)}")
     wanted = _tier_numbers(tiers)
+    if archive is not None:
+        _check_folder(archive, "--archive")
     if import_ is not None:
         return _import(import_, console)
 
@@ -83,7 +85,7 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
             console.print(f"predictions written: {', '.join(str(p) for p in written)}", markup=False,
                           highlight=False)
             return 0
-        console.print(f"gcbench GPU validation plan for {card}: records in {folder}/", markup=False, highlight=False)
+        console.print(f"gcbench GPU validation plan for {card}\nrecords in {folder}/", markup=False, highlight=False)
         for line in validation.describe():
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         check_budget(validation)
@@ -96,7 +98,7 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
     folder = results_folder(name, smoke)
     validation = Validation(plan, folder, predicted=predicted, card=known.name if known else None,
                             tiers_wanted=wanted, python=sys.executable, console=err_console)
-    console.print(f"gcbench GPU validation on {name}: records in {folder}/", markup=False, highlight=False,
+    console.print(f"gcbench GPU validation on {name}\nrecords in {folder}/", markup=False, highlight=False,
                   soft_wrap=True)
     if deadline is not None and deadline > COMMAND_LIMIT_S:
         err_console.print(f"gcbench: note: --deadline {deadline:g} s is past the {COMMAND_LIMIT_S} s a tier is "
@@ -118,18 +120,15 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
 
 
 def _summary(validation, outcome, gpu_name: str) -> str:
-    from gcbench.validate.execute import Validation
-
-    again = Validation(validation.plan, validation.folder, predicted=validation.predicted, planning=True,
-                       python=validation.python, console=validation.console)
+    validation.refresh()
     lines = [f"gcbench validate on {gpu_name}: {validation.folder}/"]
-    for planned in again.steps:
+    for planned in validation.steps:
         lines.append(f"tier {planned.tier.number} {planned.step.name}: {planned.done}/{planned.total} done")
     if outcome is None:
         lines.append("interrupted: run the same command again to resume")
     elif outcome.stopped:
         lines.append(f"stopped at the deadline ({outcome.stopped}) after {outcome.seconds:.0f} s; left: "
-                     f"{again.total_line().removeprefix('total: ')}; run the same command again to resume")
+                     f"{validation.total_line().removeprefix('total: ')}; run the same command again to resume")
     elif outcome.failed:
         lines += ["not everything passed:", *(f"  {line}" for line in outcome.failed)]
     else:
@@ -141,7 +140,7 @@ def _import(archive: Path, console: Console) -> int:
     from gcbench.validate.home import import_archive
 
     if not archive.is_file():
-        raise GcbenchError(f"--import {str(archive)[:200]!r}: no such file")
+        raise GcbenchError(f"--import {str(archive)[:200]!r}: not a file")
     result = import_archive(archive)
     console.print(f"imported {result.files} file(s) into {result.folder}/ ({result.records_added} new record(s)); "
                   f"report in {result.report}/", markup=False, highlight=False)
@@ -151,6 +150,18 @@ def _import(archive: Path, console: Console) -> int:
         console.print(f"GPU numbers updated in: {', '.join(str(p) for p in result.quoted)}", markup=False,
                       highlight=False)
     return 0
+
+
+def _check_folder(path: Path, option: str) -> None:
+    """`path` can be made a folder and written into: an existing folder, or one whose nearest existing parent is
+    (nothing is created before the work is done)."""
+    import os
+
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise GcbenchError(f"{option} {str(path)[:200]!r}: not a folder this user can write into")
 
 
 def _tier_numbers(text: str | None) -> set[int] | None:

@@ -10,6 +10,7 @@ start.
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import tarfile
@@ -32,6 +33,7 @@ from gcbench.validate.plan import COMMAND_LIMIT_S, PLAN_LIMIT_S, Step, StepKind,
 
 clock: Callable[[], float] = time.monotonic  # the deadline's clock (tests give a fake one)
 EXIT_OK = "exit 0"
+DEVICE = "cuda"  # every step of the plan runs on the GPU (the smoke plan: the fake one)
 
 
 @dataclass
@@ -66,6 +68,12 @@ class Validation:
         self.python = python
         self.console = console or Console(stderr=True)
         self._params: dict[str, int] = {}
+        self._specs: dict[str, list[ResolvedRun]] = {}  # per step, its configs (or trials) once resolved
+        self.steps: list[StepPlan] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Price every step again from what its files hold now (after a run); configs are resolved once."""
         self.steps = [self._price(tier, step) for tier, step in steps_of(self.plan)]
 
     # ------------------------------------------------------------------------------------------------- pricing
@@ -83,7 +91,9 @@ class Validation:
         planned = StepPlan(tier, step)
         if step.kind is StepKind.SWEEP:
             grid = self.sweep_grid(step)
-            planned.specs = grid.expand(devices_here=not self.planning)
+            if step.name not in self._specs:
+                self._specs[step.name] = grid.expand(devices_here=not self.planning)
+            planned.specs = self._specs[step.name]
             done = _done_keys(out)
             is_done = lambda s: _resume_key(s.as_record()) in done  # noqa: E731
             planned.total, planned.done = len(planned.specs), sum(map(is_done, planned.specs))
@@ -91,7 +101,9 @@ class Validation:
                                      self._expected_oom)
             planned.seconds = priced.seconds
         elif step.kind is StepKind.FIT:
-            trials = self.fit_trials(step)
+            if step.name not in self._specs:
+                self._specs[step.name] = self.fit_trials(step)
+            trials = self._specs[step.name]
             recorded = _fit_trials_recorded(out, step)
             left = []
             for spec in trials:
@@ -131,16 +143,12 @@ class Validation:
         from gcbench.resolved import resolve
         from gcbench.spec import RunSpec
 
-        return resolve(RunSpec(**fields, device=self.device), devices_here=not self.planning)
-
-    @property
-    def device(self) -> str:
-        return "cuda"
+        return resolve(RunSpec(**fields, device=DEVICE), devices_here=not self.planning)
 
     def sweep_grid(self, step: Step):
         from gcbench.grid import SweepSpec
 
-        options = {"device": self.device, **step.options, "out": str(step.out(self.folder))}
+        options = {"device": DEVICE, **step.options, "out": str(step.out(self.folder))}
         return SweepSpec.load(None, options, where=f"validation step {step.name}")
 
     def fit_trials(self, step: Step) -> list[ResolvedRun]:
@@ -179,15 +187,16 @@ class Validation:
                          + (f" ({cost.commands_for(seconds, COMMAND_LIMIT_S)} commands)"
                             if seconds > COMMAND_LIMIT_S else ""))
             for planned in (p for p in self.steps if p.tier is tier):
-                unit = "trials" if planned.step.kind is StepKind.FIT else \
-                    "configs" if planned.step.kind is StepKind.SWEEP else "run"
-                state = "done" if planned.finished else f"{planned.done}/{planned.total} {unit} done"
-                lines.append(f"  {planned.step.name}: {planned.total} {unit}, {state}, {planned.seconds:.0f} s")
-                lines.append(f"    {planned.step.cli()}")
-        lines.append(f"assumed: the step times of {cost.PLAN_EFFICIENCY:g} x the card's dense bf16 peak, "
-                     f"{cost.CONFIG_START_S:g} s start per config, {cost.FIT_TRIALS_PER_POLICY} trials per fit "
-                     f"policy (gcbench/validate/cost.py); limits: {COMMAND_LIMIT_S} s per command, "
-                     f"{PLAN_LIMIT_S} s in all")
+                if planned.step.kind is StepKind.SCRIPT:
+                    state = "a script, done" if planned.finished else "a script"
+                else:
+                    unit = "trials" if planned.step.kind is StepKind.FIT else "configs"
+                    state = f"{planned.total} {unit}, " + ("done" if planned.finished else f"{planned.done} done")
+                lines.append(f"  {planned.step.name}: {state}, {planned.seconds:.0f} s")
+                lines += _command_lines(planned.step.cli())
+        lines += [f"assumed: steps at {cost.PLAN_EFFICIENCY:g} x the card's dense bf16 peak, {cost.CONFIG_START_S:g} s "
+                  f"start per config,", f"  {cost.FIT_TRIALS_PER_POLICY} trials per fit policy "
+                  "(gcbench/validate/cost.py)", f"limits: {COMMAND_LIMIT_S} s per command, {PLAN_LIMIT_S} s in all"]
         lines.append(self.total_line())
         return lines
 
@@ -255,7 +264,7 @@ class Validation:
         o = dict(step.options)
         fit_range, memory = o.pop("range"), o.pop("memory", None)
         isolation = o.pop("isolation", "process")
-        values, _ = parse_options({"device": self.device, **o})
+        values, _ = parse_options({"device": DEVICE, **o})
         out = step.out(self.folder)
         job, fields = fit_job(values, "batch", fit_range, 1, memory, "0%", out, 600.0, isolation, True,
                               self.console)
@@ -312,6 +321,18 @@ def archive(folder: Path, into: Path, summary: str) -> Path:
     return path
 
 
+def _command_lines(pieces: list[str], width: int = 78) -> list[str]:
+    """A command line in lines of at most `width` columns (unless one piece is longer), indented, continued with
+    a backslash as a shell reads it."""
+    lines, line = [], "   "
+    for piece in pieces:
+        if len(line) + 1 + len(piece) > width - 2 and line.strip():
+            lines.append(line + " \\")
+            line = "     "
+        line += " " + piece
+    return [*lines, line]
+
+
 def _resume_key(record: dict[str, Any]) -> str:
     # The thread count follows the machine's cores: the same config on another machine of the kind is done.
     return config_key(record, ignore=("threads",))
@@ -345,20 +366,15 @@ def _fit_trials_recorded(out: Path, step: Step) -> dict[str, int]:
 
 
 def _predicted_fit_sizes(predicted: Path, step: Step) -> dict[str, int]:
-    """Per policy, the largest batch `estimate --fit` predicted for this step (predicted/estimate-fit-*.json)."""
-    sizes: dict[str, int] = {}
-    for path in sorted(predicted.glob(f"estimate-fit-{step.name}-*.json")):
-        import json
-
-        try:
-            rows = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        for row in rows if isinstance(rows, list) else []:
-            if isinstance(row, dict) and isinstance(row.get("value"), int):
-                sizes.setdefault(str(row.get("policy")), row["value"] + 1)  # the maximum and the size past it
-        break
-    return sizes
+    """Per policy, the size past the largest batch `estimate --fit` predicted for this step (the first card's
+    predicted/estimate-fit-<step>-<card>.json): where its trials are expected."""
+    found = sorted(predicted.glob(f"estimate-fit-{step.name}-*.json"))
+    try:
+        rows = json.loads(found[0].read_text()) if found else []
+    except (OSError, ValueError):
+        return {}
+    return {str(row.get("policy")): row["value"] + 1 for row in rows if isinstance(rows, list)
+            and isinstance(row, dict) and isinstance(row.get("value"), int)}
 
 
 def _count_gpu_tests(python: str) -> int:

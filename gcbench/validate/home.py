@@ -25,6 +25,7 @@ QUOTED = ("README.md", "docs/gpu.md")  # the files whose GPU numbers come from t
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 REPORT = Path("docs/gpu-report")
 MAX_MEMBER_BYTES = 256 * 2**20
+_PLAIN = re.compile(r"[A-Za-z0-9._-]+")  # the names validate writes (gpu_slug, step names, report files)
 
 
 @dataclass
@@ -83,6 +84,7 @@ def _members(archive: Path) -> list[tuple[tarfile.TarInfo, PurePosixPath]]:
         parts = path.parts
         if not member.isfile() or path.is_absolute() or ".." in parts or len(parts) < 4 \
                 or parts[0] != "results" or parts[1] not in (ROOT.name, SMOKE_ROOT.name) \
+                or not re.fullmatch(r"[a-z0-9-]+", parts[2]) or not all(_PLAIN.fullmatch(p) for p in parts[3:]) \
                 or member.size > MAX_MEMBER_BYTES:
             raise GcbenchError(f"{str(archive)[:200]!r}: unexpected entry {member.name[:120]!r} (an archive of "
                                "gcbench validate holds results/gpu/<gpu>/ files only)")

@@ -59,14 +59,15 @@ class Step:
         """A script's command line."""
         return [word.format(python=python, dir=folder) for word in self.argv]
 
-    def cli(self) -> str:
-        """The step as a user would type it (for --dry-run)."""
+    def cli(self) -> list[str]:
+        """The step as a user would type it (for --dry-run), in pieces a line may break between (a flag and its
+        value stay together)."""
         if self.kind is StepKind.SCRIPT:
-            return " ".join(self.command("python3", Path("<dir>")))
+            return self.command("python3", Path("<dir>"))
         words = [f"gcbench {self.kind}"]
         for key, value in self.options.items():
-            words.append(f"--{key}" if value is True else f"--{key} {value}")
-        return " ".join(words)
+            words.append("--no-paired" if (key, value) == ("paired", "off") else f"--{key} {value}")
+        return words
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,15 @@ class Sizes:
     optimizers: str
     policies: str = "none,full,every-k:k=2,segments:k=4,sqrtn"  # the classic ones, timed paired in tier 4
     shard_policies: str = "none,full,sqrtn"
+    fit_policies: str = "none,full"
 
 
 REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_seq="2048", line_batch="1,2,4,8",
              canonical_seq=512, small_seq=1024, small_batch=8, fit_range="1..128", cap=None, rounds=20,
              optimizers="adamw,adamw-fused,adafactor")
 SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, line_seq="64", line_batch="1,4,16",
-              canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..32", cap="16MiB", rounds=2,
-              optimizers="adamw", policies="none,full", shard_policies="full")
+              canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..16", cap="16MiB", rounds=2,
+              optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full")
 
 
 def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
@@ -118,7 +120,8 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
     # validation's own process, which starts no fork server per step.
     inline = {"isolation": "none"} if smoke else {}
     per_layer = {"model": s.large, "layers": s.layers, "seq": s.seq}
-    short = {"warmup": 2, "steps": 5, "paired": "off", **inline}  # memory is the point: a few steps, unpaired
+    # memory is the point: a few steps, unpaired (the smoke plan checks the plan: the fewest steps a run takes)
+    short = {"warmup": 1 if smoke else 2, "steps": 2 if smoke else 5, "paired": "off", **inline}
     optimizers = s.optimizers + (",adamw8bit" if bitsandbytes else "")
     core = [
         Step("cuda-context", StepKind.SCRIPT, "memory outside the caching allocator: the CUDA context, then "
@@ -140,7 +143,7 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
               "steps": 3, "paired": "off", **capped, **inline}),
         Step(f"{s.large}-{s.layers}layers-seq{s.seq}", StepKind.FIT, "the largest batch per policy on this GPU's "
              "free memory, by real trials (resumable: each trial is a record; a few steps each: memory is the point)",
-             {**per_layer, "policy": "none,full", "range": s.fit_range, "warmup": 1, "steps": 2,
+             {**per_layer, "policy": s.fit_policies, "range": s.fit_range, "warmup": 1, "steps": 2,
               **({"memory": s.cap} if s.cap else {}), **inline}),
     ]
     levers = [
