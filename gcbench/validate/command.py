@@ -127,8 +127,9 @@ def _summary(validation, outcome, gpu_name: str) -> str:
     if outcome is None:
         lines.append("interrupted: run the same command again to resume")
     elif outcome.stopped:
-        lines.append(f"stopped at the deadline ({outcome.stopped}) after {outcome.seconds:.0f} s; left: "
-                     f"{validation.total_line().removeprefix('total: ')}; run the same command again to resume")
+        left = round(sum(validation.tier_seconds().values()))
+        lines.append(f"stopped at the deadline ({outcome.stopped}) after {outcome.seconds:.0f} s; about {left} s of "
+                     "device time left; run the same command again to resume")
     elif outcome.failed:
         lines += ["not everything passed:", *(f"  {line}" for line in outcome.failed)]
     else:

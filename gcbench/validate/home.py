@@ -63,7 +63,7 @@ def import_archive(archive: Path, root: Path = Path(".")) -> Imported:
     frame, _ = load_results([result.folder])
     write_report(results_frame(frame), result.report)
     if not result.smoke:
-        block = gpu_results_block(result.folder)
+        block = gpu_results_block(result.folder, shown=prefix.as_posix())
         for name in QUOTED:
             if update_quote(root / name, block):
                 result.quoted.append(root / name)
@@ -124,20 +124,21 @@ def update_quote(path: Path, block: str) -> bool:
     return True
 
 
-def gpu_results_block(folder: Path) -> str:
+def gpu_results_block(folder: Path, shown: str | None = None) -> str:
     """The markdown the README and docs/gpu.md quote: per policy of tier 1's config the measured peak, the
-    prediction and its error, the step time and its ratio to none; then the harness overhead. From the records."""
+    prediction and its error, the step time and its ratio to none; then the harness overhead. From the records.
+    `shown`: the folder as the text names it (its path from the repository root)."""
     tier1 = sorted(folder.glob("*-policies.jsonl"))
     records = [r for path in tier1 for r in read_records(path) if r.get("status") == Status.OK]
     if not records:
         return "No GPU record yet: no GPU window has run tier 1 of the plan."
-    env = records[-1].get("env") or {}
+    env = {k: v for k, v in (records[-1].get("env") or {}).items() if v is not None}
     first = records[0]
     lines = [f"Measured on {env.get('gpu_name', 'a GPU')} (torch {env.get('torch', '?')}, CUDA "
              f"{env.get('cuda', '?')}, driver {env.get('driver', '?')}), gcbench {str(env.get('git_sha', '?'))[:8]}: "
              f"{first['model']} with "
              f"{first.get('layers') or 'all'} blocks, seq {first['seq_len']}, batch {first['batch_size']}, "
-             f"{first.get('precision')}; records in `{folder.as_posix()}/`.", "",
+             f"{first.get('precision')}; records in `{shown or folder.as_posix()}/`.", "",
              "| policy | peak allocated | predicted | error | step | time x none |", "|---|---:|---:|---:|---:|---:|"]
     none = next((r for r in records if policy_label(r) == "none"), None)
     none_ms = _median(none) if none else None
