@@ -67,7 +67,6 @@ class Validation:
         self.planning = planning
         self.python = python
         self.console = console or Console(stderr=True)
-        self._params: dict[str, int] = {}
         self._specs: dict[str, list[ResolvedRun]] = {}  # per step, its configs (or trials) once resolved
         self.steps: list[StepPlan] = []
         self.refresh()
@@ -78,13 +77,11 @@ class Validation:
 
     # ------------------------------------------------------------------------------------------------- pricing
 
-    def _params_of(self, spec: ResolvedRun) -> int:
-        from gcbench.runner import model_size
+    @staticmethod
+    def _params_of(spec: ResolvedRun) -> int:
+        from gcbench.runner import model_size  # cached per model config
 
-        key = f"{spec.model}:{spec.layers}"
-        if key not in self._params:
-            self._params[key] = model_size(spec).n_params
-        return self._params[key]
+        return model_size(spec).n_params
 
     def _price(self, tier: Tier, step: Step) -> StepPlan:
         out = step.out(self.folder)
