@@ -102,6 +102,19 @@ def test_fit_reads_its_budget_after_the_context_exists_and_nvml_sees_the_whole_c
     assert nvml == 80 * 2**30 and probed == 80 * 2**30 - context
 
 
+def test_fit_on_a_gpu_without_memory_takes_the_free_memory_after_the_context_as_its_budget(tmp_path):
+    """gcbench fit on the fake GPU (its context takes 512 MiB) with no --memory: the budget is 80 GiB less the
+    context, and the winners are not timed paired in one process."""
+    env = subprocess_env(tmp_path / "calls.jsonl", context_bytes=512 * 2**20)
+    done = subprocess.run([*GCBENCH, "fit", "--model", "tiny-llama", "--seq", "32", "--policy", "full", "--range",
+                           "1..1", "--device", "cuda", "--isolation", "none", "--out", str(tmp_path / "fit.jsonl")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "budget 79.50 GiB per trial" in " ".join(done.stdout.split())
+    (trial,) = read_records(tmp_path / "fit.jsonl")
+    assert trial["fit_budget_bytes"] == 80 * 2**30 - 512 * 2**20 and "not paired: on a GPU" in trial["paired_error"]
+
+
 def _copy_repo(root: Path) -> None:
     for part in ("gcbench", "benchmarks", "tests"):
         shutil.copytree(REPO_ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__", "predicted"))
