@@ -62,7 +62,6 @@ def _root(ctx: typer.Context, _version: Annotated[
         raise typer.Exit(0)
 
 
-
 @app.command()
 @with_spec_options(defaults={"model": "gpt2", "seq_len": 512, "batch_size": 1, "policy": "none"})
 def run(
@@ -104,7 +103,6 @@ def run(
 def models() -> None:
     """List the model presets. Any other model: --model path/to/config.json, or a Hub id (owner/name)."""
     from rich import box
-
     from gcbench.models import MODELS, describe
 
     wide = console.width >= 120  # the one-line summaries only where they need not wrap
@@ -254,11 +252,14 @@ def sweep(
     results = out or DEFAULT_SWEEP_OUT
     with domain_errors(lambda: f"interrupted; finished configs are in {results}, run the same command again to "
                                "resume"):
+        grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
+        results = grid.out
+        if grid.isolation == "process" and grid.executor is None and not dry_run:
+            from gcbench.launch.server import start  # its start-up (torch, the models) overlaps ours
+            start(grid.values["model"])
         from gcbench.report.sweep_tables import grid_table, largest_fit_table, summary_table
         from gcbench.sweeps import Sweep
 
-        grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
-        results = grid.out
         job = Sweep(grid, rerun=rerun, retry_failed=retry_failed, skip_after_oom=not no_skip, console=err_console)
         if left_out := grid.left_out():
             err_console.print(f"[dim]{left_out}[/]")

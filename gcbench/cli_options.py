@@ -34,6 +34,9 @@ def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Ite
         raise typer.Exit(130) from None
 
 
+_SWITCHES: dict[str, dict[str, str]] = {}  # command -> {its run fields' switch flags: their flag value}
+
+
 def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
                  defaults: dict[str, Any] | None = None) -> Callable[[Callable], Callable]:
     """Give a command one option per run field (fields.py declares them: flag, help, metavar), before its own.
@@ -46,6 +49,8 @@ def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str,
     defaults = defaults or {}
 
     def add_options(command: Callable) -> Callable:
+        _SWITCHES[command.__name__.replace("_", "-")] = {f"--{f.flag}": f.flag_value for f in options.values()
+                                                         if f.flag_value}
         hints = {k: v for k, v in get_type_hints(command, include_extras=True).items() if k != "spec_values"}
         # typer reads Annotated[..., typer.Option] from the signature: give it the evaluated hints
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
@@ -90,11 +95,14 @@ def step_progress(err_console: Console, total: int | None):
 
 
 def with_bare_switches(args: list[str]) -> list[str]:
-    """A switch option given alone (`--optim-in-backward`, last or before another option) gets its flag value
-    (`on`); with a value (`--optim-in-backward off`, `on,off` in a sweep) it keeps it. For the command line's
-    arguments before click parses them: click 8 could do this (flag_value on a value option), typer does not pass
-    flag_value on."""
+    """A switch option of the command's run fields given alone (`--optim-in-backward`, last or before another
+    option) gets its flag value (`on`); with a value (`--optim-in-backward off`, `on,off` in a sweep) it keeps it.
+    For the command line's arguments before click parses them: click 8 could do this (flag_value on a value
+    option), typer does not pass flag_value on. Another command's own flag of the same name is left alone
+    (`validate --predict`); options without a command before them (a sweep's, spliced in) take every run field's."""
     switches = {f"--{f.flag}": f.flag_value for f in RUN_FIELDS if f.flag_value}
+    if args and not args[0].startswith("-"):
+        switches = _SWITCHES.get(args[0], {})
     out: list[str] = []
     for i, arg in enumerate(args):
         out.append(arg)

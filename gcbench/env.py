@@ -15,8 +15,6 @@ import gcbench
 from gcbench.fields import DeviceKind
 from gcbench.instruments import CudaInstrument
 
-# The models a sweep runs, one per line, for its fork server to warm up (launch/child.py); set by the sweep.
-WARM_MODELS_ENV = "GCBENCH_WARM_MODELS"
 
 
 def _run(*cmd: str) -> str | None:

@@ -187,6 +187,10 @@ RUN_FIELDS: tuple[Field, ...] = (
           role=Role.LENGTH),
     Field("max_time_s", "max-time", Seconds(), "with --steps auto: seconds of timed steps after which it stops (at "
           "least 6 steps run)", DEFAULT_MAX_TIME_S, role=Role.LENGTH),
+    Field("predict", "predict", Switch(), "also predict the peak by the fake-tensor simulation before the run (on "
+          "CPU exact; about a second for a tiny model, seconds for 7B); without it a record carries the analytic "
+          "prediction only (instant, the classic policies)", False, role=Role.LENGTH, flag_value="on",
+          identity=False),
     Field("threads", "threads", IntOrAuto(1, 4096), "torch CPU threads: auto (CPU: the available cores but one; "
           "CUDA: torch's default) or a number", None, role=Role.DEVICE),
     Field("seed", "seed", Int(0, 2**63 - 1), "seed for weights, batch and dropout", 0,

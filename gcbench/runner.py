@@ -136,8 +136,10 @@ def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse
     if isinstance(spec.policy, Plan):
         record["plan_mix"] = spec.policy.mix
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
-    # (CUDA) or peak_tracked_bytes (CPU) should read. Made beforehand where GCBENCH_PREDICTIONS holds it.
-    record.update(stored_prediction(record, spec.device_kind) or predict_for_run(spec))
+    # (CUDA) or peak_tracked_bytes (CPU) should read. Made beforehand where GCBENCH_PREDICTIONS holds it; else the
+    # analytic model (instant), and the simulation (about a second for a tiny model) only when asked (--predict).
+    record.update(stored_prediction(record, spec.device_kind)
+                  or predict_for_run(spec, methods=("simulate", "analytic") if spec.predict else ("analytic",)))
     instrument = instrument_for(spec.device, spec.memory_cap_bytes)
     try:
         with torch_threads(spec.threads), instrument.session():

@@ -37,6 +37,25 @@ def test_run_writes_one_valid_record(tmp_path, policy):
     assert "peak_allocated_bytes" not in record  # a CPU run never claims CUDA allocator numbers
 
 
+def test_a_run_predicts_by_the_simulation_only_when_asked_and_a_resume_does_not_run_again_for_it(tmp_path):
+    """The analytic prediction costs nothing and every record has it; the simulation (about a second for a tiny
+    model, seconds for 7B) comes with --predict, exact on CPU. A sweep resumed with --predict runs nothing again:
+    the numbers it would measure are the same."""
+    out = tmp_path / "r.jsonl"
+    assert runner.invoke(app, [*TINY_RUN, "--out", str(out)]).exit_code == 0
+    result = runner.invoke(app, [*TINY_RUN, "--predict", "on", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plain, asked = read_records(out)
+    assert plain["predict"] is False and plain["prediction_method"] == "analytic"
+    assert plain["predicted_peak_bytes_simulate"] is None and plain["predicted_peak_bytes_analytic"] > 0
+    assert asked["predict"] is True and asked["prediction_method"] == "simulate"
+    assert asked["predicted_peak_bytes"] == asked["peak_tracked_bytes"]
+    assert asked["predicted_peak_bytes_analytic"] == plain["predicted_peak_bytes_analytic"]
+    sweep = ["sweep", *TINY_RUN[1:], "--policy", "none", "--isolation", "none", "--no-paired", "--out", str(out)]
+    assert runner.invoke(app, [*sweep, "--predict", "on"]).exit_code == 0
+    assert len(read_records(out)) == 2  # the run's record resumed the sweep's one config
+
+
 def test_run_appends_and_keeps_earlier_records(tmp_path):
     out = tmp_path / "r.jsonl"
     for policy in ("none", "full"):

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from gcbench.cli import app
-from gcbench.env import WARM_MODELS_ENV
+from gcbench.launch.server import WARM_MODELS_ENV
 from gcbench.errors import GcbenchError
 from tests.helpers import estimate_axes as grid
 from gcbench.estimators import Estimate, Unavailable, estimate_grid
@@ -108,7 +108,7 @@ def test_the_simulation_is_exact_on_cpu_for_every_family(family_paths, family):
     """Per-family quirks (tied embeddings, GQA, sliding windows, soft-capping, expert routing) are in the
     simulation because it runs the family's own code: its CPU prediction is the measured peak to the byte."""
     for policy in ("none", "full", "sac"):
-        record = run(tiny_spec(family_paths[family], policy, seq_len=64))
+        record = run(tiny_spec(family_paths[family], policy, seq_len=64, predict=True))
         assert record["status"] == "ok"
         assert record["prediction_method"] == "simulate"
         assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
@@ -165,7 +165,8 @@ def test_run_and_estimate_through_the_command_line(family_paths, family, tmp_pat
         pytest.skip(f"transformers has no {family}")
     out = tmp_path / "r.jsonl"
     result = runner.invoke(app, ["run", "--model", family_paths[family], "--seq", str(SEQ), "--batch", "1",
-                                 "--policy", "sqrtn", "--steps", "2", "--device", "cpu", "--out", str(out)])
+                                 "--policy", "sqrtn", "--steps", "2", "--device", "cpu", "--predict", "on", "--out",
+                                 str(out)])
     assert result.exit_code == 0, result.output
     [record] = read_records(out)
     assert record["status"] == "ok" and record["family"] == family and record["n_layers"] == 3

@@ -227,7 +227,7 @@ def test_peak_phase_names_the_phase_that_holds_the_peak(phase, sizes):
                                     dict(precision="bf16", optimizer="adamw-fused")])
 def test_the_simulation_predicts_each_lever_exactly_on_cpu(fields):
     """A CPU run's record carries the simulation's prediction: equal to the measured peak, and so is its phase."""
-    record = run(tiny_spec(seq_len=32, **fields))
+    record = run(tiny_spec(seq_len=32, predict=True, **fields))
     assert record["prediction_method"] == "simulate"
     assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
     assert record["predicted_peak_phase"] == record["peak_phase"]
@@ -306,6 +306,9 @@ def test_a_bare_switch_means_on():
     assert with_bare_switches(["run", "--optim-in-backward"]) == ["run", "--optim-in-backward", "on"]
     assert with_bare_switches(["--optim-in-backward", "--seq", "8"]) == ["--optim-in-backward", "on", "--seq", "8"]
     assert with_bare_switches(["--optim-in-backward", "off"]) == ["--optim-in-backward", "off"]
+    assert with_bare_switches(["sweep", "--predict", "--seq", "8"]) == ["sweep", "--predict", "on", "--seq", "8"]
+    # a command's own flag of a run field's name is its own: validate --predict makes the plan's predictions
+    assert with_bare_switches(["validate", "--predict"]) == ["validate", "--predict"]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -360,7 +360,7 @@ def test_every_policy_gives_the_unsharded_gradients_under_fsdp2(tmp_path):
 def test_a_sweep_over_nproc_gives_per_rank_state_of_about_half(tmp_path):
     out = tmp_path / "r.jsonl"
     result = runner.invoke(app, ["sweep", *SHARDED, "--policy", "full", "--shard", "none,fsdp2", "--nproc", "1,2",
-                                 "--out", str(out)])
+                                 "--predict", "on", "--out", str(out)])
     assert result.exit_code == 0, result.output
     by = {(r["shard"], r["nproc"]): r for r in read_records(out)}
     assert set(by) == {("none", 1), ("fsdp2", 1), ("fsdp2", 2)} and all(r["status"] == "ok" for r in by.values())

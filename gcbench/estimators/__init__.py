@@ -92,17 +92,22 @@ def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str
     return dataclasses.replace(found, stands_in=reason) if reason else found
 
 
-def predict_for_run(spec: ResolvedRun, target: str | None = None) -> dict[str, Any]:
+def predict_for_run(spec: ResolvedRun, target: str | None = None,
+                    methods: tuple[str, ...] = ("simulate", "analytic")) -> dict[str, Any]:
     """The predictions a run's record carries, made before anything is allocated (an OOM record has them too):
     `predicted_peak_bytes` by the best method that can predict this policy (`prediction_method`; the simulation,
     exact on CPU, first; None when neither can), and each method's own prediction
     (`predicted_peak_bytes_simulate`, `predicted_peak_bytes_analytic`; None where it cannot), so that a GPU
     sweep shows both methods' errors. The analytic model is instant; the simulation takes about a second for tiny
     models and seconds for 7B ones. `target`: what to predict for, if not the run's own device (a GPU run's
-    prediction made beforehand on a CPU machine)."""
+    prediction made beforehand on a CPU machine). `methods`: those to run, the preferred first; the others' fields
+    are None (a run predicts by the simulation only when asked: RunSpec.predict)."""
     target = target or spec.device_kind
     out: dict[str, Any] = {"predicted_peak_bytes": None, "prediction_method": None, "predicted_peak_phase": None}
     for method in ("simulate", "analytic"):  # the preferred one first
+        if method not in methods:
+            out[f"predicted_peak_bytes_{method}"] = None
+            continue
         try:
             found = estimate(spec, method, target)
         except GcbenchError:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gcbench.env import WARM_MODELS_ENV
+from gcbench.launch.server import context as fork_server_context
 from gcbench.launch.base import OnPhase, PairingFailed, died, failure_record, read_tail, stop
 from gcbench.launch.slots import HERE, Slot
 from gcbench.resolved import ResolvedRun
@@ -32,16 +32,13 @@ class ProcessRunner:
 
     def __init__(self, timeout_s: float, models: Iterable[str] = (), slot: Slot = HERE,
                  cancel: threading.Event | None = None):
-        # The fork server, started with this process's environment, builds each of the sweep's models on the meta
-        # device once (child.py), so that no child imports their modeling code again.
-        os.environ[WARM_MODELS_ENV] = "\n".join(models)
-        from gcbench.launch.child import run_child  # here, not at import: importing it warms up (git sha, model code)
-
         self.timeout_s = timeout_s
         self.slot = slot  # the GPU or the cores every child of this runner is given
         self.cancel = cancel  # set by the sweep (Ctrl-C while several slots run): stop the child, KeyboardInterrupt
-        self._target = run_child
-        self._ctx = _child_context()
+        # The fork server, started with this process's environment (unless the sweep started it already), builds
+        # each of the sweep's models on the meta device once (child.py), so that no child imports their modeling
+        # code again.
+        self._ctx = fork_server_context(models)
 
     def __call__(self, spec: ResolvedRun, on_phase: OnPhase) -> dict[str, Any]:
         """The config's record: measured by a child, or a failure record when the child died or ran out of time."""
@@ -70,7 +67,7 @@ class ProcessRunner:
         lifeline_r, lifeline = self._ctx.Pipe(duplex=False)
         # The cwd: the fork server keeps the one it started in, but relative paths (a config.json) are the caller's.
         task = {**task, "slot": self.slot.as_task()}
-        proc = self._ctx.Process(target=self._target, args=(task, results_w, lifeline_r, log_path, os.getcwd()),
+        proc = self._ctx.Process(target=_run_child, args=(task, results_w, lifeline_r, log_path, os.getcwd()),
                                  name=name, daemon=True)
         finished = started = False
         try:
@@ -122,29 +119,6 @@ class ProcessRunner:
         return None, (Status.TIMEOUT, f"no result within {timeout_s:g} s (was: {phase})", env, read_tail(log_path))
 
 
-def _child_context():
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")  # no fork server (Windows): slower starts, same isolation
-    # torch.cuda.is_available() in the fork server (transformers calls it) would initialise the CUDA driver there,
-    # and a process forked after that cannot use CUDA. NVML answers the same question without touching CUDA.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    # The fork server starts as `python -c ...`, which puts the working directory first on sys.path: a folder named
-    # gcbench there (the parent directory of a clone) would be imported instead of this package. Keep the working
-    # directory off the path, and put this package's tree on it where it is a source tree, not site-packages.
-    import gcbench
-
-    os.environ["PYTHONSAFEPATH"] = "1"
-    root = str(Path(gcbench.__file__).resolve().parent.parent)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if Path(root).name not in ("site-packages", "dist-packages") and root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gcbench.launch.child"])
-    return ctx
-
-
 @contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM while a child starts and deliver them right after: interrupted mid-start, the sweep
@@ -175,3 +149,11 @@ def _main_module_hidden() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+def _run_child(*args: Any) -> None:
+    """A child's entry, named from here: child.py is imported by the fork server only (importing it warms up:
+    git sha, model code), never by the sweep."""
+    from gcbench.launch.child import run_child
+
+    run_child(*args)

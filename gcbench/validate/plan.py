@@ -120,8 +120,9 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
     # validation's own process, which starts no fork server per step.
     inline = {"isolation": "none"} if smoke else {}
     per_layer = {"model": s.large, "layers": s.layers, "seq": s.seq}
-    # memory is the point: a few steps, unpaired (the smoke plan checks the plan: the fewest steps a run takes)
-    short = {"warmup": 1 if smoke else 2, "steps": 2 if smoke else 5, "paired": "off", **inline}
+    # memory is the point: a few steps, unpaired (the smoke plan checks the plan: the fewest steps a run takes),
+    # each record with both methods' predictions (made beforehand: --predict only acts where none is stored)
+    short = {"warmup": 1 if smoke else 2, "steps": 2 if smoke else 5, "paired": "off", "predict": "on", **inline}
     optimizers = s.optimizers + (",adamw8bit" if bitsandbytes else "")
     core = [
         Step("cuda-context", StepKind.SCRIPT, "memory outside the caching allocator: the CUDA context, then "
@@ -140,7 +141,7 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
         Step(f"{s.large}-oom-line", StepKind.SWEEP, "the whole model at growing batch under none and full: where "
              "memory runs out (OOMs are results; larger configs after one are skipped)",
              {"model": s.large, "seq": s.line_seq, "batch": s.line_batch, "policy": "none,full", "warmup": 1,
-              "steps": 3, "paired": "off", **capped, **inline}),
+              "steps": 3, "paired": "off", "predict": "on", **capped, **inline}),
         Step(f"{s.large}-{s.layers}layers-seq{s.seq}", StepKind.FIT, "the largest batch per policy on this GPU's "
              "free memory, by real trials (resumable: each trial is a record; a few steps each: memory is the point)",
              {**per_layer, "policy": s.fit_policies, "range": s.fit_range, "warmup": 1, "steps": 2,
