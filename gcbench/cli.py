@@ -15,9 +15,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gcbench.cli_options import (ALL, DevicesOption, ExecutorOption, JobsOption, SlurmGpusOption,
-                                 SlurmParallelismOption, SlurmPartitionOption, domain_errors, step_progress,
-                                 with_bare_switches, with_spec_options)
+from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption,
+                                 SlurmGpusOption, SlurmParallelismOption, SlurmPartitionOption, domain_errors,
+                                 step_progress, warm_children, with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
 from gcbench.grid import one_value_each
@@ -255,8 +255,7 @@ def sweep(
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
         results = grid.out
         if grid.isolation == "process" and grid.executor is None and not dry_run:
-            from gcbench.launch.server import start  # its start-up (torch, the models) overlaps ours
-            start(grid.values["model"])
+            warm_children(list(grid.values["model"]))
         from gcbench.report.sweep_tables import grid_table, largest_fit_table, summary_table
         from gcbench.sweeps import Sweep
 
@@ -276,9 +275,6 @@ def sweep(
     # OOMs, timeouts and skips are results; an error (a crash, a bug) is not: make scripts notice it.
     if any(r["status"] == Status.ERROR and r.get("sweep_id") == job.sweep_id for r in records):
         raise typer.Exit(1)
-
-
-FIT_FIELDS = tuple(n for n in BY_NAME if n != "memory_cap_bytes")  # --memory is fit's budget
 
 
 @app.command()
@@ -305,6 +301,8 @@ def fit(
 ) -> None:
     """The largest batch (or sequence) each policy runs in a memory budget, by real trials: predicted, bracketed,
     bisected; then the fastest recommended, with the `gcbench run` command that measures it again."""
+    if isolation == "process" and "model" in spec_values:
+        warm_children([spec_values["model"]])
     from gcbench.fits.command import fit_job
     from gcbench.grid import parse_options
     from gcbench.report.fit_tables import fit_table, recommendation_lines

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from gcbench.errors import GcbenchError
-from gcbench.fields import RUN_FIELDS
+from gcbench.fields import BY_NAME, RUN_FIELDS
 
 ALL = "all"
 
@@ -34,6 +34,15 @@ def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Ite
         raise typer.Exit(130) from None
 
 
+def warm_children(models: list[str]) -> None:
+    """Start the fork server children are forked from now, warming up `models` (launch/server.py): its start-up
+    (torch, transformers, the models' code) then overlaps the command's own instead of following it."""
+    from gcbench.launch.server import start
+
+    start(models)
+
+
+FIT_FIELDS = tuple(n for n in BY_NAME if n != "memory_cap_bytes")  # `gcbench fit`'s: --memory is its budget
 _SWITCHES: dict[str, dict[str, str]] = {}  # command -> {its run fields' switch flags: their flag value}
 
 

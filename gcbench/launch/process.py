@@ -12,7 +12,6 @@ import time
 import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from gcbench.launch.server import context as fork_server_context

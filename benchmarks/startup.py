@@ -1,0 +1,223 @@
+"""What a user waits for: whole gcbench processes, started as a user starts them. A measurement, not a test.
+
+Every figure is the wall time of whole processes started from here (nothing is warmed up inside a timed process;
+the operating system's file cache is warm after the first run, as it is for a user's second command). Where two
+commands are compared they run interleaved in pairs, A B then B A, so that drift and a pair's position hit both
+alike, and the figure is the median of the pairs' ratios:
+  run       `gcbench run` of tiny-llama (seq 32, 1 warm-up + 3 timed steps) against bare_step.py, which imports
+            torch and transformers, builds the same model and runs the same four steps: the floor any harness has.
+            Then where the time of one more run of each goes (imports, spec, prediction, build, steps, record, exit).
+  sweep     `gcbench sweep` of 8 tiny-llama configs: its fixed cost per config, (wall - timed steps) / 8, and the
+            time before its first config (when the first record appears, less that config's own wall time).
+  estimate  `gcbench estimate --model llama-7b --seq 4096 --policy none,full,sqrtn --method simulate`, and with
+            --fit also `gcbench estimate --model llama-7b --seq 4096 --fit --gpu h100-80gb`.
+  optimum   with --optimum-python PY (an interpreter that has optimum-benchmark installed, in its own environment:
+            `pip install optimum-benchmark`): its training scenario on the same tiny llama (benchmarks/
+            optimum_training.py), paired against the same `gcbench run`.
+
+    python benchmarks/startup.py [--pairs 7] [--fit] [--optimum-python /path/to/python]
+
+It prints the machine's load before and after: on a busy machine the ratios hold better than the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PYTHON = sys.executable
+GCBENCH = [PYTHON, "-m", "gcbench"]
+RUN_ARGS = ["run", "--model", "tiny-llama", "--seq", "32", "--policy", "none", "--warmup", "1", "--steps", "3",
+            "--device", "cpu"]
+SWEEP_CONFIGS = 8
+ESTIMATE = ["estimate", "--model", "llama-7b", "--seq", "4096", "--policy", "none,full,sqrtn", "--method", "simulate"]
+ESTIMATE_FIT = ["estimate", "--model", "llama-7b", "--seq", "4096", "--fit", "--gpu", "h100-80gb"]
+# The parts of a run, in order, as the marks name them (see marked_run)
+RUN_PARTS = ("imports", "spec", "prediction", "build", "steps", "record")
+BARE_PARTS = ("imports", "build", "steps")
+
+
+def wall(cmd: list[str], cwd: Path | None = None) -> float:
+    """Seconds from start to exit of one whole process; a failure stops the benchmark (a failing command's time
+    says nothing)."""
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+    return time.perf_counter() - start
+
+
+def paired(a: Callable[[], float], b: Callable[[], float], pairs: int) -> tuple[list[float], list[float]]:
+    """(A's times, B's times), A B then B A in turn, after one pair not counted (the file cache)."""
+    a(), b()
+    times_a, times_b = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            times_a.append(a())
+            times_b.append(b())
+        else:
+            times_b.append(b())
+            times_a.append(a())
+    return times_a, times_b
+
+
+def ratio_line(name: str, times_a: list[float], times_b: list[float], a: str, b: str) -> str:
+    ratios = [x / y for x, y in zip(times_a, times_b)]
+    return (f"{name}: {a} {statistics.median(times_a):.2f} s, {b} {statistics.median(times_b):.2f} s (medians of "
+            f"{len(ratios)}); ratio {a}/{b} median {statistics.median(ratios):.3f} "
+            f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+
+
+def marks(cmd: list[str], names: tuple[str, ...]) -> dict[str, float]:
+    """Seconds each part of one process took: from the marks it prints on stderr (`mark NAME EPOCH`), the last
+    part ending at its exit ("exit")."""
+    start = time.time()
+    proc = subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "GCBENCH_MARKS": "1"})
+    end = time.time()
+    at = {line.split()[1]: float(line.split()[2]) for line in proc.stderr.splitlines() if line.startswith("mark ")}
+    parts, before = {}, start
+    for name in names:
+        parts[name] = at[name] - before
+        before = at[name]
+    parts["exit"] = end - before
+    return parts
+
+
+def split_line(name: str, parts: dict[str, float]) -> str:
+    total = sum(parts.values())
+    return f"{name} {total:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+
+
+def marked_run(argv: list[str]) -> None:
+    """`gcbench ARGV` in this process, printing a mark as each part of a run ends (what --split-child runs): the
+    imports (torch, transformers, gcbench, all up front here), the spec (options parsed, config resolved), the
+    prediction and fit check, the model's build, the steps (warm-up, timed and the untimed passes), the record
+    (written, table printed); gcbench's own entry point, so that its exit is the user's."""
+    def mark(name: str) -> None:
+        print(f"mark {name} {time.time():.6f}", file=sys.stderr, flush=True)
+
+    import gcbench.launch
+    import gcbench.runner
+    import gcbench.step
+    from gcbench.__main__ import main
+
+    mark("imports")
+
+    def wrapped(owner, attr: str, before: str | None = None, after: str | None = None) -> None:
+        original = getattr(owner, attr)
+
+        def call(*args, **kwargs):
+            if before:
+                mark(before)
+            result = original(*args, **kwargs)
+            if after:
+                mark(after)
+            return result
+        setattr(owner, attr, call)
+
+    wrapped(gcbench.launch, "run", before="spec", after="steps")
+    wrapped(gcbench.runner, "_measure", before="prediction")
+    wrapped(gcbench.step.TrainingStep, "__init__", after="build")
+    sys.argv = ["gcbench", *argv]
+    try:
+        main()
+    finally:
+        mark("record")
+
+
+def run_figures(pairs: int, out: Path) -> list[str]:
+    run = [*GCBENCH, *RUN_ARGS, "--out", str(out / "run.jsonl")]
+    bare = [PYTHON, str(HERE / "bare_step.py")]
+    times_run, times_bare = paired(lambda: wall(run), lambda: wall(bare), pairs)
+    lines = [ratio_line("run", times_run, times_bare, "gcbench run", "bare script")]
+    lines.append("  " + split_line("gcbench run", marks([PYTHON, __file__, "--split-child", *RUN_ARGS, "--out",
+                                                          str(out / "run.jsonl")], RUN_PARTS)))
+    lines.append("  " + split_line("bare script", marks(bare, BARE_PARTS)))
+    return lines
+
+
+def sweep_figures(out: Path) -> list[str]:
+    seqs = ",".join(str(32 + 8 * i) for i in range(SWEEP_CONFIGS))  # distinct configs, as in a real sweep
+    results = out / "sweep.jsonl"
+    results.unlink(missing_ok=True)
+    cmd = [*GCBENCH, "sweep", "--model", "tiny-llama", "--seq", seqs, "--batch", "1", "--policy", "none",
+           "--warmup", "1", "--steps", "3", "--device", "cpu", "--out", str(results)]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = None
+    while proc.poll() is None:
+        if first is None and results.exists() and results.stat().st_size:
+            first = time.perf_counter() - start
+        time.sleep(0.005)
+    total = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"the sweep failed (exit {proc.returncode}): {' '.join(cmd)}")
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    steps = sum(sum(r["step_ms"]) for r in records) / 1e3
+    before_first = (first or total) - records[0]["config_wall_ms"] / 1e3
+    configs = [r["config_wall_ms"] / 1e3 for r in records]
+    return [f"sweep of {len(records)} configs: {total:.2f} s wall, timed steps {steps:.2f} s; fixed cost per config "
+            f"{(total - steps) / len(records):.2f} s; before the first config {before_first:.2f} s; each config's "
+            f"own wall (child start to record) {', '.join(f'{c:.2f}' for c in configs)} s"]
+
+
+def estimate_figures(fit: bool) -> list[str]:
+    lines = [f"estimate (llama-7b, seq 4096, simulate, 3 policies): {wall([*GCBENCH, *ESTIMATE]):.2f} s"]
+    if fit:
+        lines.append(f"estimate --fit (llama-7b, seq 4096, h100-80gb): {wall([*GCBENCH, *ESTIMATE_FIT]):.2f} s")
+    return lines
+
+
+def optimum_figures(python: str, pairs: int, out: Path) -> list[str]:
+    run = [*GCBENCH, *RUN_ARGS, "--out", str(out / "run.jsonl")]
+    peer = [python, str(HERE / "optimum_training.py"), "--out", str(out / "optimum")]
+    subprocess.run([*peer, "--prepare"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    version = subprocess.run([python, "-c", "from importlib.metadata import version as v; "
+                              "print(v('optimum-benchmark'), v('transformers'))"], capture_output=True, text=True).stdout.split()
+    times_run, times_peer = paired(lambda: wall(run), lambda: wall(peer, cwd=out), pairs)  # its benchmark.log
+    return [ratio_line(f"optimum-benchmark {version[0]} (transformers {version[1]}; its process launcher)",
+                       times_run, times_peer, "gcbench run", "optimum-benchmark training")]
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--split-child"]:
+        return marked_run(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--fit", action="store_true", help="also time estimate --fit (minutes before issue 33)")
+    ap.add_argument("--optimum-python", help="an interpreter with optimum-benchmark installed")
+    ap.add_argument("--only", choices=("run", "sweep", "estimate", "optimum"), action="append")
+    args = ap.parse_args()
+    only = args.only or ["run", "sweep", "estimate", "optimum"]
+    print(f"{os.cpu_count()} cores, {load()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gcbench-startup-") as tmp:
+        out = Path(tmp)
+        if "run" in only:
+            print("\n".join(run_figures(args.pairs, out)), flush=True)
+        if "sweep" in only:
+            print("\n".join(sweep_figures(out)), flush=True)
+        if "estimate" in only:
+            print("\n".join(estimate_figures(args.fit)), flush=True)
+        if "optimum" in only:
+            if args.optimum_python:
+                print("\n".join(optimum_figures(args.optimum_python, args.pairs, out)), flush=True)
+            else:
+                print("optimum-benchmark: not measured (no --optimum-python: install it in an environment of its "
+                      "own and name that interpreter)")
+    print(load())
+
+
+if __name__ == "__main__":
+    main()
