@@ -1,9 +1,11 @@
-"""The fixed per-config cost of sweep isolation, for tiny-llama on this machine. A measurement, not a test.
+"""The fixed per-config cost of sweep isolation, for tiny-llama on this machine, split by part. A measurement, not a
+test. It starts its clock once the fork server is warm: what a user waits for, whole processes from the start, is
+benchmarks/startup.py's figure.
 
 For --rounds configs (tiny-llama, seq 32, batch 1, 1 warm-up + 1 timed step) it times, from the progress
 messages each config sends:
-  start   launch -> "building model": child start (fork from the server), spec, env, the memory prediction
-          that runner.run stores in every record, meta model, fit check
+  start   launch -> "building model": child start (fork from the server), spec, env, the analytic memory
+          prediction that runner.run stores in every record, meta model, fit check
   build   "building model" -> first warm-up step: model, policy, optimizer, batch
   exit    record received -> child exited and reaped (process isolation only)
 with process isolation (a fresh child per config, what `gcbench sweep` does) and in-process (`--isolation none`);
