@@ -73,7 +73,7 @@ def run(
     written: list[bool] = []  # [True] once the record is in --out
     with domain_errors(lambda: f"interrupted; {'the record is in' if written else 'nothing was written to'} {out}"):
         from gcbench.grid import parse_options
-        from gcbench.report.tables import run_table
+        from gcbench.report.run_table import run_table
         from gcbench.resolved import resolve
         from gcbench.results.store import append_record, check_appendable
         from gcbench.launch import run as run_spec

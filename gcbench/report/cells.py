@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank, without_fit_trials
-from gcbench.results.schema import note_kinds
+from gcbench.results.schema import PHASE_SHORT, note_kinds
 from gcbench.units import byte_unit, fmt_bytes
 
 ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
@@ -109,7 +109,6 @@ def results_grid(part: pd.DataFrame) -> Grid:
                 optional=optional)
 
 
-PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}  # the phase that held a step's peak
 
 OTHER_BASELINE = "†"  # a time ratio relative to another policy than none (none did not fit)
 

@@ -196,6 +196,7 @@ class Record(TypedDict, total=False):
 # configuration as a new one that differs in nothing else.
 ADDED_SPEC_FIELDS = {f.name: f.added[1] for f in RUN_FIELDS if f.added}
 PHASES = ("forward", "backward", "optimizer")  # the phases of a training step whose peaks are reported apart
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}  # the phase that held a step's peak, in tables
 
 
 def peak_phase(peaks: Mapping[str, int | None]) -> str | None:

@@ -1,0 +1,136 @@
+"""`gcbench run`'s table: one record, a row per measured quantity with what it is. Imports no pandas (the other
+tables read a frame: tables.py), so that a run prints its result without 0.2 s more of imports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from gcbench.fields import DeviceKind
+from gcbench.results.schema import PHASE_SHORT, PHASES, half_width, lever_text, mix_text, peak_bytes, policy_label
+from gcbench.units import fmt_bytes, human_count
+
+
+def run_table(record: dict[str, Any]) -> Table:
+    """The one-run table `gcbench run` prints: memory, breakdown, time, throughput, recompute cost."""
+    cuda = DeviceKind.of(record["device"]) is DeviceKind.CUDA
+    env = record.get("env") or {}
+    threads = record.get("threads") or env.get("torch_threads")
+    where = env.get("gpu_name") or f"CPU ({threads} thread{'s' if threads != 1 else ''})"
+    blocks = record.get("n_layers") or record.get("layers")
+    # the family, where the model's name does not say it (a config.json, a Hub id)
+    shape = ", ".join(([record["family"]] if record.get("family") and record["family"] not in record["model"]
+                       else []) + ([f"{blocks} blocks"] if blocks else []))
+    # the optimizer is named in the model state row; the precision and the other levers here
+    levers = lever_text(record, leave_out=("optimizer",))
+    world = record.get("world_size") or 1
+    title = (f"{record['model']}{f' ({shape})' if shape else ''} · seq {record['seq_len']} · batch "
+             f"{record['batch_size']} · {policy_label(record)} · {levers} · {where}")
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("what it is", style="dim")
+    if record["status"] != "ok":
+        style = "bold yellow" if record["status"] == "oom" else "bold red"
+        table.add_row("status", f"[{style}]{record['status']}[/]", escape(record.get("error") or ""))
+        if record.get("predicted_peak_bytes"):
+            table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
+                          f"{record.get('prediction_method')}, before the run")
+        return table
+    if cuda:
+        table.add_row("peak memory", fmt_bytes(record["peak_allocated_bytes"]),
+                      "torch.cuda.max_memory_allocated, whole step")
+        table.add_row("peak reserved", fmt_bytes(record["peak_reserved_bytes"]), "allocator cache incl. fragmentation")
+    else:
+        table.add_row("peak memory (tracked)", fmt_bytes(record["peak_tracked_bytes"]),
+                      "peak of live tensor bytes on CPU (not an allocator)")
+    measured = peak_bytes(record)
+    if record.get("predicted_peak_bytes"):
+        error = record["predicted_peak_bytes"] / measured - 1
+        table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
+                      f"{record.get('prediction_method')} before the run, {error:+.1%} vs measured")
+    if record.get("peak_phase"):
+        table.add_row("peak reached in", f"[bold]{record['peak_phase']}[/]", _phase_text(record))
+    table.add_row("activation peak", fmt_bytes(record["activation_peak_bytes"]), "fwd+bwd peak above model state")
+    table.add_row("saved activations", fmt_bytes(record["saved_activation_bytes"]), "kept for backward after forward")
+    if record.get("plan_mix"):
+        table.add_row("plan mix", mix_text(record["plan_mix"]), "blocks of each kind the plan chose for this shape")
+    if record.get("offloaded_bytes") is not None:
+        table.add_row("offloaded to host", fmt_bytes(record["offloaded_bytes"]), "host copies per forward (offload)")
+    if record.get("compile_ms") is not None:
+        table.add_row("compile time", f"{record['compile_ms'] / 1e3:.1f} s", "torch.compile, not in step time")
+    if record.get("shard") not in (None, "none"):
+        peaks = record.get("rank_peak_allocated_bytes") or record.get("rank_peak_tracked_bytes") or []
+        table.add_row("peak per rank", " · ".join(fmt_bytes(p) for p in peaks),
+                      f"each of the {world} ranks (the record's peak and model state: the largest rank's)")
+    state = record["param_bytes"] + record["grad_bytes"] + record["optimizer_bytes"]
+    # Sharded: a rank holds 1/world of the bytes per parameter.
+    per_param = f"{state * world / record['n_params']:.1f} B/param{f' over {world} ranks' if world > 1 else ''}: " \
+        if record.get("n_params") else ""
+    table.add_row("model state" + (" per rank" if world > 1 else ""), fmt_bytes(state),
+                  f"{per_param}params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
+                  f"+ {record['optimizer']} {fmt_bytes(record['optimizer_bytes'])}")
+    shaky = "~" if record.get("timing_stable") is False else ""
+    table.add_row("step time (median)", f"{shaky}{record['step_ms_median']:.1f} ms", _step_time_text(record))
+    if "timing_stable" in record:
+        stable = record["timing_stable"]
+        table.add_row("timing", "[green]stable[/]" if stable else "[bold yellow]not trusted[/]",
+                      escape("; ".join(record["timing_notes"])) if not stable else _host_text(record))
+    accum = record.get("grad_accum") or 1
+    table.add_row("throughput", f"{record['tokens_per_s']:,.0f} tokens/s",
+                  f"batch x seq{f' x {accum} micro-batches' if accum > 1 else ''}"
+                  f"{f' x {world} ranks' if world > 1 else ''} / median step")
+    ratio = record.get("recompute_flops_ratio")
+    table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
+                  f"{human_count(record['flops'], 'FLOP')} per step vs {human_count(record['model_flops'], 'FLOP')}")
+    if record.get("mfu") is not None:
+        table.add_row("MFU", f"{record['mfu']:.1%}", "model FLOPs / step time / dense bf16 peak")
+    return table
+
+
+PHASE_ADVICE = {
+    "forward": "activations hold the peak: checkpointing can lower it",
+    "backward": "activations hold the peak: checkpointing can lower it",
+    "optimizer": "the optimizer step holds it: checkpointing cannot lower it (docs/levers.md)",
+}
+
+
+def _phase_text(record: dict[str, Any]) -> str:
+    """Each phase's peak, and what can lower the step's."""
+    peaks = " · ".join(f"{PHASE_SHORT[phase]} {fmt_bytes(record[f'{phase}_peak_bytes'])}"
+                       for phase in PHASES if record.get(f"{phase}_peak_bytes"))
+    stepped = "; the optimizer steps inside backward" if record.get("optim_in_backward") else ""
+    return f"{peaks}{stepped}; {PHASE_ADVICE[record['peak_phase']]}"
+
+
+STOPS = {"max-steps": "--max-steps reached", "max-time": "--max-time reached"}  # "ci" and "fixed" need no words
+
+
+def _step_time_text(record: dict[str, Any]) -> str:
+    """IQR, steps, the median's interval and why measuring stopped."""
+    n, iqr = len(record["step_ms"]), record["step_ms_iqr"]
+    text = f"IQR {iqr:.1f} ms"
+    if record.get("step_ms_rel_iqr") is not None:
+        text += f" ({record['step_ms_rel_iqr']:.1%})"
+    text += f" over {n} step{'s' if n != 1 else ''}"
+    half = half_width(record["step_ms_median"], record.get("step_ms_ci"))
+    if half is not None:
+        text += f"; median +-{half:.1%} (95%)"
+    if record.get("steps_stop") in STOPS:
+        text += f"; {STOPS[record['steps_stop']]}"
+    return text
+
+
+def _host_text(record: dict[str, Any]) -> str:
+    cores = len(record["cpu_affinity"]) if record.get("cpu_affinity") else record.get("cpus_logical")
+    others = record.get("other_cpu_cores")
+    load = record.get("load_1m_before")
+    text = "spread within the limit"
+    if others is not None and cores:
+        used = min(record.get("threads") or 1, cores) if DeviceKind.of(record["device"]) is DeviceKind.CPU else 1
+        text += f"; others used {others:.1f} core{'s' if others >= 1.05 else ''}, the run left {cores - used} of {cores} free"
+    if load is not None:
+        text += f"; load {load:.1f}"
+    return text
