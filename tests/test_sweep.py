@@ -346,3 +346,39 @@ def test_a_folder_named_gcbench_in_the_working_directory_is_not_imported_by_the_
     assert done.returncode == 0, done.stderr[-2000:]
     [record] = read_records(tmp_path / "s.jsonl")
     assert record["status"] == "ok"
+
+
+def test_a_sweep_starts_its_fork_server_before_it_resolves_its_configs(monkeypatch, tmp_path):
+    """The fork server's imports (torch, transformers, the models' code: seconds) run beside the sweep's own
+    checks, not after them: the sweep asks for it as soon as its options are read, naming the models to warm."""
+    import gcbench.launch.server
+    import gcbench.sweeps
+
+    calls = []
+    monkeypatch.setattr(gcbench.launch.server, "start", lambda models: calls.append(("server", list(models))))
+
+    class Resolving:
+        def __init__(self, grid, **options):
+            calls.append(("sweep", None))
+            raise gcbench.GcbenchError("stop here")
+
+    monkeypatch.setattr(gcbench.sweeps, "Sweep", Resolving)
+    args = ["sweep", "--model", "tiny-llama,tiny-gpt2", "--seq", "32", "--batch", "1", *FAST_ARGS, "--out",
+            str(tmp_path / "r.jsonl")]
+    assert runner.invoke(app, args).exit_code == 2
+    assert calls == [("server", ["tiny-llama", "tiny-gpt2"]), ("sweep", None)]
+    calls.clear()
+    assert runner.invoke(app, [*args, "--isolation", "none"]).exit_code == 2
+    assert calls == [("sweep", None)]  # nothing to fork
+
+
+def test_children_start_with_the_fork_servers_heap_out_of_the_collectors_sight():
+    """A child's gc.collect (every run ends with one) walks only what the child made: the fork server froze what
+    it imported (gc.freeze) before forking anyone."""
+    import gc
+
+    from gcbench.launch.server import context
+
+    with context(["tiny-llama"]).Pool(1) as pool:
+        frozen = pool.apply(gc.get_freeze_count)
+    assert frozen > 100_000  # torch, transformers and gcbench: about a million objects
