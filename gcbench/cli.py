@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption,
+from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption, PredictionBar,
                                  SlurmGpusOption, SlurmParallelismOption, SlurmPartitionOption, domain_errors,
                                  step_progress, warm_children, with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
@@ -369,9 +369,9 @@ def estimate(
         methods = [m.strip() for m in method.split(",") if m.strip()]
         if not methods or len(set(methods)) < len(methods):
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
-        with err_console.status("estimating"):
-            axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
-            results = estimate_grid(axes, methods, target=device, layers=one.get("layers"), attn=one.get("attn"))
+        axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
+        with PredictionBar(err_console, "estimating") as bar:
+            results = estimate_grid(axes, methods, device, bar, layers=one.get("layers"), attn=one.get("attn"))
     rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             for spec, e in results]
     _print_rows(rows, output_format, lambda: estimate_table(rows, memory), piped_width=140)
@@ -383,8 +383,9 @@ def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | No
     from gcbench.fits.command import predicted_fits
     from gcbench.report.fit_tables import predicted_fit_table
 
-    with err_console.status("predicting"):
-        rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, efficiency, device)
+    with PredictionBar(err_console, "predicting") as bar:
+        rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, efficiency, device,
+                                                          bar)
     _print_rows(rows, output_format, lambda: predicted_fit_table(rows, field_name, title, caption), piped_width=100)
 
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, get_type_hints
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
@@ -133,3 +135,31 @@ SlurmPartitionOption = Annotated[str | None, typer.Option(help="with --executor 
 SlurmGpusOption = Annotated[int | None, typer.Option(help="with --executor slurm: GPUs per job (default 1)")]
 SlurmParallelismOption = Annotated[int | None, typer.Option(help="with --executor slurm: the most jobs running at "
                                                                  "once")]
+
+
+class PredictionBar:
+    """A bar on stderr for `gcbench estimate` (an estimators Progress, told from any thread): predictions done of
+    all, elapsed and remaining time. Started by the first call, not on entry: the estimators fork their workers
+    first (estimators/sharing.py), and a fork must not copy a running refresh thread. Not on a pipe or a log file."""
+
+    def __init__(self, err_console: Console, what: str):
+        self.console, self.what = err_console, what
+        self._bar: Progress | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> PredictionBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        with self._lock:
+            if self._bar is None:
+                self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                                     console=self.console, transient=True, disable=not self.console.is_terminal)
+                self._bar.start()
+                self._bar.add_task(self.what, total=total)
+            self._bar.update(self._bar.task_ids[0], completed=done, total=total, description=f"{self.what} {what}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +261,7 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype) -> nn.Mo
     model gets its own copy of `config` (transformers writes the dtype into it, a policy the attention kernel): a
     resolved run's config is shared by every build of that run."""
     config = copy.deepcopy(config)
-    with torch.device(device):
+    with _BUILDING, torch.device(device):
         model = auto_class(config).from_config(config, dtype=dtype,
                                                attn_implementation=getattr(config, "_attn_implementation", None))
     model.train()
@@ -274,8 +275,14 @@ def build_meta_model(config) -> nn.Module:
 
 
 def _meta_build(head: type, config) -> nn.Module:
-    with torch.device("meta"):
+    with _BUILDING, torch.device("meta"):
         return head.from_config(config)
+
+
+# transformers sets the process's default dtype while it builds a model (from_config(dtype=...)): a build in
+# another thread meanwhile would take that dtype for its parameters. One build at a time (the estimators' threads,
+# estimators/sharing.py side_by_side).
+_BUILDING = threading.RLock()
 
 
 def find_blocks(model: nn.Module, origin: str | None = None) -> nn.ModuleList:

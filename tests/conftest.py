@@ -32,3 +32,12 @@ def fake_cuda(monkeypatch, request):
     yield gpu
     uninstall()
     fresh_library_caches()
+
+
+@pytest.fixture(autouse=True)
+def fresh_estimates():
+    """Each test predicts as a fresh process would: no simulation kept from another test (estimators/sharing.py)."""
+    from gcbench.estimators import sharing
+
+    sharing.forget()
+    yield

@@ -1,11 +1,23 @@
 """The estimate's speed-ups change no number: every case of tests/golden/estimates.py (written by the estimator as
-it was before them) gives the same rows today, to the byte."""
+it was before them) gives the same rows today, to the byte; and each shortcut equals the full path it skips
+(estimators/shortcuts.py, estimators/sharing.py, simulate.count_flops) on every policy and lever."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from gcbench.errors import GcbenchError
+from gcbench.estimators import estimate_grid, sharing, simulate as simulate_module, step_flops
+from gcbench.estimators.shortcuts import ELEMENTWISE_DECOMPOSITIONS, GradientCheck, _decomposes
+from gcbench.estimators.simulate import count_flops, simulate, simulate_each
+from gcbench.policies import Plan
 from tests.golden import estimates as golden
+from tests.helpers import policy_examples, tiny_spec
 
 STORED = golden.stored()
 
@@ -14,3 +26,140 @@ STORED = golden.stored()
                                   for name, _, _ in golden.CASES])
 def test_estimate_rows_unchanged(case):
     assert golden.compute(case) == STORED[case]
+
+
+def _same(a, b) -> None:
+    assert dataclasses.replace(a, seconds=0) == dataclasses.replace(b, seconds=0)
+
+
+def _runnable(policy: str) -> bool:
+    return not policy.startswith(("budget", "plan"))  # compiled blocks are refused; plan is chosen, below
+
+
+# the default suite runs the first three (the optimizer stepped in backward, accumulation, another family); CI all
+LEVERS = [dict(optim_in_backward=True, optimizer="adafactor"), dict(grad_accum=2, precision="amp-bf16"),
+          dict(model="tiny-bert", policy="sac:mm=all"), dict(optimizer="sgd"), dict(optimizer="adafactor"),
+          dict(optimizer="adamw-fused"), dict(optimizer="none"), dict(optim_in_backward=True), dict(grad_accum=2),
+          dict(precision="amp-bf16"), dict(precision="fp32"), dict(model="tiny-gpt2"), dict(model="tiny-bert"),
+          dict(model="tiny-gpt2", policy="offload:what=all")]
+
+
+@pytest.mark.parametrize("target", ["cuda", pytest.param("cpu", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", [p for p in policy_examples() if _runnable(p)])
+def test_every_policy_simulates_as_with_a_warm_up_step_and_a_flops_pass(policy, target):
+    spec = tiny_spec("tiny-llama", policy, seq_len=64, precision="bf16" if target == "cuda" else "fp32")
+    _same(simulate(spec, target, flops=True), simulate(spec, target, flops=True, shortcut=False))
+
+
+@pytest.mark.parametrize("lever", [pytest.param(lever, marks=() if i < 3 else pytest.mark.slow,
+                                                 id=",".join(f"{k}={v}" for k, v in lever.items()))
+                                    for i, lever in enumerate(LEVERS)])
+def test_every_lever_simulates_as_with_a_warm_up_step_and_a_flops_pass(lever):
+    spec = tiny_spec(**{"policy": "full", "seq_len": 64, "precision": "bf16", **lever})
+    _same(simulate(spec, "cuda", flops=True), simulate(spec, "cuda", flops=True, shortcut=False))
+    _same(simulate(spec, "cuda"), simulate(spec, "cuda", shortcut=False))
+    assert count_flops(spec) == simulate(spec, "cuda", flops=True, shortcut=False).flops
+
+
+@pytest.mark.slow
+def test_a_7b_block_simulates_as_with_a_warm_up_step():
+    for policy in ("none", "full", "sac:mm=all", "attn"):
+        spec = tiny_spec("llama-7b", policy, seq_len=4096, batch_size=1, layers=2, precision="bf16")
+        _same(simulate(spec, "cuda", flops=True), simulate(spec, "cuda", flops=True, shortcut=False))
+
+
+@pytest.mark.parametrize("policy, batch_size", [("sac:mm=alternate", 3), pytest.param("none", 1, marks=pytest.mark.slow),
+                                                pytest.param("sqrtn", 3, marks=pytest.mark.slow),
+                                                pytest.param("offload", 1, marks=pytest.mark.slow)])
+def test_a_flops_pass_alone_counts_what_the_simulation_counts(policy, batch_size):
+    spec = tiny_spec("tiny-llama", policy, seq_len=48, batch_size=batch_size, precision="bf16")
+    assert count_flops(spec) == simulate(spec, "cuda", flops=True, shortcut=False).flops
+    sharded = tiny_spec("tiny-llama", policy, seq_len=48, batch_size=batch_size, shard="fsdp2", nproc=2)
+    from gcbench.estimators import estimate
+
+    assert step_flops(sharded) == estimate(sharded, "simulate", "cuda", flops=True).flops
+
+
+def test_a_parameter_no_backward_reaches_takes_the_warm_up_step(monkeypatch):
+    """prime would give it a gradient and optimizer state a warm-up does not: the check sees it, the full path runs."""
+    build = simulate_module.build_model
+
+    def with_unused_parameter(*args, **kwargs):
+        model = build(*args, **kwargs)
+        with torch.device("meta"):
+            model.unused = nn.Linear(8, 8, dtype=model.dtype)
+        return model
+
+    monkeypatch.setattr(simulate_module, "build_model", with_unused_parameter)
+    checks = []
+    monkeypatch.setattr(GradientCheck, "__exit__", lambda self, *exc: checks.append(self.proven) or
+                        [h.remove() for h in self._hooks])
+    spec = tiny_spec("tiny-llama", "full", seq_len=64)
+    _same(simulate(spec, "cuda", flops=True), simulate(spec, "cuda", flops=True, shortcut=False))
+    assert checks == [False]
+
+
+def test_a_gradient_that_is_a_view_of_a_larger_storage_fails_the_check():
+    weight = nn.Parameter(torch.empty(4, 4))
+    with GradientCheck([weight]) as check:
+        (torch.cat([weight, torch.empty(4, 4)]) * 2).sum().backward()
+    assert not check.proven
+    with GradientCheck([weight]) as check:
+        (weight * 2).sum().backward()
+    assert check.proven
+
+
+@pytest.mark.parametrize("op", sorted(ELEMENTWISE_DECOMPOSITIONS, key=str))
+def test_ops_taken_as_elementwise_decompose_and_count_no_flops(op):
+    assert _decomposes(op)  # else the list is not needed
+    x = torch.randn(4, 64, 128)
+    with FlopCounterMode(display=False) as counter:
+        op(torch.randn(4, 64, 128), x)
+    assert counter.get_total_flops() == 0
+
+
+def test_a_plan_is_kept_by_its_chosen_mix():
+    """Plans that differ only in the mix chosen are equal as policies: the kept simulations must not mix them up."""
+    plan = Plan(memory="1GiB")
+    n = tiny_spec().config.num_hidden_layers
+    spec = tiny_spec("tiny-llama", seq_len=64)
+    mixes = [plan.with_mix({"none": n}), plan.with_mix({"full": n})]
+    kept = [simulate(spec.replace(policy=mix), "cuda") for mix in mixes]
+    fresh = [simulate(spec.replace(policy=mix), "cuda", shortcut=False) for mix in mixes]
+    for a, b in zip(kept, fresh):
+        _same(a, b)
+    assert kept[0].peak_bytes != kept[1].peak_bytes
+
+
+def test_workers_give_the_same_estimates_and_errors_as_this_process(monkeypatch):
+    good = tiny_spec("tiny-llama", "full", seq_len=64)
+    bad = tiny_spec("tiny-llama", "budget", seq_len=64)  # compiled: refused on fake tensors
+    inline = simulate_each([good, bad], "cuda", flops=True)
+    sharing.forget()
+    monkeypatch.setattr(sharing, "cores", lambda: 2)
+    with sharing.sharing_cores(2) as workers:
+        assert workers == 2
+        forked = simulate_each([good, bad], "cuda", flops=True)
+    _same(inline[0], forked[0])
+    assert isinstance(forked[1], GcbenchError) and str(forked[1]) == str(inline[1])
+
+
+def test_a_grid_in_workers_gives_the_rows_of_one_process(monkeypatch):
+    axes = {"model": ["tiny-llama"], "seq_len": [64], "batch_size": [2], "policy": ["none", "full", "attn"]}
+    monkeypatch.setattr(sharing, "cores", lambda: 2)
+    told = []
+    forked = estimate_grid(axes, ["simulate", "analytic"], "cuda", lambda *a: told.append(a))
+    sharing.forget()
+    monkeypatch.setattr(sharing, "cores", lambda: 1)
+    inline = estimate_grid(axes, ["simulate", "analytic"], "cuda")
+    assert [e.as_record(s) | {"seconds": 0} for s, e in forked] == [e.as_record(s) | {"seconds": 0}
+                                                                    for s, e in inline]
+    assert told[0][:2] == (0, 6) and told[-1][:2] == (6, 6)
+
+
+def test_a_kept_simulation_answers_again_without_its_unasked_flops():
+    spec = tiny_spec("tiny-llama", "full", seq_len=64)
+    with_flops = simulate(spec, "cuda", flops=True)
+    again = simulate(spec, "cuda")
+    assert with_flops.flops and again.flops is None
+    assert dataclasses.replace(with_flops, flops=None) == again

@@ -17,13 +17,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators import analytic, per_rank, plan, simulate
-from gcbench.estimators.estimates import Estimate, Unavailable
+from gcbench.estimators import analytic, per_rank, plan, sharing, simulate
+from gcbench.estimators.estimates import Estimate, Progress, Unavailable
 from gcbench.resolved import ResolvedRun, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
 
 __all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run",
-           "resolve_plan"]
+           "resolve_plan", "step_flops"]
 
 
 def resolve_plan(spec: ResolvedRun) -> ResolvedRun:
@@ -52,15 +52,26 @@ def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str 
         _PREDICTORS[method](spec, target)
 
 
+def step_flops(spec: RunSpec | ResolvedRun, target: str = "cuda") -> int:
+    """estimate(spec, "simulate", target, flops=True).flops, the cheapest exact way: the count of a simulation this
+    process already ran, else one forward and backward counting FLOPs, nothing else (simulate.count_flops)."""
+    spec = plan.with_mix(resolve(spec), target)
+    if spec.shard != "none":  # the FLOPs of the unsharded step at the rank's batch, as estimate passes them on
+        spec = spec.replace(shard="none", nproc=1)
+    return simulate.count_flops(spec, target)
+
+
 def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",
-                  **spec_fields: Any) -> list[tuple[ResolvedRun, Estimate | Unavailable]]:
+                  progress: Progress | None = None, **spec_fields: Any
+                  ) -> list[tuple[ResolvedRun, Estimate | Unavailable]]:
     """Every combination of the `axes` (RunSpec field -> its values: model, seq_len, batch_size, policy, precision,
     optimizer, ...), by every method. All specs are validated before anything runs, so bad input fails at once and
     nothing is half done. A config a method cannot predict is an Unavailable cell (n/a, and why), not an abort;
     where the analytic model cannot and the simulation was not asked for, the simulation predicts it and says what
     it stands in for (Estimate.stands_in). Only a grid of which nothing could be predicted is an error. No precision
     (or "") = bf16 for a CUDA target, fp32 for CPU, as `gcbench run` picks; spec_fields: the same for every config
-    (layers, attn)."""
+    (layers, attn). The simulations run side by side where the machine has the cores (sharing.py); `progress` is
+    told of each cell predicted."""
     methods = list(methods)
     for method in methods:
         if method not in METHODS:
@@ -75,10 +86,36 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     combos = [dict(zip(names, values)) for values in itertools.product(*axes.values())]
     specs = distinct_runs(((resolve(RunSpec(**fields, device="cpu", **spec_fields)), fields) for fields in combos
                            if not crossed_out(fields, axes)), "predicted")
-    cells = [(spec, _predict_cell(spec, method, target, methods)) for spec in specs for method in methods]
+    jobs = [(spec, method) for spec in specs for method in methods]
+    simulating = [spec for spec, method in jobs if _simulates(spec, method, methods)]
+    cells = []
+    with sharing.sharing_cores(len(simulating), at_once=True):
+        if progress is not None:
+            progress(0, len(jobs), "")  # the workers are forked: a progress bar may start its thread now
+        for spec in simulating:  # begun at once, side by side in the workers; each cell then finds its own kept
+            _begin(spec, target)
+        for spec, method in jobs:
+            cells.append((spec, _predict_cell(spec, method, target, methods)))
+            if progress is not None:
+                progress(len(cells), len(jobs), f"{spec.policy} ({method})")
     if all(isinstance(cell, Unavailable) for _, cell in cells):
         raise GcbenchError(f"nothing in this grid can be predicted: {cells[0][1].reason}")
     return cells
+
+
+def _simulates(spec: ResolvedRun, method: str, methods: list[str]) -> bool:
+    """Whether the cell is predicted by the simulation (the analytic one stands in for it only where the
+    simulation was not asked for)."""
+    return method == "simulate" or analytic.unavailable(spec) is not None and "simulate" not in methods
+
+
+def _begin(spec: ResolvedRun, target: str) -> None:
+    """Begin the simulations estimate(spec, "simulate", target) starts with: a plan's one per kind of block (its
+    mix follows from them), else the step's own (unsharded, as estimate asks for it)."""
+    if isinstance(spec.policy, plan.Plan) and not spec.policy.chosen:
+        plan.begin_choice(spec, target)
+        return
+    simulate.begin(spec.replace(shard="none", nproc=1) if spec.shard != "none" else spec, target)
 
 
 def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str]) -> Estimate | Unavailable:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,10 @@ from gcbench.resolved import ResolvedRun
 # `policy` the name and `policy_options` its options. The rest of a spec (device, steps, seed) does not change a
 # prediction; the spec's device is always "cpu" here anyway, and the row's `target` says what was predicted.
 ROW_SPEC_FIELDS = (*ESTIMATE_FIELDS, POLICY_OPTIONS)
+
+# Told of each prediction done, from any thread: (done, total, what was just predicted). A fit's total grows
+# while it searches (its sizes are chosen one by one).
+Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)

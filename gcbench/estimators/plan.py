@@ -54,25 +54,40 @@ def with_mix(spec: ResolvedRun, target: str) -> ResolvedRun:
 def choose(spec: ResolvedRun, target: str) -> PlanChoice:
     """The mix of least recompute whose simulated peak fits the plan's memory; when none fits, the mix of least
     peak (a run under a cap then records the oom)."""
+    return _choose(_choosing(spec), target)
+
+
+def begin_choice(spec: ResolvedRun, target: str) -> None:
+    """Begin the simulations `choose` starts with, one per kind of block, to run side by side with others
+    (estimators/sharing.py); choose then finds them kept."""
+    from gcbench.estimators.simulate import begin
+
+    spec = _choosing(spec)
+    for kind in spec.policy.kinds:
+        begin(spec.replace(policy=UNIFORM[kind]), target, flops=True)
+
+
+def _choosing(spec: ResolvedRun) -> ResolvedRun:
     # what the choice depends on: the shape, the levers, the plan; not how long a run measures, nor its cap
-    return _choose(spec.replace(device="cpu", memory_cap_bytes=None, warmup_steps=1, measure_steps=1,
-                                       max_steps=1, max_time_s=1.0, seed=0), target)
+    return spec.replace(device="cpu", memory_cap_bytes=None, warmup_steps=1, measure_steps=1, max_steps=1,
+                        max_time_s=1.0, seed=0)
 
 
 @functools.lru_cache(maxsize=64)
 def _choose(spec: ResolvedRun, target: str) -> PlanChoice:
-    from gcbench.estimators.simulate import simulate
+    from gcbench.estimators.simulate import simulate, simulate_each
 
     plan: Plan = spec.policy  # type: ignore[assignment]
     n = spec.model_config()[0].num_hidden_layers
     runs: dict[str, Estimate] = {}
-    for kind in plan.kinds:
-        try:
-            runs[kind] = simulate(spec.replace(policy=UNIFORM[kind]), target, flops=True)
-        except GcbenchError:
+    # the kinds side by side where cores are shared (estimators/sharing.py)
+    uniform = simulate_each([spec.replace(policy=UNIFORM[kind]) for kind in plan.kinds], target, flops=True)
+    for kind, found in zip(plan.kinds, uniform):
+        if isinstance(found, GcbenchError):
             if kind == "none":
-                raise
+                raise found
             continue  # a kind this model cannot run (attn without a transformers attention module): not offered
+        runs[kind] = found
     base = runs["none"]
     costs = [KindCost(kind, (_fwd_bwd(base) - _fwd_bwd(e)) / n, max((e.flops or 0) - (base.flops or 0), 0) / n)
              for kind, e in runs.items()]

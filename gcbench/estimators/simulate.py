@@ -5,25 +5,31 @@ The fakes are CPU tensors even for a CUDA target, because a CPU-only torch build
 through autograd; what CUDA does differently is put back here: the attention kernel CUDA would pick, its backward
 workspace, the multi-tensor optimizer path and the allocator's 512-byte blocks. See docs/methodology.md,
 "Predicting memory". Runs any policy that runs on fake tensors; takes about a second for tiny models, seconds for
-7B ones.
+7B ones (each op costs the fake mode tens of microseconds whatever its size: the time is the number of ops). The
+warm-up's state is made directly and the FLOPs counted on the tracked step where that is exact (shortcuts.py);
+sharing.py keeps each simulation for the process and runs independent ones side by side.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gcbench.errors import GcbenchError, quiet_logger
+from gcbench.estimators.sharing import kept, shared
 from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
+from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.measure import LiveTensorTracker, PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import build_model, count_params, find_blocks
 from gcbench.optimizers import optimizer_kind
@@ -34,11 +40,60 @@ from gcbench.step import TrainingStep, make_optimizer
 from gcbench.units import round_up
 
 
-def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False) -> Estimate:
-    """Run one warm-up step and one tracked step of `spec` on fake tensors; nothing is allocated for real.
-    `flops`: then one more forward and backward counting the FLOPs with recompute (Estimate.flops)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, *,
+             shortcut: bool = True) -> Estimate:
+    """Run one tracked step of `spec` on fake tensors, after the state a warm-up step leaves; nothing is allocated
+    for real. `flops`: also the FLOPs of one forward and backward with recompute (Estimate.flops).
 
+    `shortcut` (tests turn it off to hold the rest to it): the warm-up's state made directly and the FLOPs counted
+    on the tracked step (shortcuts.py), each where it is proven equal, and a simulation this process ran before
+    reused (sharing.py); else a warm-up step before the tracked one and a FLOPs pass after it, as the simulation
+    always did."""
+    if not shortcut:
+        return _simulate(resolve(spec), target, flops, False)
+    found = begin(spec, target, flops).result()
+    return found if flops or found.flops is None else dataclasses.replace(found, flops=None)
+
+
+def begin(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False) -> Future:
+    """simulate(spec, target, flops), begun: the future of its Estimate (which may count FLOPs it was not asked
+    for), run in a worker inside sharing.sharing_cores, else at once."""
+    spec = resolve(spec)
+    return shared(_kept_as(spec, target), flops, _simulate, spec, target, flops, True)
+
+
+def simulate_each(specs: list[ResolvedRun], target: str = "cuda", flops: bool = False
+                  ) -> list[Estimate | GcbenchError]:
+    """simulate() of each spec, side by side where cores are shared; in a spec's place the GcbenchError it
+    raised."""
+    futures = [begin(spec, target, flops) for spec in specs]
+    return [f.exception() if isinstance(f.exception(), GcbenchError) else f.result() for f in futures]
+
+
+def count_flops(spec: RunSpec | ResolvedRun, target: str = "cuda") -> int:
+    """The FLOPs simulate(flops=True) counts for `spec` (one forward and backward, recompute included): a kept
+    simulation's, else by that forward and backward alone (no warm-up, no tracking, no optimizer phase: a third of
+    a simulation), where only the FLOPs are wanted (the step time of a size the analytic model found)."""
+    spec = resolve(spec)
+    key = _kept_as(spec, target)
+    simulated = kept(key)
+    if simulated is not None and simulated.exception() is None:
+        return simulated.result().flops
+    return shared(("flops", key), True, _count_flops, spec, target).result()
+
+
+def _kept_as(spec: ResolvedRun, target: str) -> tuple:
+    """What a simulation reads of its run: not how the run would measure (steps, time, seed), nor its device or
+    memory cap (the fakes are CPU tensors, never capped), as plan.choose; and every field of the policy, those its
+    equality leaves out too (a plan's chosen mix)."""
+    same = spec.replace(device="cpu", memory_cap_bytes=None, warmup_steps=1, measure_steps=1, max_steps=1,
+                        max_time_s=1.0, seed=0)
+    policy = spec.policy
+    return same, type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy)), target
+
+
+def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Estimate:
+    """The simulation itself (simulate's docstring), in this process."""
     start = time.perf_counter()
     # Reference cycles an earlier simulation left (SAC's caches make some) would otherwise be collected at a moment
     # of the garbage collector's choosing inside this one's tracked step: the same spec would give another peak.
@@ -47,14 +102,60 @@ def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = Fa
     spec = resolve(spec).replace(device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
     config, _ = spec.model_config()
+    tracker = AllocatorModel(cuda)
+    phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
+    with _fake_step(spec, cuda) as (step, ids):
+        check = prime(step, spec.optimizer) if shortcut else None
+        if check is None:
+            step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
+        state = _device_state(step, cuda)
+        tracker.track(step.params() + step.grads() + state + [ids])
+        tally = FlopTally() if flops and shortcut else None
+        with tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext():
+            step(tally.marking(phases) if tally else phases)
+        unproven = check is not None and not check.proven
+        counted = tally.total if tally is not None and tally.exact else None
+        if flops and counted is None and not unproven:
+            # Apart from the tracked step: FlopCounterMode's module hooks keep tensors alive, which would be counted
+            with counting_flops() as counter:
+                step.forward_backward()
+            counted = counter.get_total_flops()
+        parts = [storage_bytes(tensors, tracker.granularity_bytes) for tensors in (step.params(), step.grads(), state)]
+        n_params = count_params(step.model)
+    if unproven:  # a warm-up might have left other gradients than prime's: the full path, out of this fake mode
+        return _simulate(spec, target, flops, False)
+    peaks, peak = phases.fields(), max(phases.peaks.values())
+    return Estimate(
+        method="simulate", target=target, peak_bytes=peak, param_bytes=parts[0], grad_bytes=parts[1],
+        optimizer_bytes=parts[2], activation_bytes=peak - sum(parts), peak_phase=peaks["peak_phase"],
+        forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
+        optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=n_params,
+        attention_kernel=attention_kernel(spec, config, target), flops=counted,
+        seconds=time.perf_counter() - start)
+
+
+def _count_flops(spec: ResolvedRun, target: str) -> int:
+    spec = spec.replace(device="cpu", memory_cap_bytes=None)
+    with _fake_step(spec, target == "cuda") as (step, _):
+        with counting_flops() as counter:
+            step.forward_backward()
+    return counter.get_total_flops()
+
+
+@contextlib.contextmanager
+def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, torch.Tensor]]:
+    """The run's TrainingStep on fake tensors (its policy applied and prepared, its optimizer made), and its batch of
+    token ids; inside, the fake mode and what makes CPU fakes act as the target would. Any failure in here is the
+    user's answer: a GcbenchError of one line."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config, _ = spec.model_config()
     # bitsandbytes keeps its quantisation maps as real tensors, made when the optimizer is
     fake = FakeTensorMode(allow_non_fake_inputs=optimizer_kind(spec.optimizer).module is not None)
     model = build_model(config, "meta", spec.param_dtype)
     materialise_as_fakes(model, fake)
     spec.policy.apply(find_blocks(model))
     _refuse_compiled(model, spec.policy)
-    tracker = AllocatorModel(cuda)
-    phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
     try:
         # made outside the fake mode: bitsandbytes computes its quantisation map from real values
         optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
@@ -65,33 +166,13 @@ def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = Fa
             ids = torch.empty((spec.batch_size * spec.grad_accum, spec.seq_len), dtype=torch.long)
             step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
             spec.policy.prepare(step)
-            step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
-            state = _device_state(step, cuda)
-            tracker.track(step.params() + step.grads() + state + [ids])
-            with tracker:
-                step(phases)
-            # Apart from the tracked step: FlopCounterMode's module hooks keep tensors alive, which would be counted
-            counted = None
-            if flops:
-                with counting_flops() as counter:
-                    step.forward_backward()
-                counted = counter.get_total_flops()
-            parts = [storage_bytes(tensors, tracker.granularity_bytes)
-                     for tensors in (step.params(), step.grads(), state)]
+            yield step, ids
     except GcbenchError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a policy on fake tensors is the user's answer
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise GcbenchError(f"simulate cannot run {spec.model} with policy {spec.policy} on fake tensors: "
                            f"{first_line}") from None
-    peaks, peak = phases.fields(), max(phases.peaks.values())
-    return Estimate(
-        method="simulate", target=target, peak_bytes=peak, param_bytes=parts[0], grad_bytes=parts[1],
-        optimizer_bytes=parts[2], activation_bytes=peak - sum(parts), peak_phase=peaks["peak_phase"],
-        forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
-        optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=count_params(model),
-        attention_kernel=attention_kernel(spec, config, target), flops=counted,
-        seconds=time.perf_counter() - start)
 
 
 def _device_state(step: TrainingStep, cuda: bool) -> list[torch.Tensor]:

@@ -12,8 +12,8 @@ from rich.console import Console
 from gcbench.errors import GcbenchError
 from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_LO, VARY, Fit, FitSpec, \
     canonical_policy
-from gcbench.fits.predict import predict_fit
-from gcbench.fits.search import Search
+from gcbench.estimators.estimates import Progress
+from gcbench.fits.predict import predict_each
 from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
 from gcbench.grid import one_value_each
 from gcbench.fields import run_field
@@ -88,9 +88,11 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
 
 
 def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
-                   efficiency: float, device: str) -> tuple[list[dict[str, Any]], str, str, list[str]]:
+                   efficiency: float, device: str, progress: Progress | None = None
+                   ) -> tuple[list[dict[str, Any]], str, str, list[str]]:
     """(rows, the varied field, title, caption) of `gcbench estimate --fit`: per policy the largest size predicted
-    to fit, its peak, the next size's peak, and with a named GPU the predicted step time and tokens/s."""
+    to fit, its peak, the next size's peak, and with a named GPU the predicted step time and tokens/s. `progress`:
+    told of each size predicted and each policy done."""
     if vary not in VARY:
         raise GcbenchError(f"unknown --vary {vary!r} (batch, seq)")
     if (memory is None) == (gpu_name is None):
@@ -110,8 +112,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     fixed = {k: v for k, v in fields.items() if k != field_name}  # what every prediction shares
     lo, hi = fit_range(None, field_name, fixed)
     rows = []
-    for policy in policies:
-        found = predict_fit(fixed, policy, field_name, Search(lo, hi, cap), device, flops=True)
+    for policy, found in zip(policies, predict_each(fixed, policies, field_name, lo, hi, cap, device, progress)):
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         step_s = found.step_seconds(card.peak_flops if card else None, efficiency)
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)

@@ -9,15 +9,20 @@ efficiency the user states: a prediction, labelled as such everywhere it is show
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators import analytic, estimate
-from gcbench.estimators.estimates import Estimate
+from gcbench.estimators import analytic, estimate, step_flops
+from gcbench.estimators.estimates import Estimate, Progress
+from gcbench.estimators.sharing import sharing_cores, side_by_side
 from gcbench.fits.search import Search, Trial, extrapolate
 from gcbench.resolved import ResolvedRun, resolve
+from gcbench.fields import run_field
+from gcbench.models import build_model
+from gcbench.policies import Plan, parse_policy
 from gcbench.spec import RunSpec
 
 DEFAULT_EFFICIENCY = 0.4  # of the dense peak, recompute included (hardware FLOPs utilisation): an assumption
@@ -45,30 +50,66 @@ def spec_at(fields: Mapping[str, Any], policy: str, vary: str, value: int) -> Re
 
 
 def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Search, target: str,
-                flops: bool = False) -> PredictedFit:
+                flops: bool = False, tried: Callable[[int], None] | None = None) -> PredictedFit:
     """The largest size of `search`'s range whose predicted peak on `target` is within `search.budget` (the search
-    object is used up). `flops`: also count the step's FLOPs at that size (one simulation)."""
+    object is used up). `flops`: also count the step's FLOPs at that size. `tried`: told of each size predicted."""
     # the target says what is predicted; its default precision is what a run there would take
     fields = {**fields, "device": "cpu", "memory_cap_bytes": None,
               "precision": fields.get("precision") or ("bf16" if target == "cuda" else "fp32")}
     method = "analytic" if analytic.unavailable(spec_at(fields, policy, vary, search.lo)) is None else "simulate"
     found: dict[int, Estimate] = {}
 
+    # a simulation counts the FLOPs on its tracked step for a tenth more time: cheaper than a pass for them after
+    count = flops and method == "simulate"
+
     def attempt(value: int) -> Trial:
-        e = found[value] = estimate(spec_at(fields, policy, vary, value), method, target)
+        e = found[value] = estimate(spec_at(fields, policy, vary, value), method, target, flops=count)
+        if tried is not None:
+            tried(value)
         return Trial(value, e.peak_bytes <= search.budget, e.peak_bytes, e.param_bytes + e.grad_bytes
                      + e.optimizer_bytes)
 
     search.run(attempt, lambda s: extrapolate(s))
     best = search.maximum
-    step_flops = None
+    counted = None
     if flops and best is not None:
         at = found[best]
-        step_flops = at.flops if at.flops is not None else \
-            estimate(spec_at(fields, policy, vary, best), "simulate", target, flops=True).flops
+        counted = at.flops if at.flops is not None else step_flops(spec_at(fields, policy, vary, best), target)
     return PredictedFit(policy, best, found.get(best) if best is not None else None,
                         found[search.next_up].peak_bytes if search.next_up is not None else None,
-                        method, len(found), step_flops)
+                        method, len(found), counted)
+
+
+def predict_each(fields: Mapping[str, Any], policies: list[str], vary: str, lo: int, hi: int, budget: int,
+                 target: str, progress: Progress | None = None) -> list[PredictedFit]:
+    """predict_fit of each policy over lo..hi within `budget`, FLOPs counted, in the policies' order; side by side
+    where the machine has the cores (estimators/sharing.py: the policies' searches in threads, their simulations
+    in worker processes). `progress`: told of each size tried and each policy done."""
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def tell(what: str) -> None:
+        if progress is not None:
+            with lock:
+                progress(len(done), len(policies), what)
+
+    def one(policy: str) -> PredictedFit:
+        found = predict_fit(fields, policy, vary, Search(lo, hi, budget), target, flops=True,
+                            tried=lambda value: tell(f"{policy}: {run_field(vary).flag} {value}"))
+        with lock:
+            done.append(policy)
+        tell(f"{policy}: done")
+        return found
+
+    # The model's transformers code imported here, once, before the workers are forked: the analytic model needs it
+    # here anyway, and each worker would import it again (a 7B fit's first simulation started 1.4 s later).
+    first = spec_at({**fields, "device": "cpu"}, policies[0], vary, lo)
+    build_model(first.config, "meta", first.param_dtype)
+    # a plan's choice simulates its kinds of block at once: room for them beside the other policies
+    plans = [p for p in map(parse_policy, policies) if isinstance(p, Plan)]
+    with sharing_cores(len(policies) + sum(len(p.kinds) - 1 for p in plans)):
+        tell("")  # the workers are forked: a progress bar may start its thread now
+        return side_by_side(one, policies)
 
 
 def try_predict(fields: Mapping[str, Any], policy: str, vary: str, search: Search, target: str) -> int | None:
