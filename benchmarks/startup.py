@@ -7,8 +7,8 @@ alike, and the figure is the median of the pairs' ratios:
   run       `gcbench run` of tiny-llama (seq 32, 1 warm-up + 3 timed steps) against bare_step.py, which imports
             torch and transformers, builds the same model and runs the same four steps: the floor any harness has.
             Then where the time of one more run of each goes (imports, spec, prediction, build, steps, record, exit).
-  sweep     `gcbench sweep` of 8 tiny-llama configs: its fixed cost per config, (wall - timed steps) / 8, and the
-            time before its first config (when the first record appears, less that config's own wall time).
+  sweep     `gcbench sweep` of 8 tiny-llama configs: its fixed cost per config, (wall - timed steps) / 8, and when
+            its first record is written (one tiny config's own work, about 0.3 s, included).
   estimate  `gcbench estimate --model llama-7b --seq 4096 --policy none,full,sqrtn --method simulate`, and with
             --fit also `gcbench estimate --model llama-7b --seq 4096 --fit --gpu h100-80gb`.
   optimum   with --optimum-python PY (an interpreter that has optimum-benchmark installed, in its own environment:
@@ -144,7 +144,19 @@ def run_figures(pairs: int, out: Path) -> list[str]:
     return lines
 
 
-def sweep_figures(out: Path) -> list[str]:
+def sweep_figures(out: Path, repeat: int) -> list[str]:
+    """Each figure the median of `repeat` sweeps (a fresh output file each: nothing resumes)."""
+    runs = [sweep_once(out) for _ in range(repeat)]
+    total, steps, first, n = (statistics.median(r[i] for r in runs) for i in range(4))
+    return [f"sweep of {n:.0f} configs (median of {repeat} sweeps): {total:.2f} s wall, timed steps {steps:.2f} s; "
+            f"fixed cost per config {(total - steps) / n:.2f} s; first record written after {first:.2f} s; each "
+            f"later config's own wall (child start to record), median {statistics.median(runs[0][4][1:]):.2f} s"]
+
+
+def sweep_once(out: Path) -> tuple[float, float, float, int, list[float]]:
+    """(wall, timed steps, when the first record was written, configs, each config's own wall) of one sweep,
+    seconds. A config's own wall starts when its child is asked for: the first one's includes waiting for the fork
+    server, so the first record's time says what a user waits for."""
     seqs = ",".join(str(32 + 8 * i) for i in range(SWEEP_CONFIGS))  # distinct configs, as in a real sweep
     results = out / "sweep.jsonl"
     results.unlink(missing_ok=True)
@@ -162,15 +174,13 @@ def sweep_figures(out: Path) -> list[str]:
         raise SystemExit(f"the sweep failed (exit {proc.returncode}): {' '.join(cmd)}")
     records = [json.loads(line) for line in results.read_text().splitlines()]
     steps = sum(sum(r["step_ms"]) for r in records) / 1e3
-    before_first = (first or total) - records[0]["config_wall_ms"] / 1e3
-    configs = [r["config_wall_ms"] / 1e3 for r in records]
-    return [f"sweep of {len(records)} configs: {total:.2f} s wall, timed steps {steps:.2f} s; fixed cost per config "
-            f"{(total - steps) / len(records):.2f} s; before the first config {before_first:.2f} s; each config's "
-            f"own wall (child start to record) {', '.join(f'{c:.2f}' for c in configs)} s"]
+    return total, steps, first or total, len(records), [r["config_wall_ms"] / 1e3 for r in records]
 
 
-def estimate_figures(fit: bool) -> list[str]:
-    lines = [f"estimate (llama-7b, seq 4096, simulate, 3 policies): {wall([*GCBENCH, *ESTIMATE]):.2f} s"]
+def estimate_figures(fit: bool, repeat: int) -> list[str]:
+    times = [wall([*GCBENCH, *ESTIMATE]) for _ in range(repeat)]
+    lines = [f"estimate (llama-7b, seq 4096, simulate, 3 policies): median {statistics.median(times):.2f} s of "
+             f"{repeat} ({', '.join(f'{t:.2f}' for t in times)})"]
     if fit:
         lines.append(f"estimate --fit (llama-7b, seq 4096, h100-80gb): {wall([*GCBENCH, *ESTIMATE_FIT]):.2f} s")
     return lines
@@ -196,10 +206,15 @@ def main() -> None:
         return marked_run(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=7)
-    ap.add_argument("--fit", action="store_true", help="also time estimate --fit (minutes before issue 33)")
+    ap.add_argument("--repeat", type=int, default=3, help="sweeps and estimates timed (their median)")
+    ap.add_argument("--fit", action="store_true", help="also time estimate --fit, once (about 40 s)")
     ap.add_argument("--optimum-python", help="an interpreter with optimum-benchmark installed")
     ap.add_argument("--only", choices=("run", "sweep", "estimate", "optimum"), action="append")
+    ap.add_argument("--root", type=Path, help="time the gcbench of this checkout (e.g. a `git worktree` of an "
+                                              "earlier commit) instead of this one")
     args = ap.parse_args()
+    if args.root:  # the children import gcbench from there (PYTHONPATH comes before an editable install)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(args.root.resolve()), os.environ.get("PYTHONPATH", "")])
     only = args.only or ["run", "sweep", "estimate", "optimum"]
     print(f"{os.cpu_count()} cores, {load()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gcbench-startup-") as tmp:
@@ -207,9 +222,9 @@ def main() -> None:
         if "run" in only:
             print("\n".join(run_figures(args.pairs, out)), flush=True)
         if "sweep" in only:
-            print("\n".join(sweep_figures(out)), flush=True)
+            print("\n".join(sweep_figures(out, args.repeat)), flush=True)
         if "estimate" in only:
-            print("\n".join(estimate_figures(args.fit)), flush=True)
+            print("\n".join(estimate_figures(args.fit, args.repeat)), flush=True)
         if "optimum" in only:
             if args.optimum_python:
                 print("\n".join(optimum_figures(args.optimum_python, args.pairs, out)), flush=True)
