@@ -144,6 +144,25 @@ def test_workers_give_the_same_estimates_and_errors_as_this_process(monkeypatch)
     assert isinstance(forked[1], GcbenchError) and str(forked[1]) == str(inline[1])
 
 
+def test_a_process_running_other_threads_is_never_forked(monkeypatch):
+    """A notebook's kernel or a server calling gcbench runs threads of its own: a fork would copy the locks they
+    hold, so its simulations stay in the process."""
+    import threading
+
+    monkeypatch.setattr(sharing, "cores", lambda: 2)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        with sharing.sharing_cores(2) as workers:
+            assert workers == 1
+    finally:
+        stop.set()
+        other.join()
+    with sharing.sharing_cores(2) as workers:
+        assert workers == 2
+
+
 def test_a_grid_in_workers_gives_the_rows_of_one_process(monkeypatch):
     axes = {"model": ["tiny-llama"], "seq_len": [64], "batch_size": [2], "policy": ["none", "full", "attn"]}
     monkeypatch.setattr(sharing, "cores", lambda: 2)

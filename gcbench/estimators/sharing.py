@@ -80,10 +80,12 @@ def sharing_cores(jobs: int, at_once: bool = False) -> Iterator[int]:
     end together after one and a half lengths, not two; measured: 7.7 s against 8.5 s for three 7B simulations).
     A search, whose jobs wait on each other, keeps one per core (a 7B fit: 33 s against 40 s). Yields the number
     of workers; 1 (nothing forked, everything in this process as before) with one core or one job, inside a worker
-    or an outer `sharing_cores`, or where fork does not exist."""
+    or an outer `sharing_cores`, where fork does not exist, or in a process running other threads (a notebook's
+    kernel, a server calling gcbench): a fork copies the locks they hold, and a worker could wait on one forever."""
     global _pool
     n = 1 if cores() < 2 else jobs if at_once and jobs <= 2 * cores() else min(cores(), jobs)
-    if n < 2 or _pool is not None or _in_worker or "fork" not in multiprocessing.get_all_start_methods():
+    if n < 2 or _pool is not None or _in_worker or "fork" not in multiprocessing.get_all_start_methods() \
+            or threading.active_count() > 1:
         yield 1
         return
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_become_worker)
