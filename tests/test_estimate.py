@@ -49,9 +49,13 @@ def test_analytic_is_within_ten_percent_of_the_measured_peak(classic_records, mo
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 @pytest.mark.parametrize("model", TINY)
 def test_every_record_carries_the_prediction(classic_records, model):
-    record = classic_records[model, "none"]
+    """The analytic one always (milliseconds); the simulation's with --predict, exact on CPU."""
+    plain = classic_records[model, "none"]
+    assert plain["prediction_method"] == "analytic" and plain["predicted_peak_bytes_simulate"] is None
+    record = run(tiny_spec(model, "none", seq_len=256, predict=True))
     assert record["prediction_method"] == "simulate"
     assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]  # exact on CPU
+    assert record["predicted_peak_bytes_analytic"] == plain["predicted_peak_bytes_analytic"]
 
 
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
@@ -124,7 +128,7 @@ def test_analytic_refuses_policies_it_does_not_understand_but_simulate_runs_them
 @pytest.mark.slow  # a real run per policy
 @pytest.mark.parametrize("name", [n for n in ("sac", "attn", "offload") if n in POLICIES])
 def test_simulate_runs_other_cpu_policies_exactly(name):
-    spec = tiny_spec("tiny-llama", name, seq_len=64)
+    spec = tiny_spec("tiny-llama", name, seq_len=64, predict=True)
     record = run(spec)
     assert record["prediction_method"] == "simulate"
     assert simulate(spec, "cpu").peak_bytes == record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
