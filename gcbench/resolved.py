@@ -146,6 +146,9 @@ def distinct_runs(runs: Iterable[tuple[ResolvedRun, Mapping[str, Any]]], twice: 
     for run, given in runs:
         if (key := config_key(run.as_record())) in seen:
             name = next(n for n in given if given[n] != seen[key][1].get(n))
+            if not run_field(name).identity:  # it says how a config is run, not what: both values are one config
+                raise GcbenchError(f"--{run_field(name).flag} takes one value here: it does not change the config, "
+                                   f"which would be {twice} twice")
             raise GcbenchError(f"--{run_field(name).flag}: duplicate value {getattr(run, name)} (each config would be "
                                f"{twice} twice)")
         seen[key] = (run, given)

@@ -382,3 +382,11 @@ def test_children_start_with_the_fork_servers_heap_out_of_the_collectors_sight()
     with context(["tiny-llama"]).Pool(1) as pool:
         frozen = pool.apply(gc.get_freeze_count)
     assert frozen > 100_000  # torch, transformers and gcbench: about a million objects
+
+
+def test_a_switch_that_changes_no_config_takes_one_value(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", *FAST_ARGS,
+                                 "--predict", "on,off", "--dry-run", "--out", str(out)])
+    assert result.exit_code == 2 and not out.exists()
+    assert "--predict takes one value here: it does not change the config, which would be run twice" in result.output
