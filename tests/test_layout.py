@@ -34,11 +34,11 @@ LAYERS = [
     ("spec",),
     ("results",),
     ("fields",),
-    ("values", "optimizers", "units", "gpus", "errors", "__init__"),
+    ("values", "optimizers", "units", "text", "gpus", "errors", "__init__"),
 ]
 # Readers of results: they import results and the small helpers beside it, nothing that measures.
-READERS = {"report": ("report", "results", "fields", "values", "units", "errors", "__init__"),
-           "compare": ("results", "fields", "values", "units", "errors", "__init__")}
+READERS = {"report": ("report", "results", "fields", "values", "units", "text", "errors", "__init__"),
+           "compare": ("results", "fields", "values", "units", "text", "errors", "__init__")}
 
 
 def module_name(path: Path) -> str:

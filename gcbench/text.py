@@ -1,0 +1,27 @@
+"""Text that came from a file, a config or a user, made safe to show: no terminal control sequences, and (for rich)
+no markup. Every string read from a results file, a TOML file, a model config or a path goes through here before it
+reaches a terminal; HTML and SVG escape on their own."""
+
+import re
+
+# ANSI escape sequences (CSI "ESC [ ... final", OSC "ESC ] ... BEL|ST", and two-byte "ESC x"), whole: shown as
+# text they would still move the cursor, recolour or retitle the terminal.
+_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]?")
+# Every other C0/C1 control character (NUL, BEL, backspace, carriage return, DEL, 0x80-0x9f), tab and newline too
+# where the text is one line.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL_KEEP_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def plain(text: object, *, lines: bool = False) -> str:
+    """`text` as a str a terminal shows literally: escape sequences dropped, other control characters written as
+    `\\xNN` (so that a name differing only by one still reads differently). `lines`: keep newlines and tabs."""
+    text = _SEQUENCE.sub("", str(text))
+    return (_CONTROL_KEEP_LINES if lines else _CONTROL).sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def markup(text: object, *, lines: bool = False) -> str:
+    """`plain(text)` escaped for rich markup: a path like `m[1][/1]` prints as itself instead of failing as a tag."""
+    from rich.markup import escape
+
+    return escape(plain(text, lines=lines))
