@@ -4,14 +4,22 @@ Records are matched by spec — device (with its torch threads on a CPU), model 
 optimizer, attention, memory cap, seed), seq, batch and policy; how a config was measured (warm-up and measured
 steps) is not part of the match. A spec found in only one of the two is listed, never compared.
 
-A step-time change inside the noise of either side (its median's 95% interval, or its IQR for records without one)
-is not a regression unless `strict`: it is listed as noise instead.
+Peak memory is exact: compared as it is. Step times are compared only where both runs trust theirs: one that either
+run marks not comparable (CPU jobs side by side, CPU ranks) or not trusted (timing_stable false: noisy steps, a busy
+host) is listed as not compared, with why. A step-time change is a regression only past its threshold and clear of
+both runs' noise (results.stats.clearly_different on the medians' 95% intervals, recomputed for correlated steps
+from the raw steps every record keeps), unless `strict`: inside the noise it is listed as noise instead.
+
+By ratio (`by="ratio"`), a policy's step time is compared relative to its own results' baseline policy at the same
+seq and batch (time_ratio, timed paired where the sweep did so): the number a machine's load shifts least.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 from rich import box
@@ -20,8 +28,10 @@ from rich.table import Table
 from rich.text import Text
 
 from gcbench.errors import GcbenchError
-from gcbench.results.frame import FAILED, GROUP_KEYS, policy_rank
-from gcbench.results.schema import Status, half_width
+from gcbench.results.frame import FAILED, GROUP_KEYS, given, latest_per_group, policy_rank
+from gcbench.results.schema import NoteKind, Status, note_kinds, timing_notes_of
+from gcbench.results.stats import Stats, clearly_different
+from gcbench.text import markup, plain
 from gcbench.units import byte_unit
 
 # --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
@@ -31,6 +41,11 @@ METRICS = {
     "tokens": ("tokens_per_s", "tokens/s", -1),
 }
 SPEC_KEYS = [*GROUP_KEYS, "policy_label"]
+BY = ("time", "ratio")  # --by: each config's own step time, or its time relative to its results' baseline policy
+# Notes that make a step time another kind of number than a sequential run's (each record says so): never compared.
+NOT_COMPARABLE = (NoteKind.SIDE_BY_SIDE, NoteKind.CPU_RANKS)
+SIDES = {"old": "OLD", "new": "NEW"}
+NOT_COMPARED, NOISE = "?", "~"  # how a step-time change is marked in the tables
 
 
 def parse_thresholds(text: str | None) -> dict[str, float]:
@@ -54,11 +69,14 @@ def spec_label(row: dict) -> str:
 
 @dataclass
 class Comparison:
-    matched: pd.DataFrame  # a row per spec in both: `<column>_old`, `<column>_new`, `<key>_change` (new/old - 1)
+    matched: pd.DataFrame  # a row per spec in both: `<column>_old`, `<column>_new`, `<key>_change` (new/old - 1),
+    # ratio_change (of time_x), time_why_not (why the step times were not compared, or None), time_mark (? ~ or "")
     only_old: list[str]  # spec labels
     only_new: list[str]
     regressions: list[str]  # one sentence each; empty when no thresholds were given
     within_noise: list[str]  # changes past a threshold but inside the noise: not regressions unless strict
+    not_compared: list[str] = field(default_factory=list)  # "spec: why" for step times not compared
+    by: str = "time"
 
     @property
     def failed(self) -> bool:
@@ -69,12 +87,19 @@ THREADS = re.compile(r" · (\d+) torch threads?")
 
 
 def compare_results(old: pd.DataFrame, new: pd.DataFrame, thresholds: dict[str, float],
-                    strict: bool = False) -> Comparison:
-    """Match two `results_frame`s by spec; a change past its threshold, or a config that ran before and now
-    does not (ok -> OOM), is a regression — except a change of step time (or tokens/s) inside the noise of either
-    side, unless `strict`. Relative changes only between two successful runs."""
-    columns = [*SPEC_KEYS, "status", "step_ms_iqr", "step_ms_ci", *(col for col, _, _ in METRICS.values())]
-    merged = old[columns].merge(new[columns], on=SPEC_KEYS, how="outer", suffixes=("_old", "_new"), indicator=True)
+                    strict: bool = False, by: str = "time") -> Comparison:
+    """Match two `results_frame`s by spec; a regression is a config that ran before and now does not (ok -> OOM),
+    a peak past its threshold, or a step time (tokens/s) past its threshold and clear of both runs' noise (inside
+    it too when `strict`). Step times either run marks not comparable or not trusted are never compared: listed in
+    `not_compared` with why. `by`: "time" compares each config's median step time, "ratio" its time relative to
+    its results' baseline policy at the same seq and batch. Relative changes only between two successful runs."""
+    if by not in BY:
+        raise GcbenchError(f"--by {by!r}: expected one of {', '.join(BY)}")
+    columns = [*SPEC_KEYS, "status", "timing_trusted", "timing_notes", "timing_note_kinds", "time_x", "time_x_vs",
+               "ratio_trusted", "time_lo", "time_hi", "ratio_lo", "ratio_hi",
+               *(col for col, _, _ in METRICS.values())]
+    old, new = _with_bounds(old)[columns], _with_bounds(new)[columns]
+    merged = old.merge(new, on=SPEC_KEYS, how="outer", suffixes=("_old", "_new"), indicator=True)
     label = lambda frame: [spec_label(r) for r in frame.to_dict("records")]  # noqa: E731
     only_old = label(merged[merged["_merge"] == "left_only"])
     only_new = label(merged[merged["_merge"] == "right_only"])
@@ -84,34 +109,125 @@ def compare_results(old: pd.DataFrame, new: pd.DataFrame, thresholds: dict[str, 
     both_ok = (matched["status_old"] == Status.OK) & (matched["status_new"] == Status.OK)
     for key, (col, _, _) in METRICS.items():
         matched[f"{key}_change"] = (matched[f"{col}_new"] / matched[f"{col}_old"] - 1).where(both_ok)
-    # A step-time change within either run's own noise is noise, whatever its size in percent (tokens/s too: it is
-    # batch x seq over the same median).
-    noise = pd.concat([_noise_ms(matched, "old"), _noise_ms(matched, "new")], axis=1).max(axis=1)
-    matched["time_within_noise"] = ((matched["step_ms_median_new"] - matched["step_ms_median_old"]).abs()
-                                    <= noise) & both_ok
+    # The baseline's own ratio is 1 by definition: nothing to compare by ratio.
+    matched["ratio_change"] = (matched["time_x_new"] / matched["time_x_old"] - 1).where(
+        both_ok & (matched["policy_label"] != matched["time_x_vs_new"]))
+    rows = matched.to_dict("records")
+    matched["time_why_not"] = [_why_not_compared(r, by) if ok else None for r, ok in zip(rows, both_ok)]
+    clear = [ok and _clearly_changed(r, by) for r, ok in zip(rows, both_ok)]
+    matched["time_mark"] = [NOT_COMPARED if given(why) else "" if is_clear or not ok else NOISE
+                            for why, is_clear, ok in zip(matched["time_why_not"], clear, both_ok)]
 
-    regressions, within_noise = [], []
-    if thresholds:
-        for r in matched.to_dict("records"):
-            if r["status_old"] == Status.OK and r["status_new"] != Status.OK:
-                regressions.append(f"{spec_label(r)}: ran before, now {FAILED.get(r['status_new'], r['status_new'])}")
-            for key, limit in thresholds.items():
-                _, what, sign = METRICS[key]
-                change = r[f"{key}_change"]
-                if change == change and change * sign > limit:
-                    line = f"{spec_label(r)}: {what} {change:+.1%} (tolerated {limit:.0%})"
-                    noisy = key != "peak" and r["time_within_noise"] and not strict
-                    (within_noise if noisy else regressions).append(line)
-    return Comparison(matched, only_old, only_new, regressions, within_noise)
+    regressions, within_noise, not_compared = [], [], []
+    for r in matched.to_dict("records"):
+        if r["status_old"] == Status.OK and r["status_new"] != Status.OK:
+            regressions.append(f"{spec_label(r)}: ran before, now {FAILED.get(r['status_new'], r['status_new'])}")
+        if given(r["time_why_not"]):
+            not_compared.append(f"{spec_label(r)}: {r['time_why_not']}")
+        for key, limit in thresholds.items():
+            _, what, sign = METRICS[key]
+            change = r[f"{key}_change"]
+            if key != "peak" and given(r["time_why_not"]):
+                continue
+            if key != "peak" and by == "ratio":  # tokens/s relative to the baseline's is the inverse time ratio
+                change = r["ratio_change"] if key == "time" else 1 / (1 + r["ratio_change"]) - 1
+                what = f"{what} relative to {r['time_x_vs_new']}"
+            if change == change and change * sign > limit:
+                line = f"{spec_label(r)}: {what} {change:+.1%} (tolerated {limit:.0%})"
+                noisy = key != "peak" and r["time_mark"] == NOISE and not strict
+                (within_noise if noisy else regressions).append(line)
+    return Comparison(matched, only_old, only_new, regressions, within_noise, not_compared, by)
 
 
-def _noise_ms(matched: pd.DataFrame, side: str) -> pd.Series:
-    """One side's noise in ms: the larger distance from its median to its 95% interval, or its IQR where the record
-    has no interval (fewer than 6 steps, or written before intervals were)."""
-    median = matched[f"step_ms_median_{side}"]
-    relative = [half_width(m, ci) for m, ci in zip(median, matched[f"step_ms_ci_{side}"])]
-    half = [m * r if r is not None else float("nan") for m, r in zip(median, relative)]
-    return pd.Series(half, index=matched.index).fillna(matched[f"step_ms_iqr_{side}"])
+def _with_bounds(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with the bounds of each step time (time_lo, time_hi, ms) and of each time ratio (ratio_lo,
+    ratio_hi): a step time's median's 95% interval recomputed from its raw steps (results.stats: made for
+    correlated steps; the steps' range where they cannot bound it; the stored interval, or the IQR, for a record
+    without steps); a paired ratio's stored 95% interval; an unpaired ratio's two medians' intervals combined."""
+    frame = frame.reindex(columns=list(dict.fromkeys([*frame.columns, "step_ms", "time_x_paired"])))
+    bounds = [_time_bounds(r) for r in frame.to_dict("records")]
+    frame = frame.assign(time_lo=[lo for lo, _ in bounds], time_hi=[hi for _, hi in bounds])
+    base = latest_per_group(frame[(frame["policy"] == "none") & (frame["status"] == Status.OK)])
+    joined = frame.join(base.set_index(GROUP_KEYS)[["step_ms_median", "time_lo", "time_hi"]].add_suffix("_base"),
+                        on=GROUP_KEYS)
+    ratio = [_ratio_bounds(r) for r in joined.to_dict("records")]
+    return frame.assign(ratio_lo=[lo for lo, _ in ratio], ratio_hi=[hi for _, hi in ratio])
+
+
+def _time_bounds(r: dict[str, Any]) -> tuple[float, float]:
+    median = r["step_ms_median"]
+    if not given(median):
+        return math.nan, math.nan
+    if isinstance(r["step_ms"], list) and r["step_ms"]:
+        s = Stats.of(r["step_ms"])
+        if s.ci is None:  # too few or too correlated steps to bound their median: no change is clear of it
+            return math.nan, math.nan
+        scale = median / s.median if s.median else 1.0  # the record's median is its steps' (kept as stored)
+        return s.ci[0] * scale, s.ci[1] * scale
+    if isinstance(r.get("step_ms_ci"), list) and len(r["step_ms_ci"]) == 2:
+        return r["step_ms_ci"][0], r["step_ms_ci"][1]
+    iqr = r["step_ms_iqr"] if given(r.get("step_ms_iqr")) else 0.0
+    return median - iqr, median + iqr
+
+
+def _ratio_bounds(r: dict[str, Any]) -> tuple[float, float]:
+    ratio = r["time_x"]
+    if not given(ratio):
+        return math.nan, math.nan
+    if _yes(r["time_x_paired"]):
+        ci = r["time_ratio_ci"]
+        return (ci[0], ci[1]) if isinstance(ci, list) and len(ci) == 2 else (math.nan, math.nan)
+    t, b = r["step_ms_median"], r["step_ms_median_base"]
+    if not (given(b) and t and b):
+        return math.nan, math.nan
+    down = math.hypot(1 - r["time_lo"] / t, r["time_hi_base"] / b - 1)  # this step faster, the baseline's slower
+    up = math.hypot(r["time_hi"] / t - 1, 1 - r["time_lo_base"] / b)
+    return ratio * (1 - down), ratio * (1 + up)
+
+
+def _clearly_changed(r: dict[str, Any], by: str) -> bool:
+    """Whether old and new differ past both runs' noise (step times, or time ratios `by` ratio)."""
+    value, bound = ("time_x", "ratio") if by == "ratio" else ("step_ms_median", "time")
+    old, new = r[f"{value}_old"], r[f"{value}_new"]
+    lo_old, hi_old, lo_new, hi_new = (r[f"{bound}_{end}_{side}"] for side in SIDES for end in ("lo", "hi"))
+    if not all(given(v) for v in (old, new, lo_old, hi_old, lo_new, hi_new)):
+        return False
+    return clearly_different(old, (lo_old, hi_old), new, (lo_new, hi_new))
+
+
+def _why_not_compared(r: dict[str, Any], by: str) -> str | None:
+    """Why the step times of a matched pair (both ok) are not compared; None when they are."""
+    notes = {side: {"timing_notes": r[f"timing_notes_{side}"], "timing_note_kinds": r[f"timing_note_kinds_{side}"]}
+             for side in SIDES}
+    apart = {side: [n.kind.words for n in timing_notes_of(record) if n.kind in NOT_COMPARABLE]
+             for side, record in notes.items()}
+    if any(apart.values()):
+        return f"not comparable: {_per_side(apart)}"
+    if by == "ratio":
+        missing = [SIDES[side] for side in SIDES if not given(r[f"time_x_{side}"])]
+        if missing:
+            return f"no time ratio in {' and '.join(missing)} (no baseline policy ran at this seq and batch)"
+        if r["time_x_vs_old"] != r["time_x_vs_new"]:
+            return f"ratios to different policies ({r['time_x_vs_old']} in OLD, {r['time_x_vs_new']} in NEW)"
+        shaky = [SIDES[side] for side in SIDES if not _yes(r[f"ratio_trusted_{side}"])]
+        return (f"time ratio not trusted in {' and '.join(shaky)} (a paired ratio's 95% interval past +-10%, or an "
+                "unpaired one of timings not trusted)") if shaky else None
+    untrusted = {side: note_kinds(record) or ["timing not trusted"] for side, record in notes.items()
+                 if not _yes(r[f"timing_trusted_{side}"])}
+    return f"timing not trusted: {_per_side(untrusted)}" if untrusted else None
+
+
+def _yes(value: Any) -> bool:
+    """A flag from a merged frame: True, False, or missing (NaN for a side without the column): missing is no."""
+    return given(value) and bool(value)
+
+
+def _per_side(reasons: dict[str, list[str]]) -> str:
+    """Each side's reasons in words: "CPU jobs side by side (OLD and NEW)", "OLD: ...; NEW: ..."."""
+    texts = {side: ", ".join(dict.fromkeys(words)) for side, words in reasons.items() if words}
+    if len(texts) == 2 and len(set(texts.values())) == 1:
+        return f"{texts['old']} (OLD and NEW)"
+    return "; ".join(f"{SIDES[side]}: {text}" for side, text in texts.items())
 
 
 def _nothing_in_common(old: pd.DataFrame, new: pd.DataFrame) -> str:
@@ -126,6 +242,39 @@ def _nothing_in_common(old: pd.DataFrame, new: pd.DataFrame) -> str:
             "setup, seq, batch and policy")
 
 
+def print_comparison(console: Console, c: Comparison, thresholds: dict[str, float], fail: str | None) -> None:
+    """What `gcbench compare` shows: a table per device and setup, the specs and step times not compared (and
+    why), the changes inside the noise and the regressions (the command exits 1 when `c.failed`)."""
+    for table in comparison_tables(c, thresholds, console.width):
+        console.print(table)
+    for title, specs in (("only in OLD (not compared)", c.only_old), ("only in NEW (not compared)", c.only_new)):
+        if specs:
+            console.print(f"[bold]{title}:[/] {len(specs)}")
+            for spec in specs:
+                console.print(f"  {markup(spec)}")
+    if c.not_compared:
+        console.print(f"[bold]step times not compared (never a regression):[/] {len(c.not_compared)}")
+        skipped = c.matched[c.matched["time_why_not"].map(given)]
+        one_table = c.matched[["setup", "device_label"]].drop_duplicates().shape[0] == 1  # its title names them
+        for why, part in skipped.groupby("time_why_not", sort=False):  # one reason, then its specs
+            console.print(f"  {markup(why)}:")
+            for r in part.to_dict("records"):
+                label = f"seq {r['seq_len']} · batch {r['batch_size']} · {r['policy_label']}" if one_table \
+                    else spec_label(r)
+                console.print(f"    {markup(label)}")
+    if c.within_noise:
+        console.print(f"[yellow]{len(c.within_noise)} change(s) past --fail {markup(fail)} but inside the noise of a "
+                      "run (not failed; --strict fails them):[/]")
+        for line in c.within_noise:
+            console.print(f"  {markup(line)}")
+    if c.regressions:
+        console.print(f"[bold red]{len(c.regressions)} regression(s) past --fail {markup(fail)}:[/]")
+        for line in c.regressions:
+            console.print(f"  {markup(line)}")
+    elif thresholds:
+        console.print(f"[green]no regression past --fail {markup(fail)}[/]")
+
+
 def comparison_tables(c: Comparison, thresholds: dict[str, float], width: int | None = None) -> list[Table]:
     """One rich table per device and setup: old -> new and the relative change of each metric. Given a terminal
     `width` too narrow for all of them, the tokens/s columns are left out (tokens/s is batch x seq over the step
@@ -134,25 +283,36 @@ def comparison_tables(c: Comparison, thresholds: dict[str, float], width: int | 
     frame = c.matched.assign(_rank=c.matched["policy_label"].map(policy_rank))
     frame = frame.sort_values(["device_label", "setup", "seq_len", "batch_size", "_rank"])
     for (device, setup), part in frame.groupby(["device_label", "setup"], sort=False):
-        table = _comparison_table(device, setup, part, thresholds, tokens=True)
-        if width is not None and Console(width=100_000).measure(table).maximum > width:
-            table = _comparison_table(device, setup, part, thresholds, tokens=False)
+        table = _comparison_table(device, setup, part, thresholds, tokens=c.by == "time", by=c.by)
+        if c.by == "time" and width is not None and Console(width=100_000).measure(table).maximum > width:
+            table = _comparison_table(device, setup, part, thresholds, tokens=False, by=c.by)
         tables.append(table)
     return tables
 
 
+def _caption(part: pd.DataFrame, tokens: bool, by: str) -> str:
+    noise = ("~ = a change within the two ratios' noise (their 95% intervals)" if by == "ratio" else
+             "~ = a step-time change within the two runs' noise (their medians' 95% intervals, for correlated steps)")
+    parts = ["change = new / old - 1", noise]
+    if by == "ratio":
+        parts.insert(0, "time ratio = step time / its baseline policy's at the same seq and batch (none, or the "
+                        "cheapest that ran; paired where timed so)")
+    if (part["time_mark"] == NOT_COMPARED).any():
+        parts.append("? = step times not compared (listed below, with why)")
+    if by == "time" and not tokens:
+        parts.append("tokens/s left out (narrow terminal)")
+    return "; ".join(parts)
+
+
 def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: dict[str, float],
-                      tokens: bool) -> Table:
+                      tokens: bool, by: str = "time") -> Table:
     scale, unit = byte_unit(part[["peak_bytes_old", "peak_bytes_new"]].max().max())
-    table = Table(title=f"{setup} — {device}", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
-                  collapse_padding=True,
-                  caption="change = new / old - 1; ~ = a step-time change within either run's noise (the 95% "
-                          "interval of its median, or its IQR)" + ("" if tokens else "; tokens/s left out (narrow "
-                                                                                      "terminal)"),
-                  caption_justify="left")
-    columns = ["seq", "batch", "policy", "status", f"peak {unit}", "Δ peak", "step ms", "Δ time"]
+    table = Table(title=markup(f"{setup} — {device}"), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=0, collapse_padding=True, caption=_caption(part, tokens, by), caption_justify="left")
+    columns = ["seq", "batch", "policy", "status", f"peak {unit}", "Δ peak"]
+    columns += ["time ratio", "Δ ratio"] if by == "ratio" else ["step ms", "Δ time"]
     columns += ["tokens/s", "Δ tokens/s"] if tokens else []
-    widest_policy = max(map(len, part["policy_label"]))
+    widest_policy = max(len(plain(p)) for p in part["policy_label"])
     for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "status") else "right", no_wrap=col != "status",
                          min_width=widest_policy if col == "policy" else None)
@@ -160,28 +320,34 @@ def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: d
         status = r["status_new"] if r["status_old"] == r["status_new"] else \
             f"{r['status_old']} -> {r['status_new']}"
         cells = [
-            str(r["seq_len"]), str(r["batch_size"]), r["policy_label"],
-            Text(status, style="bold red" if r["status_new"] != Status.OK else ""),
+            str(r["seq_len"]), str(r["batch_size"]), Text(plain(r["policy_label"])),  # Text: no markup read
+            Text(plain(status), style="bold red" if r["status_new"] != Status.OK else ""),
             _pair(r["peak_bytes_old"] / scale, r["peak_bytes_new"] / scale, "{:,.2f}"),
             _change(r["peak_change"], +1, thresholds.get("peak")),
-            _pair(r["step_ms_median_old"], r["step_ms_median_new"], "{:,.1f}"),
-            _change(r["time_change"], +1, thresholds.get("time"), noise=r["time_within_noise"]),
         ]
+        if by == "ratio":
+            cells += [_pair(r["time_x_old"], r["time_x_new"], "{:,.2f}x"),
+                      _change(r["ratio_change"], +1, thresholds.get("time"), r["time_mark"])]
+        else:
+            cells += [_pair(r["step_ms_median_old"], r["step_ms_median_new"], "{:,.1f}"),
+                      _change(r["time_change"], +1, thresholds.get("time"), r["time_mark"])]
         if tokens:
             cells += [_pair(r["tokens_per_s_old"], r["tokens_per_s_new"], "{:,.0f}"),
-                      _change(r["tokens_change"], -1, thresholds.get("tokens"), noise=r["time_within_noise"])]
+                      _change(r["tokens_change"], -1, thresholds.get("tokens"), r["time_mark"])]
         table.add_row(*cells)
     return table
 
 
 def _pair(old: float, new: float, fmt: str) -> str:
-    show = lambda v: fmt.format(v) if v == v else "-"  # noqa: E731 - NaN for a run that did not finish
+    show = lambda v: fmt.format(v) if given(v) else "-"  # noqa: E731 - NaN for a run that did not finish
     return f"{show(old)} -> {show(new)}"
 
 
-def _change(change: float, sign: int, limit: float | None, noise: bool = False) -> Text:
+def _change(change: float, sign: int, limit: float | None, mark: str = "") -> Text:
     if change != change:
         return Text("-")
     worse = change * sign
-    style = "bold red" if limit is not None and worse > limit else "green" if worse < 0 else ""
-    return Text(f"{change:+.1%}" + ("~" if noise else ""), style=style)
+    past = limit is not None and worse > limit
+    style = ("bold red" if not mark else "yellow" if mark == NOISE else "dim") if past else \
+        "green" if worse < 0 and not mark else ""
+    return Text(f"{change:+.1%}{mark}", style=style)

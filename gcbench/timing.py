@@ -1,5 +1,5 @@
-"""Step times and whether to trust them: the statistics of raw samples, how many steps to measure, the host's load
-while measuring, the stability rule, and policies timed paired (interleaved rounds in one process).
+"""Step times and whether to trust them: how many steps to measure (by the statistics of results/stats.py), the
+host's load while measuring, the stability rule, and policies timed paired (interleaved rounds in one process).
 
 Nothing here reads a clock of its own: every duration comes from the caller's timer and every deadline from the
 caller's clock, so the rules are tested with fake clocks. No torch here; psutil reads the host.
@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from gcbench.fields import DEFAULT_MAX_STEPS, DEFAULT_MAX_TIME_S
-from gcbench.results.schema import NoteKind, TimingNote, half_width
+from gcbench.results.schema import NoteKind, TimingNote
+from gcbench.units import plural
+from gcbench.results.stats import MIN_SAMPLES, Stats  # the statistics of samples (compare reads them too)
 
-CONFIDENCE = 0.95
 # --steps auto: measure until the median's 95% interval is within +-2% of it (the issue's target; pyperf and
 # pytest-benchmark also calibrate by time, not by a fixed count), with a minimum and two budgets.
 TARGET_HALF_WIDTH = 0.02
-MIN_STEPS = 6  # the fewest samples whose min..max brackets the median with >= 95% confidence (1 - 2 * 0.5**6)
+MIN_STEPS = MIN_SAMPLES  # the fewest samples that can have an interval (6; correlated steps need more)
+# Correlated steps in a calm spell look better known than they are: auto stops once the interval has been within its
+# target at this many step counts in a row, not at the first (on simulated AR(1) steps correlated 0.8, the interval
+# where auto stopped held the median 86% of the time stopping at the first, 91% at the third).
+CONFIRMATIONS = 3
 # The stability rule (docs/methodology.md, "When a step time is trusted"). torch.utils.benchmark warns at an IQR of
 # 10% of the median; GPU kernels repeat far better than a CPU shared with the OS, so CUDA gets 5%.
 REL_IQR_LIMIT = {"cuda": 0.05, "cpu": 0.10}
@@ -32,75 +36,15 @@ SPARE_CORE_SLACK = 0.25  # cores other processes may use beyond those the run le
 # The 1-minute load average before the steps includes the run's own threads (its warm-up): it may exceed the cores
 # by this much before the host counts as loaded.
 LOAD_SLACK = 0.5
-EXACT_INTERVAL_UP_TO = 1000  # samples; beyond, the normal approximation of the binomial (exact to a rank or so)
-
-
-# ---------------------------------------------------------------------------------------------------- statistics
-
-@dataclass(frozen=True)
-class Stats:
-    """Summary of raw samples (e.g. per-step milliseconds): the one place medians, IQRs and intervals are computed."""
-
-    median: float
-    q1: float
-    q3: float
-    min: float
-    max: float
-    n: int
-    ci: tuple[float, float] | None  # 95% interval of the median (order statistics); None below MIN_STEPS samples
-
-    @classmethod
-    def of(cls, samples: Iterable[float]) -> Stats:
-        xs = sorted(samples)
-        if not xs:
-            raise ValueError("no samples")
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
-        return cls(statistics.median(xs), q1, q3, xs[0], xs[-1], len(xs), median_interval(xs))
-
-    @property
-    def iqr(self) -> float:
-        return self.q3 - self.q1
-
-    @property
-    def rel_iqr(self) -> float:
-        return self.iqr / self.median if self.median else math.inf
-
-    @property
-    def ci_half_width(self) -> float | None:
-        """The interval's larger distance from the median, relative to it (0.02 = +-2%); None without an interval."""
-        return half_width(self.median, self.ci)
-
-
-def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
-    """A distribution-free interval of the median: the order statistics x(k) and x(n+1-k) with the largest k for
-    which the median lies between them with probability >= `confidence` (binomial, p = 1/2). No assumption of
-    normality: step times are skewed (a descheduled step is slow, never fast). None when n is too small."""
-    xs = sorted(samples)
-    n = len(xs)
-    alpha = 1 - confidence
-    if n > EXACT_INTERVAL_UP_TO:
-        z = statistics.NormalDist().inv_cdf(1 - alpha / 2)
-        k = max(1, math.floor(n / 2 - z * math.sqrt(n) / 2))
-        return xs[k - 1], xs[n - k]
-    below = 0.0  # P(Binomial(n, 1/2) <= k - 1): the median is below x(k)
-    term = 0.5 ** n  # P(Binomial(n, 1/2) = k), updated term by term
-    k = 0
-    while k < n // 2:
-        if 2 * (below + term) > alpha:
-            break
-        below += term
-        term *= (n - k) / (k + 1)
-        k += 1
-    return None if k == 0 else (xs[k - 1], xs[n - k])
 
 
 # ---------------------------------------------------------------------------------------------------- how long
 
 @dataclass(frozen=True)
 class StepBudget:
-    """How many steps to measure: a fixed count, or (auto) until the median's interval is within
-    `target` of it, at least MIN_STEPS, at most `step_limit` steps or `time_limit_s` of measuring (--max-steps,
-    --max-time)."""
+    """How many steps to measure: a fixed count, or (auto) until the median's interval is within `target` of it
+    (CONFIRMATIONS step counts in a row), at least MIN_STEPS, at most `step_limit` steps or `time_limit_s` of
+    measuring (--max-steps, --max-time)."""
 
     fixed: int | None = None  # --steps N; None: auto
     step_limit: int = DEFAULT_MAX_STEPS
@@ -117,7 +61,8 @@ class StepBudget:
         n = min(len(s) for s in series)
         if self.fixed is not None:
             return "fixed" if n >= self.fixed else None
-        if n >= MIN_STEPS and all(_within(Stats.of(s).ci_half_width, self.target) for s in series):
+        if n >= MIN_STEPS + CONFIRMATIONS - 1 and all(_within(Stats.of(s[:m]).ci_half_width, self.target)
+                                                      for s in series for m in range(n - CONFIRMATIONS + 1, n + 1)):
             return "ci"
         if n >= self.step_limit:
             return "max-steps"
@@ -134,7 +79,8 @@ def measure_until(budget: StepBudget, timed_step: Callable[[], float], clock: Ca
                   progress: Callable[[str], None]) -> tuple[list[float], str]:
     """Step times (whatever `timed_step` returns, ms) until `budget` says stop, and why it stopped. `clock`:
     seconds, for the time budget. Stopping at the first step whose interval is narrow enough makes the 95% nominal
-    (a sequential test covers a little less); the minimum of 6 steps keeps that small."""
+    (a sequential test covers a little less); the minimum of 6 steps and the interval's margin for correlated steps
+    keep that small."""
     samples: list[float] = []
     t0 = clock()
     while (reason := budget.stop_reason([samples], clock() - t0)) is None:
@@ -237,12 +183,12 @@ def timing_verdict(record: Mapping[str, Any], device_kind: str) -> tuple[bool, l
     used = min(record["torch_threads"], cores) if device_kind == "cpu" else 1  # a CUDA run: the launching thread
     others = record.get("other_cpu_cores")
     if others is not None and others > cores - used + SPARE_CORE_SLACK:
-        notes.append(TimingNote(NoteKind.BUSY_HOST, f"other processes kept {others:.1f} of {cores} cores busy while "
+        notes.append(TimingNote(NoteKind.BUSY_HOST, f"other processes kept {others:.1f} of {plural(cores, 'core')} busy while "
                                 f"it ran on {used}"))
     load = record.get("load_1m_before")
     if load is not None and load > cores + LOAD_SLACK:
         notes.append(TimingNote(NoteKind.LOADED_HOST, f"1-minute load average {load:.1f} before it ran, above the "
-                                f"{cores} cores available"))
+                                f"{plural(cores, 'core')} available"))
     return not notes, notes
 
 

@@ -55,3 +55,17 @@ def assert_gradients_equal_none(model_name: str, policy, device: str = "cpu", **
 def estimate_axes(models, seq_lens, batch_sizes, policies) -> dict:
     """estimate_grid's axes for the four main ones."""
     return {"model": models, "seq_len": seq_lens, "batch_size": batch_sizes, "policy": policies}
+
+
+class FakeClock:
+    """perf_counter that moves only when told: a fake step advances it by its own duration (no real timing)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, ms: float) -> float:
+        self.now += ms / 1e3
+        return ms

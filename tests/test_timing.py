@@ -4,6 +4,7 @@ and policies timed paired. Every duration here comes from a fake clock: no test 
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import statistics
@@ -23,43 +24,69 @@ from gcbench.resolved import resolve
 from gcbench.results.schema import NoteKind, TimingNote, note_kinds, timing_note_fields, timing_notes_of
 from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
-from gcbench.timing import (MIN_STEPS, StepBudget, Stats, median_interval, measure_until, paired_rounds,
-                            timing_verdict)
+from tests.helpers import FakeClock
+from gcbench.results.stats import Stats, median_interval
+from gcbench.timing import CONFIRMATIONS, MIN_STEPS, StepBudget, measure_until, paired_rounds, timing_verdict
 
 runner = CliRunner()
 
 
-class FakeClock:
-    """perf_counter that moves only when told: a fake step advances it by its own duration."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def spend(self, ms: float) -> float:
-        self.now += ms / 1e3
-        return ms
-
 
 # ------------------------------------------------------------------------------------------------ the interval
 
-def test_median_interval_is_the_binomial_order_statistics():
+def test_median_interval_of_uncorrelated_looking_samples_is_the_sign_test_ranks():
     assert median_interval([1, 2, 3, 4, 5]) is None  # min..max covers the median only 93.75% of the time
     assert median_interval([6, 1, 5, 2, 4, 3]) == (1, 6)  # 1 - 2 / 2**6 = 96.9%
-    xs = list(range(1, 21))
-    assert median_interval(xs) == (6, 15)  # the textbook ranks for n = 20
+    zigzag = [v for pair in zip(range(1, 11), range(11, 21)) for v in pair]  # 1, 11, 2, 12, ...: no run of slow steps
+    assert median_interval(zigzag) == (6, 15)  # the textbook ranks for n = 20
+    assert median_interval([7.0] * 6) == (7.0, 7.0)
 
 
-def test_median_interval_covers_the_true_median_95_percent_of_the_time():
-    rng = random.Random(0)
-    hits = 0
-    for _ in range(2000):
-        xs = [rng.lognormvariate(0, 0.5) for _ in range(15)]  # skewed like step times; true median 1.0
-        lo, hi = median_interval(xs)
-        hits += lo <= 1.0 <= hi
-    assert hits / 2000 >= 0.95
+def test_steps_that_drift_or_come_in_runs_get_a_wider_interval_or_none():
+    # The same 20 values: in an order with no runs, and measured as a machine slowing down (every step slower than
+    # the last: 20 steps of one trend know the median no better than a handful would).
+    zigzag = [v for pair in zip(range(1, 11), range(11, 21)) for v in pair]
+    assert median_interval(list(range(1, 21))) is None
+    runs = [v for block in zip(range(1, 6), range(6, 11), range(11, 16), range(16, 21)) for v in block]
+    runs = sorted(runs[:10]) + sorted(runs[10:])  # two runs: the first half fast, the second slow
+    lo, hi = median_interval(zigzag)
+    ci = median_interval(runs)
+    assert ci is None or (ci[1] - ci[0]) > hi - lo
+
+
+def _ar1_step_ms(rng: random.Random, n: int, rho: float) -> list[float]:
+    """n step times (ms) of a series whose lag-1 autocorrelation is rho, started in its stationary state, skewed like
+    step times (a slow step is slower than a fast one is fast); the true median is 100 ms. No clock is read."""
+    x = rng.gauss(0.0, 1.0)
+    xs = [x]
+    for _ in range(n - 1):
+        x = rho * x + rng.gauss(0.0, math.sqrt(1 - rho * rho))
+        xs.append(x)
+    return [100.0 * math.exp(0.1 * v) for v in xs]
+
+
+@pytest.mark.parametrize("n", [10, 30, 100])
+@pytest.mark.parametrize("rho", [0.0, 0.4, 0.8])
+def test_the_median_interval_holds_its_level_on_correlated_steps(rho, n):
+    # The issue's busy CPU: consecutive steps correlated 0.2-0.8. The interval must hold the true median at 95% +-5
+    # points, and (the practical test) another run's median about 83% of the time: two medians each within their
+    # own 95% noise are within 1.96 / sqrt(2) standard errors of each other with probability 0.83. No interval
+    # (None: too few or too correlated steps to bound the median) claims nothing and holds both; where n is large
+    # enough it must be rare, so that the level is not reached by refusing to answer.
+    rng = random.Random(f"{rho}-{n}")
+    reps, holds, holds_other, none = 2000, 0, 0, 0
+    for _ in range(reps):
+        ci = median_interval(_ar1_step_ms(rng, n, rho))
+        other = statistics.median(_ar1_step_ms(rng, n, rho))
+        if ci is None:
+            none += 1
+            continue
+        holds += ci[0] <= 100.0 <= ci[1]
+        holds_other += ci[0] <= other <= ci[1]
+    assert 0.90 <= (holds + none) / reps <= 1.0
+    assert (holds_other + none) / reps >= 0.78
+    if n >= 100:
+        assert none / reps < 0.05
 
 
 def test_stats_from_raw_samples():
@@ -87,9 +114,23 @@ def test_fixed_steps_measure_exactly_n():
 def test_auto_stops_once_the_median_is_known_within_2_percent():
     quiet = [100.0 + (i % 3) * 0.5 for i in range(100)]  # spread 1%
     samples, stop, _ = _measure(StepBudget(), quiet)
-    assert stop == "ci" and len(samples) == MIN_STEPS  # as soon as it can know
+    assert stop == "ci" and len(samples) == MIN_STEPS + CONFIRMATIONS - 1  # as soon as it can know, confirmed
+    assert all(_within_2_percent(samples[:n]) for n in range(MIN_STEPS, len(samples) + 1))
+
+
+def test_auto_does_not_stop_at_the_first_narrow_interval():
+    # Narrow at 6 steps, then a slow step: correlated steps in a calm spell look better known than they are, so the
+    # interval must stay within the target for CONFIRMATIONS step counts in a row.
+    quiet = [100.0 + (i % 3) * 0.5 for i in range(100)]
+    assert Stats.of(quiet[:6]).ci_half_width <= 0.02
+    samples, stop, _ = _measure(StepBudget(), quiet[:6] + [130.0] + quiet[6:])
+    assert stop == "ci" and len(samples) == 12
+    assert [_within_2_percent(samples[:n]) for n in range(6, 13)] == [True, False, False, False, True, True, True]
+
+
+def _within_2_percent(samples) -> bool:
     half = Stats.of(samples).ci_half_width
-    assert half <= 0.02
+    return half is not None and half <= 0.02
 
 
 def test_auto_measures_longer_when_noisy_and_stops_at_its_budgets():
@@ -216,9 +257,9 @@ def test_steps_auto_is_the_default_and_keeps_every_sample(tmp_path, monkeypatch)
     from gcbench.runner import run
 
     record = run(spec)
-    assert record["steps_stop"] == "ci" and record["step_ms"] == [20.0, 20.2, 19.8] * 2
+    assert record["steps_stop"] == "ci" and record["step_ms"] == [20.0, 20.2, 19.8] * 2 + [20.0, 20.2]
     assert record["step_ms_ci"] == [19.8, 20.2]
-    assert record["step_ms_median"] == 20.0 and record["step_ms_rel_iqr"] == pytest.approx(0.3 / 20, abs=1e-9)
+    assert record["step_ms_median"] == 20.0 and record["step_ms_rel_iqr"] == pytest.approx(0.25 / 20, abs=1e-9)
 
 
 def _with_clock(init, fake):
@@ -262,7 +303,7 @@ def test_paired_rounds_stop_when_every_ratio_is_known_within_2_percent():
     clock = FakeClock()
     steps = {"none": lambda: clock.spend(100.0), "full": lambda: clock.spend(125.0)}
     times, stop = paired_rounds(steps, "none", StepBudget(), clock, lambda _: None)
-    assert stop == "ci" and len(times["full"]) == MIN_STEPS
+    assert stop == "ci" and len(times["full"]) == MIN_STEPS + CONFIRMATIONS - 1
 
 
 def test_the_baseline_is_none_else_the_cheapest_policy_that_ran():
@@ -415,11 +456,14 @@ def test_ctrl_c_during_the_pairing_writes_the_finished_configs_unpaired(tmp_path
     stored = read_records(out)
     assert [(r["batch_size"], r["policy"]) for r in stored] == [(1, "none"), (1, "full")]
     assert all(r["status"] == "ok" and "time_ratio" not in r for r in stored)
-    # Running it again resumes: batch 1 is done, batch 2 runs and is paired.
+    assert all("paired timing" in r["paired_error"] for r in stored)  # they say it is still to come
+    # Running it again resumes: batch 1's configs are not run again but get their paired timing; batch 2 runs and
+    # is paired.
     monkeypatch.undo()
     records = gcbench.sweep(model="tiny-llama", seq=32, batch=[1, 2], policy=["none", "full"], device="cpu",
                             warmup=1, steps=2, isolation="none", out=out, progress=False)
-    assert [r.get("time_ratio_vs") for r in records] == [None, None, "none", "none"]
+    assert [r.get("time_ratio_vs") for r in records] == ["none"] * 4
+    assert [(r["record_id"], r["step_ms"]) for r in records[:2]] == [(r["record_id"], r["step_ms"]) for r in stored]
 
 
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
@@ -443,8 +487,10 @@ def test_a_resumed_policy_is_paired_with_the_baseline_that_ran_before(tmp_path, 
     [none] = read_records(out)
     monkeypatch.undo()
     records = gcbench.sweep(**grid)
-    assert records[0] == none  # the record in the file stays as it was
-    assert records[1]["time_ratio_vs"] == "none" and records[1]["paired_rounds"] == 2
+    # The record in the file keeps its measurement and gets the paired timing it was waiting for.
+    assert {k: v for k, v in records[0].items() if k in none and not k.startswith(("paired", "time_ratio"))} == \
+        {k: v for k, v in none.items() if not k.startswith(("paired", "time_ratio"))}
+    assert [r["time_ratio_vs"] for r in records] == ["none", "none"] and records[1]["paired_rounds"] == 2
     assert read_records(out) == records
 
 

@@ -1,0 +1,137 @@
+"""The statistics of raw samples (per-step milliseconds, per-round ratios): the one place medians, IQRs and the
+median's 95% interval are computed. timing.py measures with them; compare.py judges two results with them, from
+the raw samples every record keeps, so that older records are judged by the same rule as new ones.
+
+Consecutive steps are not independent: a step that shares the machine with a busy neighbour is followed by another
+one (lag-1 autocorrelation 0.2-0.8 on a shared CPU), so n correlated steps know the median as well as fewer
+independent ones would. The interval here is made for that (docs/methodology.md, "How many steps").
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gcbench.results.schema import half_width
+
+CONFIDENCE = 0.95
+# The fewest samples with an interval: min..max of 6 independent samples brackets the median with probability
+# 1 - 2 * 0.5**6 = 96.9% (5: 93.8%); correlated samples need more.
+MIN_SAMPLES = 6
+# The small-sample estimate of an autocorrelation is biased low and noisy (its standard error is about 1/sqrt(n)):
+# half a standard error is added, so that a series that is correlated but happens to look less so still gets an
+# interval wide enough (calibrated on simulated AR(1) series: tests/test_timing.py).
+RHO_MARGIN = 0.5
+RHO_MAX = 0.99
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of raw samples (e.g. per-step milliseconds): the one place medians, IQRs and intervals are computed."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    n: int
+    ci: tuple[float, float] | None  # 95% interval of the median (median_interval); None when it cannot be bounded
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Stats:
+        xs = list(samples)
+        if not xs:
+            raise ValueError("no samples")
+        s = sorted(xs)
+        q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else (s[0],) * 3
+        return cls(statistics.median(s), q1, q3, s[0], s[-1], len(s), median_interval(xs))
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    @property
+    def rel_iqr(self) -> float:
+        return self.iqr / self.median if self.median else math.inf
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """The median's interval, or where there is none the samples' range (the least the interval could be)."""
+        return self.ci if self.ci is not None else (self.min, self.max)
+
+    @property
+    def ci_half_width(self) -> float | None:
+        """The interval's larger distance from the median, relative to it (0.02 = +-2%); None without an interval."""
+        return half_width(self.median, self.ci)
+
+
+def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """The median's interval for samples in the order they were measured (correlated, skewed): the order statistics
+    x(k) and x(n+1-k) of the sign test, its variance widened for the samples' autocorrelation.
+
+    The count of samples below the true median has variance n/4 for independent samples; for a series whose ranks
+    behave like a Gaussian AR(1) with lag-1 autocorrelation rho it is n*f/4, f = 1 + 2 sum_j (1 - j/n) (2/pi)
+    asin(rho**j) (n/f is the effective sample size). rho is estimated from the ranks (robust to a descheduled step
+    10x slower), corrected for its small-sample bias, plus RHO_MARGIN standard errors. k is the largest rank with
+    P(count < k) <= (1 - confidence)/2 (normal approximation with continuity correction; never narrower than the
+    exact binomial by more than a rank). Ranks only: the interval does not depend on the samples' distribution.
+
+    None (nothing can be said at this confidence: even min..max is too narrow) below MIN_SAMPLES samples, or when
+    the samples are too correlated for their number; samples all equal have the interval (x, x).
+    """
+    n = len(samples)
+    if n < MIN_SAMPLES:
+        return None
+    xs = sorted(samples)
+    if xs[0] == xs[-1]:
+        return xs[0], xs[-1]
+    rho = min(RHO_MAX, (n * lag1_rank_autocorrelation(samples) + 1) / (n - 4) + RHO_MARGIN / math.sqrt(n))
+    z = statistics.NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+    k = math.floor(n / 2 + 0.5 - z * math.sqrt(n * variance_inflation(rho, n)) / 2)
+    return (xs[k - 1], xs[n - k]) if k >= 1 else None
+
+
+def lag1_rank_autocorrelation(samples: Sequence[float]) -> float:
+    """The lag-1 autocorrelation of the samples' ranks (ties share their mean rank); 0 when all are equal. Its
+    expectation is about rho - (1 + 4 rho)/n (Marriott and Pope 1954): median_interval corrects for that."""
+    n = len(samples)
+    order = sorted(range(n), key=samples.__getitem__)
+    ranks = [0.0] * n
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and samples[order[j + 1]] == samples[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            ranks[order[t]] = (i + j) / 2
+        i = j + 1
+    d = [r - (n - 1) / 2 for r in ranks]
+    spread = sum(v * v for v in d)
+    return sum(a * b for a, b in zip(d, d[1:])) / spread if spread else 0.0
+
+
+def variance_inflation(rho: float, n: int) -> float:
+    """How much the variance of the count of n samples below the median grows over independent samples, for a
+    series that is a monotone transform of a Gaussian AR(1) with lag-1 autocorrelation rho (the indicators' lag-j
+    correlation is (2/pi) asin(rho**j)); 1 for rho <= 0 (a negative correlation would narrow it: not relied on)."""
+    if rho <= 0:
+        return 1.0
+    total, power = 0.0, rho
+    for j in range(1, n):
+        total += (1 - j / n) * math.asin(power)
+        power *= rho
+        if power < 1e-6:
+            break
+    return 1 + 4 / math.pi * total
+
+
+def clearly_different(old: float, old_interval: Sequence[float], new: float, new_interval: Sequence[float]) -> bool:
+    """Whether two medians differ past their combined noise: by more than the square root of the sum of the squares
+    of their intervals' facing half-widths (old's upper side and new's lower side when new is larger): two
+    independent 95% intervals make one of their difference."""
+    up = new >= old
+    a = old_interval[1] - old if up else old - old_interval[0]
+    b = new - new_interval[0] if up else new_interval[1] - new
+    return abs(new - old) > math.hypot(a, b)
