@@ -36,7 +36,7 @@ from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrum
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.policies import Plan
-from gcbench.results.schema import Status, new_record, timing_note_fields
+from gcbench.results.schema import Status, mix_text, new_record, timing_note_fields
 from gcbench.fsdp import AgreedBudget, in_rank, shard_model
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
@@ -88,17 +88,18 @@ def model_size(spec: ResolvedRun) -> ModelSize:
 
 
 def check_fits(spec: ResolvedRun, size: ModelSize, free: int | None, predicted_peak: int | None = None,
-               prediction_method: str | None = None) -> None:
+               prediction_method: str | None = None, cap_name: str = "--memory-cap") -> None:
     """Raise WontFit, before anything is allocated, when the config cannot fit: its model state (parameters,
     gradients, optimizer state) takes more than 90% of the device's `free` bytes (None: unknown) or of the memory
     cap, or its predicted peak is past the free memory (by MARGIN; exactly, for the CPU simulation) or past the cap
-    by CAP_MARGIN. The device is checked before the cap: a config the device cannot hold is refused as such."""
+    by CAP_MARGIN. The device is checked before the cap: a config the device cannot hold is refused as such.
+    `cap_name`: the cap as the user gave it (`gcbench fit`'s is its --memory budget)."""
     cap = spec.memory_cap_bytes
     cpu_exact = spec.device_kind is DeviceKind.CPU and prediction_method == "simulate"
     limits = ((free, False), (cap, True))
 
     def room(by_cap: bool) -> str:
-        return f"--memory-cap allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
+        return f"{cap_name} allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
 
     cuda = spec.device_kind is DeviceKind.CUDA
     need = model_state_bytes(spec, size.shapes, cuda) // spec.nproc  # a sharded run's ranks hold 1/nproc each
@@ -140,6 +141,12 @@ def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse
     # analytic model (instant), and the simulation (about a second for a tiny model) only when asked (--predict).
     record.update(stored_prediction(record, spec.device_kind)
                   or predict_for_run(spec, methods=("simulate", "analytic") if spec.predict else ("analytic",)))
+    if (missed := plan_missed(spec)) is not None:  # it would run a mix past the budget it was asked to keep
+        if refuse_unfit:
+            raise GcbenchError(missed)
+        record.update(status=Status.OOM, error=f"not run: {missed}", oom_predicted=True, oom_limit="plan",
+                      env=capture_env(spec.device, spec.threads))
+        return record
     instrument = instrument_for(spec.device, spec.memory_cap_bytes)
     try:
         with torch_threads(spec.threads), instrument.session():
@@ -154,6 +161,27 @@ def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse
         record.update(status=Status.OOM, error=str(e).strip().splitlines()[0][:500])
     record["env"] = capture_env(spec.device, spec.threads)
     return record
+
+
+def plan_missed(spec: ResolvedRun) -> str | None:
+    """Why a `plan` run cannot keep its promise, in one line: no mix's predicted peak is within its memory. None for
+    any other policy, or under a --memory-cap at or below the plan's memory (the run itself then says: ok or oom)."""
+    if not isinstance(spec.policy, Plan):
+        return None
+    from gcbench.estimators.plan import choose
+
+    budget, cap = spec.policy.memory_bytes, spec.memory_cap_bytes
+    if cap is not None and cap <= budget:
+        return None
+    choice = choose(spec, spec.device_kind)  # kept from the choice of the mix: no simulation again
+    if choice.fits:
+        return None
+    if choice.predicted_peak <= budget:
+        return (f"no plan fits {spec.policy.memory}: the optimizer step alone peaks above it (no checkpointing "
+                "lowers that)")
+    mix = choice.counts
+    return (f"no plan fits {spec.policy.memory}: the smallest predicted peak is {fmt_bytes(choice.predicted_peak)} "
+            f"({next(iter(mix)) if len(mix) == 1 else mix_text(mix)})")
 
 
 def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, progress: Progress) -> dict[str, Any]:

@@ -4,6 +4,7 @@ Tiny presets, seq 32, one warm-up and one timed step: each config is a fraction 
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -235,7 +236,7 @@ def test_truncated_last_line_is_warned_about_and_ignored(tmp_path):
         records = gcbench.sweep(policy=["none", "full"], **opts)
     assert [r["policy"] for r in records] == ["none", "full"]
     assert [r["policy"] for r in read_records(out)] == ["none", "full"]  # the file loads cleanly again
-    assert out.read_text().count("\n") == 2
+    assert all(json.loads(line)["schema_version"] for line in out.read_text().splitlines())  # the torn line is gone
 
 
 def test_rerun_runs_everything_again(tmp_path):
@@ -331,6 +332,129 @@ def test_sigterm_stops_the_child_and_exits_cleanly(tmp_path):
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert _wait_gone(family) == set()
     assert all(r["status"] == "ok" for r in read_records(out))  # only whole records, no partial or error line
+
+
+# A sweep whose second config (`full`) never ends: the first one has finished when it starts (the marker file).
+HANG_ON_FULL = """
+import pathlib, sys, time
+from gcbench.launch.process import ProcessRunner
+call, marker = ProcessRunner.__call__, pathlib.Path(sys.argv[1])
+def hang_on_full(self, spec, on_phase):
+    if spec.policy.name == "full":
+        marker.touch()
+        time.sleep(600)
+    return call(self, spec, on_phase)
+ProcessRunner.__call__ = hang_on_full
+from gcbench.cli import main
+sys.argv = ["gcbench", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter and fork server: two imports of torch + transformers
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to find the child processes")
+def test_kill_9_loses_no_finished_config_and_the_resume_runs_it_not_again(tmp_path):
+    """README: a kill loses at most the config in flight. `none` has finished, `full` is running (its pairing with
+    `none` to come): kill -9 keeps `none`, and the resumed sweep runs only `full`, then pairs both."""
+    out, started = tmp_path / "r.jsonl", tmp_path / "full-started"
+    grid = ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", "--policy", "none,full", *FAST_ARGS,
+            "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-c", HANG_ON_FULL, str(started), *grid], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    family = _descendants(proc.pid)
+    proc.kill()
+    proc.communicate()
+    assert _wait_gone(family) == set()
+    [kept] = read_records(out)
+    assert kept["policy"] == "none" and kept["status"] == "ok"
+    assert kept["paired_error"] == "not paired: the sweep stopped before the paired timing of its seq and batch"
+
+    records = gcbench.sweep(model="tiny-llama", seq=32, batch=1, policy=["none", "full"], out=out, progress=False,
+                            **FAST)
+    assert [r["policy"] for r in records] == ["none", "full"]
+    assert records[0]["sweep_id"] == kept["sweep_id"] != records[1]["sweep_id"]  # none not run again
+    assert all("time_ratio" in r and "paired_error" not in r for r in records)  # paired with the resumed one
+    assert read_records(out) == records
+
+
+@pytest.mark.slow  # a fresh interpreter and fork server: two imports of torch + transformers
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to find the child processes")
+def test_kill_9_of_a_sweep_leaves_no_child_log_behind(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "gcbench", "sweep", "--model", "tiny-llama", "--seq", "32",
+                             "--batch", "1", "--policy", "none", "--device", "cpu", "--steps", "100000",
+                             "--max-time", "600", "--timeout", "600", "--out", str(tmp_path / "r.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(temp)})
+    deadline = time.monotonic() + 180
+    while not (child := _config_child(proc.pid)):  # forked by the fork server: the config is running
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    family = _descendants(proc.pid)
+    proc.kill()
+    proc.communicate()
+    assert _wait_gone(family) == set(), "children outlived a killed sweep"
+    assert child in family
+    assert sorted(p.name for p in temp.rglob("gcbench-child-*")) == []
+
+
+def _config_child(pid: int) -> int | None:
+    """A process forked by the fork server among `pid`'s descendants (a config's child), if any."""
+    for server in _descendants(pid):
+        try:
+            forked = b"forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()  # the children's too: forks
+        except OSError:
+            continue
+        if forked and (children := _descendants(server)):
+            return next(iter(children))
+    return None
+
+
+@pytest.mark.slow  # two fresh interpreters and fork servers at once
+def test_two_identical_sweeps_on_one_file_run_each_config_once(tmp_path):
+    out = tmp_path / "r.jsonl"
+    command = [sys.executable, "-m", "gcbench", "sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1,2,4",
+               "--policy", "none,full", *FAST_ARGS, "--out", str(out)]
+    sweeps = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in sweeps]
+    assert [p.returncode for p in sweeps] == [0, 0], results
+    stored = read_records(out)
+    assert len(stored) == 6 and len({spec_key(r) for r in stored}) == 6  # 3 batches x 2 policies, each once
+    assert len({r["record_id"] for r in stored}) == 6
+    assert all(r["status"] == "ok" and "time_ratio" in r for r in stored)
+    assert not (tmp_path / ".r.jsonl.claims").exists()  # no claim left behind
+
+
+@pytest.mark.slow  # a fresh interpreter: an import of torch + transformers
+def test_a_run_waiting_for_a_locked_results_file_says_so_and_sigterm_ends_it(tmp_path):
+    import fcntl
+
+    out, err = tmp_path / "r.jsonl", tmp_path / "stderr"
+    out.write_text("")
+    with open(out, "a") as holder, open(err, "w") as stderr:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another gcbench appending, for ever
+        proc = subprocess.Popen([sys.executable, "-m", "gcbench", "run", "--model", "tiny-llama", "--seq", "32",
+                                 "--batch", "1", *FAST_ARGS, "--out", str(out)], stdout=subprocess.DEVNULL,
+                                stderr=stderr, text=True)
+        deadline = time.monotonic() + 180
+        while "gcbench: waiting for" not in err.read_text():  # measured; now waiting for the lock
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    said = err.read_text()
+    assert proc.returncode == 130, said
+    assert f"gcbench: waiting for {out}: locked by process {os.getpid()} (Ctrl-C stops waiting)" in said
+    assert f"gcbench: interrupted; nothing was written to {out}" in said and "Traceback" not in said
+    assert out.read_text() == ""
 
 
 @pytest.mark.slow  # a fresh process, so that its fork server starts in the directory under test

@@ -59,8 +59,12 @@ def tail(text: str, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def read_tail(path: str | Path, lines: int = TAIL_LINES) -> str:
-    """The last `lines` lines of a process's log file (read from its last 16 KiB)."""
+def read_tail(path: str | Path | int, lines: int = TAIL_LINES) -> str:
+    """The last `lines` lines of a process's log file, by its path or an open descriptor (read from its last
+    16 KiB; a descriptor with pread, leaving its offset where the writer has it)."""
+    if isinstance(path, int):
+        size = os.fstat(path).st_size
+        return tail(os.pread(path, min(size, 16384), max(0, size - 16384)).decode(errors="replace"), lines)
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         f.seek(max(0, f.tell() - 16384))

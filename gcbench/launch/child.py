@@ -54,10 +54,10 @@ def _warm_up_fork_server() -> None:
 _warm_up_fork_server()
 
 
-def run_child(task: dict[str, Any], conn: Connection, lifeline: Connection, log_path: str,
+def run_child(task: dict[str, Any], conn: Connection, lifeline: Connection, log: Any,
               cwd: str | None = None) -> None:
     """Entry point of one child: run the task (relative paths from `cwd`, the sweep's), stream progress, send the
-    result."""
+    result; its output goes to `log` (process.InheritedFd: a descriptor of a file without a name)."""
     threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
     if cwd is not None:
         os.chdir(cwd)
@@ -65,8 +65,8 @@ def run_child(task: dict[str, Any], conn: Connection, lifeline: Connection, log_
     # The sweep decides when a child stops (it terminates it); Ctrl-C in the terminal is for the parent.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        _redirect_output(log_path)
-    except OSError:  # the sweep already gave up on this child and removed its log
+        _redirect_output(log.fd)
+    except OSError:
         os._exit(70)
     faulthandler.enable()  # a segfault leaves a Python traceback in the log the parent reads
     try:
@@ -80,9 +80,8 @@ def run_child(task: dict[str, Any], conn: Connection, lifeline: Connection, log_
     conn.send(("record", record))
 
 
-def _redirect_output(log_path: str) -> None:
+def _redirect_output(fd: int) -> None:
     # At the file-descriptor level, so C/C++ messages (CUDA, OpenMP, faulthandler) land in the log as well.
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

@@ -1,8 +1,12 @@
 """Each config in a fresh child process with a timeout, returning the config's record; a child that dies or runs
-out of time becomes a record too. The child's side is child.py."""
+out of time becomes a record too. The child's side is child.py.
+
+A child's output goes to a log file without a name (tempfile.TemporaryFile), handed to it as an open descriptor:
+however the sweep or the child ends (kill -9 included), nothing is left behind in the temporary folder."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import sys
@@ -60,13 +64,15 @@ class ProcessRunner:
                   timeout_s: float | None = None) -> tuple[Any, tuple | None]:
         """(the child's result, None), or (None, (status, error, env, stderr tail)) for a child that died or ran
         out of time."""
-        fd, log_path = tempfile.mkstemp(prefix="gcbench-child-", suffix=".log")
-        os.close(fd)
+        log = tempfile.TemporaryFile(prefix="gcbench-child-", suffix=".log")
+        # Shared with the child, which writes at the end whatever this process reads (pread: no shared offset moved).
+        fcntl.fcntl(log.fileno(), fcntl.F_SETFL, fcntl.fcntl(log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
         results, results_w = self._ctx.Pipe(duplex=False)
         lifeline_r, lifeline = self._ctx.Pipe(duplex=False)
         # The cwd: the fork server keeps the one it started in, but relative paths (a config.json) are the caller's.
         task = {**task, "slot": self.slot.as_task()}
-        proc = self._ctx.Process(target=_run_child, args=(task, results_w, lifeline_r, log_path, os.getcwd()),
+        proc = self._ctx.Process(target=_run_child,
+                                 args=(task, results_w, lifeline_r, InheritedFd(log.fileno()), os.getcwd()),
                                  name=name, daemon=True)
         finished = started = False
         try:
@@ -76,7 +82,7 @@ class ProcessRunner:
             # The child holds these now; our copies would keep the pipes open after it died.
             results_w.close()
             lifeline_r.close()
-            result, failure = self._wait(proc, results, on_phase, log_path, timeout_s or self.timeout_s)
+            result, failure = self._wait(proc, results, on_phase, log.fileno(), timeout_s or self.timeout_s)
             finished = failure is None
             return result, failure
         finally:
@@ -85,9 +91,9 @@ class ProcessRunner:
                 proc.close()
             for conn in (results, results_w, lifeline, lifeline_r):
                 conn.close()
-            os.unlink(log_path)
+            log.close()
 
-    def _wait(self, proc, results, on_phase: OnPhase, log_path: str, timeout_s: float) -> tuple[Any, tuple | None]:
+    def _wait(self, proc, results, on_phase: OnPhase, log: int, timeout_s: float) -> tuple[Any, tuple | None]:
         deadline = time.monotonic() + timeout_s
         env, phase = None, "starting"
         while (left := deadline - time.monotonic()) > 0:
@@ -104,7 +110,7 @@ class ProcessRunner:
                     msg = None
             if msg is None:
                 proc.join(5)
-                output = read_tail(log_path)
+                output = read_tail(log)
                 return None, (Status.ERROR, died("child", proc.exitcode, output, "without a result"), env, output)
             kind, payload = msg
             if kind == "record":
@@ -115,7 +121,24 @@ class ProcessRunner:
             elif kind == "progress":
                 phase = payload
                 on_phase(payload)
-        return None, (Status.TIMEOUT, f"no result within {timeout_s:g} s (was: {phase})", env, read_tail(log_path))
+        return None, (Status.TIMEOUT, f"no result within {timeout_s:g} s (was: {phase})", env, read_tail(log))
+
+
+class InheritedFd:
+    """An open file descriptor given to a child as it starts: multiprocessing passes the descriptor itself along
+    (as it does a Pipe's), so the child needs no name to open."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing.reduction import DupFd
+
+        return _inherited, (DupFd(self.fd),)
+
+
+def _inherited(dup: Any) -> InheritedFd:
+    return InheritedFd(dup.detach())
 
 
 @contextmanager

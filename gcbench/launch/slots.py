@@ -9,10 +9,13 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import NoteKind, Status, TimingNote, timing_note_fields, timing_notes_of
+
+if TYPE_CHECKING:
+    from gcbench.resolved import ResolvedRun
 
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 T = TypeVar("T")
@@ -147,3 +150,17 @@ def run_side_by_side(items: Iterable[T], workers: Sequence[Callable[[T], None]],
         raise real[0]
     if errors:
         raise KeyboardInterrupt
+
+
+def threads_within_slots(specs: list[ResolvedRun], slots: list[Slot], given: bool) -> list[ResolvedRun]:
+    """With --jobs, each config's torch threads: by default as many as its slot's cores (the fewest of any slot,
+    so that every config of the grid is the same wherever it runs); more than that is refused."""
+    cores = min((len(slot.cpus) for slot in slots if slot.cpus), default=None)
+    if cores is None:
+        return specs
+    if given:
+        over = max(spec.threads for spec in specs)
+        if over > cores:
+            raise GcbenchError(f"--threads {over} is more than the {cores} core(s) each of --jobs {len(slots)} gets")
+        return specs
+    return [spec.replace(threads=cores) for spec in specs]

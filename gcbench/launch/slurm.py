@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,21 @@ from gcbench.results.schema import Status, config_label
 # a local job by its process.
 POLL_S = {"slurm": 10.0, "local": 0.5}
 JOB_START_S = 300.0  # what a job needs beyond its configs' timeouts: start, imports, the fork server
+
+
+def check_executor(executor: str) -> Any:
+    """The submitit module, once `executor` can submit from here; else GcbenchError, before anything is submitted or
+    written: submitit missing, or for slurm no Slurm commands on PATH (submitit would fail deep inside it)."""
+    try:
+        import submitit
+    except ImportError:
+        raise GcbenchError("--executor needs submitit: pip install 'gcbench[slurm]'") from None
+    missing = [command for command in ("sbatch", "srun") if shutil.which(command) is None]
+    if executor == "slurm" and missing:
+        raise GcbenchError(f"--executor slurm: no Slurm here ({' and '.join(missing)} not on PATH): run the sweep on a "
+                           "machine that submits to the cluster (a login node), or try the same path on this "
+                           "machine with --executor local")
+    return submitit
 
 
 def jobs_path(out: Path) -> Path:
@@ -119,10 +135,7 @@ class ClusterRun:
         return submitit.SlurmJob if self.grid.executor == "slurm" else submitit.LocalJob
 
     def _executor(self, most_policies: int, gpus: int):
-        try:
-            import submitit
-        except ImportError:
-            raise GcbenchError("--executor needs submitit: pip install 'gcbench[slurm]'") from None
+        submitit = check_executor(self.grid.executor)
         executor = submitit.AutoExecutor(folder=self.folder, cluster=self.grid.executor)
         # Each config's timeout, and the paired timing's (one per policy), with time to start: the job's limit.
         minutes = math.ceil((self.grid.timeout_s * 2 * most_policies + JOB_START_S) / 60)

@@ -3,6 +3,10 @@
 Appends cannot tear: a record is one `write` of its whole line on an O_APPEND descriptor, under an exclusive lock,
 flushed and fsynced; when the write fails (a full disk, Ctrl-C) the file is truncated back to its size before, so
 it is left exactly as it was. Readers and writers accept regular files only (not /dev/zero, a FIFO, a directory).
+Waiting for another writer's lock can be interrupted (Ctrl-C, SIGTERM), and says after a moment what it waits for.
+
+A record written again later (a sweep's record once its paired timing is added) carries the `record_id` of the
+first: readers get the newest version, where the first one stood.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import json
 import os
 import signal
 import stat
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -22,6 +28,12 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import ADDED_SPEC_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION
+from gcbench.text import plain
+
+# Waiting for another process's lock on a results file: how often to try again (a blocking flock would hold off
+# Ctrl-C and SIGTERM until it returns), and after how long to say what is awaited.
+LOCK_POLL_S = 0.05
+LOCK_NOTICE_S = 2.0
 
 
 def check_regular(path: Path, what: str = "results") -> None:
@@ -39,17 +51,26 @@ def check_regular(path: Path, what: str = "results") -> None:
 
 
 def ensure_writable(path: Path) -> None:
-    """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind."""
+    """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind: neither the
+    file nor the folders made to try it (the first record makes them again; a refused command leaves none)."""
     check_regular(path)
+    missing: list[Path] = []
     try:
+        missing = [p for p in path.absolute().parents if not p.exists()]
         existed = path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a"):
             pass
+        if not existed:
+            path.unlink()
     except OSError as e:
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
-    if not existed:
-        path.unlink()
+    finally:
+        for folder in missing:  # deepest first; one another process wrote into meanwhile stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def check_appendable(path: Path) -> None:
@@ -68,8 +89,9 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     """Append one record as one line, all or nothing: on any failure (ENOSPC, EIO) the file is truncated back to its
     size before (removed if this call created it) and a GcbenchError says why. Under the file's lock, a half-written
     last line (a writer killed mid-line) is cut off first and returned, for the caller to warn about; after a new
-    record it would be a corrupt line in the middle. Ctrl-C and SIGTERM wait until the file is whole again, so they
-    arrive as a KeyboardInterrupt after the record is in: `written` is called as soon as it is (fsynced)."""
+    record it would be a corrupt line in the middle. Ctrl-C and SIGTERM end a wait for another writer's lock (nothing
+    written); once the lock is held they wait until the file is whole again, so they arrive as a KeyboardInterrupt
+    after the record is in: `written` is called as soon as it is (fsynced)."""
     check_regular(path)
     data = (json.dumps(record, default=str) + "\n").encode()
     try:
@@ -79,8 +101,8 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     except OSError as e:
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
     try:
+        lock(fd, path)  # concurrent writers: repairing or truncating back cuts only our own
         with _signals_held():
-            fcntl.flock(fd, fcntl.LOCK_EX)  # concurrent writers: repairing or truncating back cuts only our own
             dropped = _drop_torn_tail(fd)
             size = os.fstat(fd).st_size
             try:
@@ -106,6 +128,45 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     finally:
         os.close(fd)
     return dropped
+
+
+def lock(fd: int, path: Path, stop: Callable[[], bool] | None = None, what: str | None = None) -> bool:
+    """Take `fd`'s exclusive flock, waiting for another holder in short polls: Ctrl-C and SIGTERM end the wait (a
+    KeyboardInterrupt), as does `stop()` turning True (then False is returned; True once the lock is held). After
+    LOCK_NOTICE_S of waiting, one line on stderr says what is awaited (`what`, else the file) and, where
+    /proc/locks tells, the pid holding it."""
+    waited_since, told = time.monotonic(), False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        if stop is not None and stop():
+            return False
+        if not told and time.monotonic() - waited_since >= LOCK_NOTICE_S:
+            told = True
+            holder = lock_holder(fd)
+            sys.stderr.write(f"gcbench: waiting for {plain(what or path)}: locked by "
+                             f"{f'process {holder}' if holder else 'another process'} (Ctrl-C stops waiting)\n")
+            sys.stderr.flush()
+        time.sleep(LOCK_POLL_S)
+
+
+def lock_holder(fd: int) -> int | None:
+    """The pid holding a flock on `fd`'s file, from /proc/locks (Linux); None where it does not say."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF"; a waiter's line has "->" after the number
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == where and parts[4].isdigit():
+            return int(parts[4])
+    return None
 
 
 def _drop_torn_tail(fd: int) -> str | None:
@@ -166,8 +227,8 @@ def drop_truncated_last_line(path: Path) -> str | None:
     except OSError as e:
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
     try:
+        lock(fd, path)
         with _signals_held():
-            fcntl.flock(fd, fcntl.LOCK_EX)
             dropped = _drop_torn_tail(fd)
             os.fsync(fd)
         return dropped
@@ -177,7 +238,8 @@ def drop_truncated_last_line(path: Path) -> str | None:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """All records of one file. A corrupt last line (a killed run) is warned about and skipped; a corrupt line
-    elsewhere, or a record of another schema version, is an error."""
+    elsewhere, or a record of another schema version, is an error. A record written again under the same
+    `record_id` (a sweep adds its paired timing) is read once: its newest version, where the first one stood."""
     check_regular(path)
     try:
         lines = path.read_bytes().decode().splitlines()
@@ -190,9 +252,11 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_int=_record_int)
             if not isinstance(record, dict):
                 raise ValueError("not an object")
+        except BeyondRecords as e:  # a whole line, not one cut short: refused wherever it stands
+            raise GcbenchError(f"{path}:{i}: corrupt results line ({e})") from None
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than the JSON parser follows
             if i == len(lines):
                 warnings.warn(f"{path}:{i}: ignoring a truncated last line (an interrupted run)", stacklevel=2)
@@ -206,11 +270,76 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                 f"{', '.join(map(str, READABLE_VERSIONS))}"
                 + (" (written by a newer gcbench: upgrade to read or add to it)" if newer else ""))
         records.append({**ADDED_SPEC_FIELDS, **record})
-    return records
+    return _newest_versions(records)
+
+
+class BeyondRecords(ValueError):
+    """A number no record holds: an integer past 64 bits (pandas and float() would overflow on it later)."""
+
+
+def _record_int(text: str) -> int:
+    """json's parse_int for records: every integer a record holds (bytes, FLOPs, sizes, seeds) fits in 64 bits."""
+    value = int(text) if len(text) <= 20 else None
+    if value is None or not -2**63 <= value < 2**64:
+        raise BeyondRecords(f"an integer of {len(text.lstrip('-'))} digits, beyond the 64 bits any value of a "
+                            "record fits in")
+    return value
+
+
+def _newest_versions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    at: dict[str, int] = {}
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        rid = record.get("record_id")
+        if isinstance(rid, str) and rid in at:
+            kept[at[rid]] = record
+            continue
+        if isinstance(rid, str):
+            at[rid] = len(kept)
+        kept.append(record)
+    return kept
+
+
+def records_after(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The whole records appended to `path` from byte `offset` on (a line boundary) and the offset after them: what
+    another writer added since. Lines that do not read as records are left to read_records to judge. A file now
+    shorter than `offset` (truncated back) is read from its start."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < offset:
+                offset = 0
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], 0
+    except OSError as e:
+        raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
+    whole = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:whole].splitlines():
+        try:
+            record = json.loads(line, parse_int=_record_int)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict):
+            records.append({**ADDED_SPEC_FIELDS, **record})
+    return records, offset + whole
+
+
+def end_of_records(path: Path) -> int:
+    """The offset after the last whole line of `path` (0 when it cannot be read: writing to it says why)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return 0
+    return data.rfind(b"\n") + 1
 
 
 def result_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Expand directories to the *.jsonl files inside them."""
+    """Expand directories to the *.jsonl files directly inside them, not in their subfolders: `results/` holds what
+    the commands write by default (runs.jsonl, sweep.jsonl, fit.jsonl), and its subfolders other records (this
+    project's own in cpu/, gpu/<gpu>/, timing-experiment/), which are read when named. Subfolders left out are
+    a warning; a folder with records only in subfolders an error that names them."""
     files: list[Path] = []
     for p in map(Path, paths):
         try:
@@ -218,9 +347,14 @@ def result_files(paths: Iterable[str | Path]) -> list[Path]:
         except OSError as e:  # a name too long, a loop of links: is_dir() raises rather than answer False
             raise GcbenchError(f"cannot read results {str(p)[:200]!r}: {e.strerror or e}") from None
         if p.is_dir():
-            found = sorted(p.rglob("*.jsonl"))
+            found = sorted(f for f in p.glob("*.jsonl") if f.is_file())
+            nested = sorted({f.relative_to(p).parts[0] for f in p.glob("*/**/*.jsonl")})
+            shown = ", ".join(f"{str(p / name)!r}" for name in nested[:3]) + (", ..." if len(nested) > 3 else "")
             if not found:
-                raise GcbenchError(f"{str(p)!r} holds no *.jsonl results")
+                raise GcbenchError(f"{str(p)!r} holds no *.jsonl results" + (
+                    f" (subfolders are not read unless named: {shown})" if nested else ""))
+            if nested:
+                warnings.warn(f"{str(p)!r}: its subfolders are not read unless named ({shown})", stacklevel=2)
             files.extend(found)
         elif p.exists():
             check_regular(p)

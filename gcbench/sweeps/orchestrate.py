@@ -1,6 +1,7 @@
-"""Running a grid: resume from the output file, skip configs larger than one that ran out of memory, the policies of
-one configuration timed paired after each has run, their records appended together, Ctrl-C and SIGTERM stop the
-running child and keep what is measured."""
+"""Running a grid: resume from the output file, skip configs larger than one that ran out of memory, each record
+appended as its config ends, the policies of one configuration timed paired after each has run (their records
+appended again with it), sweeps sharing an output file running each configuration once (claims.py), Ctrl-C and
+SIGTERM stop the running child and keep what is measured."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,15 @@ from gcbench.errors import DeadlineReached, GcbenchError, WontFit, raise_interru
 from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
 from gcbench.results.schema import STATUSES, Status, config_key, config_label, policy_label
-from gcbench.results.store import append_record, drop_truncated_last_line, ensure_writable, read_records
+from gcbench.results.store import (append_record, drop_truncated_last_line, end_of_records, ensure_writable,
+                                   read_records, records_after)
 from gcbench.runner import check_fits, model_size
 from gcbench.resolved import ResolvedRun, resolve_record
 from gcbench.spec import RunSpec
 from gcbench.launch import PairingFailed, failure_record, launcher
-from gcbench.launch.slots import Slot, make_slots, run_side_by_side, side_by_side_fields
+from gcbench.launch.slots import make_slots, run_side_by_side, side_by_side_fields, threads_within_slots
+from gcbench.sweeps.claims import Claims
+from gcbench.sweeps.frontier import OomFrontier
 from gcbench.sweeps.progress import SweepProgress
 
 
@@ -37,33 +41,9 @@ from gcbench.sweeps.progress import SweepProgress
 # cluster jobs killed for host memory; an oom (measured, or predicted past the cap) is a result and stays (--rerun
 # runs it).
 RETRIED = (Status.ERROR, Status.TIMEOUT)
-
-
-class OomFrontier:
-    """The skip rule. Once a config runs out of memory, any config with the same model, policy and other options
-    whose seq_len and batch_size are both at least as large needs at least as much memory: it is skipped."""
-
-    def __init__(self) -> None:
-        self._ooms: dict[str, list[tuple[int, int]]] = {}
-        self._lock = threading.Lock()  # slots side by side add and ask at once
-
-    @staticmethod
-    def _shape_free_key(record: Mapping[str, Any]) -> str:
-        return config_key(record, ignore=("seq_len", "batch_size"))
-
-    def add(self, record: Mapping[str, Any]) -> None:
-        if record.get("status") == Status.OOM:
-            with self._lock:
-                self._ooms.setdefault(self._shape_free_key(record), []).append(
-                    (record["seq_len"], record["batch_size"]))
-
-    def skip_reason(self, spec: ResolvedRun) -> str | None:
-        with self._lock:
-            ooms = list(self._ooms.get(self._shape_free_key(spec.as_record()), []))
-        for seq, batch in ooms:
-            if spec.seq_len >= seq and spec.batch_size >= batch:
-                return f"seq {seq} batch {batch} ran out of memory with the same model and policy (--no-skip runs it)"
-        return None
+# What a record awaiting its paired timing says until the timing is added (a newer version of the record): true
+# of it when the sweep is stopped (Ctrl-C, kill -9) before then.
+NOT_YET_PAIRED = "not paired: the sweep stopped before the paired timing of its seq and batch"
 
 
 @dataclass(frozen=True)
@@ -104,13 +84,21 @@ class Sweep:
             raise GcbenchError("a sharded run (--nproc above 1) starts its own processes on several GPUs or cores: "
                                "run it without --devices or --jobs")
         given = any(t not in (None, "auto") for t in grid.values.get("threads", ()))
-        self.specs = _threads_within_slots(self.specs, self.slots, given=given)
+        self.specs = threads_within_slots(self.specs, self.slots, given=given)
         self._existing, notes = _existing_records(grid.out)
         for note in notes:
             self._warn(note)
+        # Records other sweeps on the same file append while this one runs: read from here on, as they come.
+        self._seen, self._seen_lock, self._done_since = end_of_records(grid.out), threading.Lock(), {}
+        self._ids = itertools.count()  # record_id: a record and its later version with the paired timing
         # The configs to run that cannot fit at all, known before the first child starts (warned about by run()).
         # On a cluster the job's child checks against its node's memory; this machine's says nothing about it.
-        self.unfit = {} if grid.executor else self._unfit([p.spec for p in self.plan() if p.done is None])
+        to_run = [p.spec for p in self.plan() if p.done is None]
+        self.unfit = {} if grid.executor else self._unfit(to_run)
+        if to_run and len(self.unfit) == len(to_run) and not any(e.by_cap for e in self.unfit.values()):
+            # Not one config this machine could hold: records of configs never run would read as results.
+            first = next(iter(self.unfit.values()))
+            raise GcbenchError(str(first) if len(to_run) == 1 else f"none of the {len(to_run)} configs fits: {first}")
 
     def plan(self) -> list[PlannedConfig]:
         """Each config with its resumable record from the output file (newest wins), or None if it must run."""
@@ -149,15 +137,51 @@ class Sweep:
         groups = [list(g) for _, g in itertools.groupby(plan, key=lambda p: _policy_free_key(p.spec))]
         records: list[list[dict[str, Any]]] = [[] for _ in groups]
         to_run = sum(p.done is None for p in plan)
+        claims, claimed_elsewhere = Claims(out), []
+        claims.clean()
         with _sigterm_raises_interrupt(), SweepProgress(self.console, to_run, len(plan) - to_run,
                                                         [s.name for s in self.slots]) as view:
-            def worker(slot: int) -> Callable[[int], None]:
+            def worker(slot: int, wait: bool = False) -> Callable[[int], None]:
                 def run_group(i: int) -> None:
-                    records[i] = self._run_group(groups[i], runners[slot], slot, frontier, envs, view)
+                    claim = None
+                    if any(p.done is None or _awaits_pairing(p.done) for p in groups[i]):  # another sweep may run it
+                        first = groups[i][0].spec.as_record()
+                        what = (f"{first['model']} seq {first['seq_len']} batch {first['batch_size']}, which another "
+                                f"sweep writing to {out} is running")
+                        if wait:
+                            view.waiting(what)
+                        claim = claims.take(_policy_free_key(groups[i][0].spec), wait, cancel.is_set, what)
+                        if claim is None and wait:
+                            raise KeyboardInterrupt  # cancelled: as a runner stops when Ctrl-C reached the sweep
+                        if claim is None:
+                            claimed_elsewhere.append(i)  # after the rest, waiting for that sweep
+                            return
+                    try:
+                        records[i] = self._run_group(self._done_elsewhere(groups[i], view), runners[slot], slot,
+                                                     frontier, envs, view)
+                    finally:
+                        if claim is not None:
+                            claim.release()
                 return run_group
 
             run_side_by_side(range(len(groups)), [worker(i) for i in range(len(self.slots))], cancel, view.idle)
+            if claimed_elsewhere:
+                run_side_by_side(sorted(claimed_elsewhere), [worker(i, wait=True) for i in range(len(self.slots))],
+                                 cancel, view.idle)
         return [r for group in records for r in group]
+
+    def _done_elsewhere(self, group: list[PlannedConfig], view: SweepProgress) -> list[PlannedConfig]:
+        """`group` with the configs that another sweep on the same output file finished since this one started
+        taken as done (their records, whatever their status), not run again."""
+        if all(p.done is not None for p in group):
+            return group
+        with self._seen_lock:
+            new, self._seen = records_after(self.grid.out, self._seen)
+            self._done_since.update((config_key(r), r) for r in new if r.get("status") in STATUSES)
+        fresh = [p if p.done is not None else
+                 PlannedConfig(p.spec, self._done_since.get(config_key(p.spec.as_record()))) for p in group]
+        view.shrink(sum(p.done is None for p in group) - sum(p.done is None for p in fresh))
+        return fresh
 
     def _run_as_jobs(self, plan: list[PlannedConfig]) -> list[dict[str, Any]]:
         """Each configuration as a job through submitit (launch/slurm.py); its records appended as the job finishes."""
@@ -180,15 +204,22 @@ class Sweep:
 
     def _run_group(self, group: list[PlannedConfig], runner, slot: int, frontier: OomFrontier,
                    envs: dict[tuple[str, int], dict], view: SweepProgress) -> list[dict[str, Any]]:
-        """The configs of one model/seq/batch (its policies) in `slot`, then their paired timing; appended together
-        when it ends. Whatever stops it first (Ctrl-C, an error), what was measured is written unpaired."""
-        pending: list[tuple[ResolvedRun, dict[str, Any]]] = []
+        """The configs of one model/seq/batch (its policies) in `slot`, each record appended as soon as its config
+        ends, then their paired timing, appended as a newer version of each record (the same record_id). Whatever
+        stops it first (Ctrl-C, an error, kill -9), the records written stay, unpaired, and say so."""
+        pending: list[tuple[ResolvedRun, dict[str, Any], dict[str, Any]]] = []  # spec, record, the record as written
         earlier: list[tuple[ResolvedRun, dict[str, Any]]] = []  # in the file already (a resumed sweep)
         records = []
+        pairs = self.grid.paired and len(group) > 1
+        paired = False
         try:
             for config in group:
                 record = config.done
-                if record is not None:
+                if record is not None and self.grid.paired and _awaits_pairing(record):
+                    # a sweep killed before its paired timing: this one does it, and writes the newer version
+                    written, record = record, {k: v for k, v in record.items() if k != "paired_error"}
+                    pending.append((config.spec, record, written))
+                elif record is not None:
                     earlier.append((config.spec, record))
                 else:
                     record = self._run_one(config.spec, runner, slot, frontier, view, self.unfit.get(config.spec))
@@ -196,16 +227,26 @@ class Sweep:
                     if record.get("env") is None:
                         record["env"] = envs.get(where) or _host_env(config.spec)
                     envs[where] = record["env"]
+                    written = {**record, "paired_error": NOT_YET_PAIRED} if pairs and pairable(config.spec) else \
+                        dict(record)
+                    self._append(written)  # on disk before it is shown: a kill from now on cannot lose it
                     view.finished(record)
-                    pending.append((config.spec, record))
+                    pending.append((config.spec, record, written))
                 frontier.add(record)
                 records.append(record)
             if self.grid.paired:
-                self._pair(pending, earlier, runner, slot, view)
+                self._pair([(spec, r) for spec, r, _ in pending], earlier, runner, slot, view)
+            paired = True
         finally:
-            for _, record in pending:
-                self._warn_torn(append_record(self.grid.out, record))  # another writer killed mid-line meanwhile
+            for _, record, written in pending:
+                if not paired and "paired_error" not in record and "paired_error" in written:
+                    record["paired_error"] = written["paired_error"]  # stopped before its pairing: still true
+                if record != written:
+                    self._append(record)
         return records
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self._warn_torn(append_record(self.grid.out, record))  # another writer killed mid-line meanwhile
 
     def _pair(self, pending: list[tuple[ResolvedRun, dict[str, Any]]],
               earlier: list[tuple[ResolvedRun, dict[str, Any]]],
@@ -213,7 +254,7 @@ class Sweep:
         """Time the group's policies that ran interleaved in one process (paired.run_paired) and add each one's
         time_ratio to the records about to be written; with fewer than two such policies there is nothing to pair.
         Policies that ran in an earlier, interrupted sweep take part (so that `none` stays the baseline), but their
-        records in the file stay as they are."""
+        records in the file stay as they are, unless they still await this pairing (in `pending`)."""
         if not any(r["status"] == Status.OK for _, r in pending):
             return
         ran = [(spec, r) for spec, r in earlier + pending if r["status"] == Status.OK]
@@ -291,8 +332,8 @@ class Sweep:
         if len(self.slots) > 1:
             record.update(side_by_side_fields(record, self.slots[slot], len(self.slots)))
         # config_wall_ms: the whole config as the sweep saw it (child start, build, all steps), in ms.
-        return {**record, "sweep_id": self.sweep_id, "isolation": self.grid.isolation, "config_wall_ms": wall_ms,
-                "env": env}
+        return {**record, "sweep_id": self.sweep_id, "record_id": f"{self.sweep_id}-{next(self._ids)}",
+                "isolation": self.grid.isolation, "config_wall_ms": wall_ms, "env": env}
 
     def _warn_torn(self, dropped: str | None) -> None:
         if dropped is not None:
@@ -316,18 +357,9 @@ def run_as_job(task: dict[str, Any]) -> list[dict[str, Any]]:
     return Sweep(grid).run()
 
 
-def _threads_within_slots(specs: list[ResolvedRun], slots: list[Slot], given: bool) -> list[ResolvedRun]:
-    """With --jobs, each config's torch threads: by default as many as its slot's cores (the fewest of any slot,
-    so that every config of the grid is the same wherever it runs); more than that is refused."""
-    cores = min((len(slot.cpus) for slot in slots if slot.cpus), default=None)
-    if cores is None:
-        return specs
-    if given:
-        over = max(spec.threads for spec in specs)
-        if over > cores:
-            raise GcbenchError(f"--threads {over} is more than the {cores} core(s) each of --jobs {len(slots)} gets")
-        return specs
-    return [spec.replace(threads=cores) for spec in specs]
+def _awaits_pairing(record: dict[str, Any]) -> bool:
+    """A record written by a sweep stopped before the paired timing of its seq and batch."""
+    return record.get("paired_error") == NOT_YET_PAIRED and isinstance(record.get("record_id"), str)
 
 
 def _policy_free_key(spec: ResolvedRun) -> str:

@@ -11,12 +11,12 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
 from gcbench.results.schema import STATUSES, Status, config_label, peak_bytes
 from gcbench.resolved import ResolvedRun
+from gcbench.text import markup, plain
 from gcbench.units import fmt_bytes
 
 
@@ -59,6 +59,7 @@ class SweepProgress:
         return " · ".join(f"{s} {self.counts[s]}" for s in STATUSES)
 
     def _show(self, slot: int, text: str) -> None:
+        text = plain(text)  # model names and paths from configs (the columns take no markup)
         if self._slot_names:
             self._lines.update(self._slot_tasks[slot], description=f"{self._slot_names[slot]} · {text}")
         else:
@@ -109,10 +110,10 @@ _STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "r
 def _finished_line(record: dict[str, Any], slots: Sequence[str] = ()) -> str:
     status = record["status"]
     where = f"{record['device_slot']}: " if slots and record.get("device_slot") else ""
-    line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {escape(where)}{config_label(record)}"
+    line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {markup(where)}{markup(config_label(record))}"
     if status == Status.OK:
         line += f"  {record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(peak_bytes(record))}"
     elif record.get("error"):
-        line += f"  [dim]{escape(textwrap.shorten(str(record['error']), 120, placeholder=' ...'))}[/]"
+        line += f"  [dim]{markup(textwrap.shorten(str(record['error']), 120, placeholder=' ...'))}[/]"
     return line
 
