@@ -237,8 +237,16 @@ def scaled(records, step=1.0, peak=1.0):
             r["step_ms_median"] *= step
             r["tokens_per_s"] /= step
             r["peak_tracked_bytes"] = int(r["peak_tracked_bytes"] * peak)
-            r["step_ms_iqr"] = 0.0  # no noise: the threshold alone decides
+            # no noise and a trusted timing, whatever the machine did while `records` ran: the threshold decides
+            r.update(step_ms=[r["step_ms_median"]] * 6, step_ms_iqr=0.0, timing_stable=True, **timing_note_fields([]))
     return out
+
+
+def with_noise(record, spread):
+    """A record whose 7 steps zigzag +-`spread` around its median (no run of slow steps): its median's 95% interval
+    is their min..max."""
+    m = record["step_ms_median"]
+    record["step_ms"] = [m * (1 + f * spread) for f in (-1, 1, -0.8, 0.8, -0.6, 0.6, 0)]
 
 
 @pytest.fixture
@@ -417,7 +425,7 @@ def test_compare_does_not_fail_on_a_change_inside_the_noise_unless_strict(tmp_pa
     old, new = scaled(records), scaled(records, step=1.2)
     for r in old:
         if r["status"] == "ok":
-            r["step_ms_ci"] = [r["step_ms_median"] * 0.7, r["step_ms_median"] * 1.3]  # +-30%: a noisy run
+            with_noise(r, 0.3)  # +-30%: a noisy run
     a, b = write(tmp_path / "a.jsonl", old), write(tmp_path / "b.jsonl", new)
     result = runner.invoke(app, ["compare", str(a), str(b), "--fail", "time:10%,tokens:10%"])
     assert result.exit_code == 0, result.output
@@ -427,7 +435,7 @@ def test_compare_does_not_fail_on_a_change_inside_the_noise_unless_strict(tmp_pa
     assert strict.exit_code == 1 and "4 regression(s)" in strict.stdout
     for r in old:  # narrow intervals: the same +20% is a regression
         if r["status"] == "ok":
-            r["step_ms_ci"] = [r["step_ms_median"] * 0.99, r["step_ms_median"] * 1.01]
+            with_noise(r, 0.01)
     a = write(tmp_path / "a2.jsonl", old)
     assert runner.invoke(app, ["compare", str(a), str(b), "--fail", "time:10%"]).exit_code == 1
 

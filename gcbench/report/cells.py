@@ -11,12 +11,13 @@ import pandas as pd
 
 from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank, without_fit_trials
 from gcbench.results.schema import PHASE_SHORT, note_kinds
-from gcbench.units import byte_unit, fmt_bytes
+from gcbench.units import byte_unit, fmt_bytes, plural
 
 ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
     ("gcbench", "env.gcbench"), ("git commit", "env.git_sha"), ("python", "env.python"), ("torch", "env.torch"),
     ("transformers", "env.transformers"), ("platform", "env.platform"), ("CPU", "env.cpu"),
-    ("CPU cores", "env.cpu_count"), ("torch threads", "env.torch_threads"), ("GPU", "env.gpu_name"),
+    ("CPU model", "env.cpu_model"), ("CPU cores", "env.cpu_count"), ("torch threads", "env.torch_threads"),
+    ("GPU", "env.gpu_name"),
     ("GPU memory", "env.gpu_memory_bytes"), ("driver", "env.driver"), ("CUDA", "env.cuda"),
     ("float32 matmul precision", "env.float32_matmul_precision"), ("TF32 matmul", "env.allow_tf32_matmul"),
     ("PYTORCH_CUDA_ALLOC_CONF", "env.pytorch_cuda_alloc_conf"),
@@ -34,6 +35,8 @@ class Grid:
     numeric: set[int] = field(default_factory=set)  # right-aligned columns
     section_ends: set[int] = field(default_factory=set)  # rows after which a group ends (a rule in the terminal)
     optional: list[int] = field(default_factory=list)  # columns a narrow terminal leaves out, least useful first
+    spare: list[int] = field(default_factory=list)  # then left out of the compact table, before it is split
+    keys: int = 1  # leading columns that name a row: each part of a table split for a narrow terminal repeats them
 
 
 def results_grid(part: pd.DataFrame) -> Grid:
@@ -106,7 +109,7 @@ def results_grid(part: pd.DataFrame) -> Grid:
     text = {headers.index(h) for h in ("peak in", "plan mix") if h in headers}
     return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,
                 numeric=set(range(4, len(headers))) - text | {0, 1}, section_ends=ends,
-                optional=optional)
+                optional=optional, spare=[headers.index("peak in"), headers.index(f"act. {unit}")], keys=3)
 
 
 
@@ -170,7 +173,8 @@ def largest_fit_grid(dev: pd.DataFrame) -> Grid | None:
         ])
         shown_setup = setup  # each setup named once, on its first row
     return Grid(["setup", "policy", "largest config that fit", f"its peak {unit}", "smallest OOM", "ran ok"], rows,
-                caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5}, optional=[5])
+                caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5}, optional=[5],
+                keys=2)
 
 
 def fit_grids(dev: pd.DataFrame) -> list[Grid]:
@@ -217,7 +221,7 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
             caption += " plan = plan:memory=<the budget>; plan mix = blocks of each kind it chose."
         numeric = {headers.index(h) for h in headers if h not in ("budget", "policy", f"next {word}", "plan mix")}
         grids.append(Grid(headers, rows, title=f"largest {word} that fits · {setup} · {fixed}", caption=caption,
-                          numeric=numeric, section_ends=ends,
+                          numeric=numeric, section_ends=ends, keys=2,
                           optional=[headers.index(h) for h in ("plan mix", "trials", "tokens/s") if h in headers]))
     return grids
 
@@ -247,7 +251,7 @@ def prediction_grid(part: pd.DataFrame) -> Grid | None:
                         "(analytic knows the block-grouping ones)."
                         + (" Sharded: both per rank, measured = the rank that peaked highest (docs/scale.md)."
                            if "shard" in part and (part["shard"] == "fsdp2").any() else ""),
-                numeric={0, 1, 3, 4, 5}, section_ends={len(rows) - 3})
+                numeric={0, 1, 3, 4, 5}, section_ends={len(rows) - 3}, keys=3)
 
 
 def environment_grid(dev: pd.DataFrame) -> Grid:
@@ -281,6 +285,6 @@ def grid_grid(dev: pd.DataFrame) -> Grid:
     ]
     trials = dev["fit_id"].notna()
     if trials.any():
-        rows.insert(-1, ["gcbench fit", f"{dev.loc[trials, 'fit_id'].nunique()} fit(s) of {trials.sum()} trials, "
-                                       "among the configs above"])
+        fits = plural(dev.loc[trials, "fit_id"].nunique(), "fit")
+        rows.insert(-1, ["gcbench fit", f"{fits} of {plural(trials.sum(), 'trial')}, among the configs above"])
     return Grid(["", "value"], rows)

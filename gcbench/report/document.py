@@ -1,24 +1,23 @@
 """The shareable report (`gcbench report --out DIR`): its content as a list of blocks (headings, paragraphs, grids,
-figures), rendered to report.md and to a self-contained report.html, written beside figures/ all at once."""
+figures), rendered to report.md and to a self-contained report.html, put beside figures/ by publish.py."""
 
 from __future__ import annotations
 
 import base64
 import html
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
 
-from gcbench.errors import GcbenchError
 from gcbench.report.cells import (Grid, environment_grid, fit_grids, grid_grid, largest_fit_grid, prediction_grid,
                                   results_grid)
+from gcbench.report.publish import publish
 from gcbench.results.frame import FAILED
+from gcbench.text import plain
+from gcbench.units import plural
 
 
 @dataclass
@@ -51,7 +50,7 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
     cpu_only = (frame["device_kind"] == "cpu").all()
     blocks: list[Block] = [
         Heading("gcbench report" + (" — CPU measurements" if cpu_only else ""), 1),
-        Para(f"{len(frame)} configs from {', '.join(f'`{s}`' for s in sources)}; written {now} by gcbench "
+        Para(f"{plural(len(frame), 'config')} from {', '.join(f'`{s}`' for s in sources)}; written {now} by gcbench "
              f"{__version__}. Each device has its own section: numbers from different devices are never compared "
              "or averaged, and `x none` ratios compare a policy with the `none` policy at the same device, model "
              "setup, sequence length and batch size. Memory in binary units (GiB = 2^30 bytes); step time is the "
@@ -183,29 +182,31 @@ def render_html(blocks: list[Block], root: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def shown_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with every string in it through text.plain: no escape sequence from a results file reaches
+    report.md, which its readers `cat`, nor an SVG, where a control character is not even XML."""
+    def each(value: object) -> object:
+        if isinstance(value, str):
+            return plain(value)
+        return [each(v) for v in value] if isinstance(value, list) else value
+
+    strings = [c for c in frame.columns if frame[c].dtype == object or pd.api.types.is_string_dtype(frame[c])]
+    out = frame.assign(**{c: frame[c].map(each) for c in strings})
+    out.attrs = dict(frame.attrs)
+    return out
+
+
 def write_report(frame: pd.DataFrame, out: Path) -> list[Path]:
-    """Write report.md, report.html and figures/ into `out`. Everything is made in a scratch directory first and
-    moved in at the end: a failure leaves no half-written report (an earlier report stays as it was)."""
+    """Write report.md, report.html and figures/ into `out` (publish.py: only gcbench's own files are replaced, a
+    failure or a kill leaves the previous report); the report's files, pages first."""
     from gcbench.report.figures import write_figures  # here: matplotlib only when a report is written
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists() and not out.is_dir():
-            raise GcbenchError(f"--out {str(out)!r} is a file, not a directory")
-        scratch = Path(tempfile.mkdtemp(prefix=".gcbench-report-", dir=out.parent))
-    except OSError as e:
-        raise GcbenchError(f"cannot write the report to {str(out)!r}: {e.strerror or e}") from None
-    try:
-        figures = write_figures(frame, scratch, "figures")
-        blocks = report_blocks(frame, figures, sorted(set(frame["source"])))
-        (scratch / "report.md").write_text(render_markdown(blocks))
-        (scratch / "report.html").write_text(render_html(blocks, scratch))
-        out.mkdir(exist_ok=True)
-        shutil.rmtree(out / "figures", ignore_errors=True)  # a figure of an earlier report must not linger
-        for name in ("figures", "report.md", "report.html"):
-            os.replace(scratch / name, out / name)
-    except OSError as e:
-        raise GcbenchError(f"cannot write the report to {str(out)!r}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return [out / "report.md", out / "report.html", *sorted((out / "figures").iterdir())]
+    shown = shown_frame(frame)
+
+    def make(root: Path) -> None:
+        figures = write_figures(shown, root, "figures")
+        blocks = report_blocks(shown, figures, sorted(set(shown["source"])))
+        (root / "report.md").write_text(render_markdown(blocks))
+        (root / "report.html").write_text(render_html(blocks, root))
+
+    return publish(out, make)

@@ -17,7 +17,8 @@ Drawn = tuple[Figure, str] | str | None  # (figure, caption) | why nothing was d
 PANEL_IN = (4.4, 3.3)  # inches per panel
 MAX_PANELS = 12  # larger grids show their largest configs; the caption says so
 STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
-         "axes.spines.right": False, "legend.fontsize": 8, "svg.fonttype": "none", "svg.hashsalt": "gcbench"}
+         "axes.spines.right": False, "legend.fontsize": 8, "svg.fonttype": "none", "svg.hashsalt": "gcbench",
+         "text.parse_math": False}  # a $ in a model's name is a dollar sign, not mathematics (nor a parse error)
 OOM_MARK = dict(marker="X", s=90, edgecolors="black", linewidths=0.8, zorder=6)
 
 
@@ -40,8 +41,10 @@ def panel_figure(n: int, title: str, device: str, legend_cols: int = 1) -> tuple
     return fig, axes[:n]
 
 
-def figure_legend(fig: Figure, axes: list[Axes], extra: list[tuple[object, str]] = (), policies=()) -> None:
-    """One legend for the whole figure, under the panels: each label once, the policies first in policy order."""
+def figure_legend(fig: Figure, axes: list[Axes], extra: list[tuple[object, str]] = (), policies=(),
+                  notes: dict[str, str] | None = None) -> None:
+    """One legend for the whole figure, under the panels: each label once, the policies first in policy order;
+    `notes`: a label's text in the legend where it says more than the label (Coincident.notes)."""
     seen: dict[str, object] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -53,9 +56,10 @@ def figure_legend(fig: Figure, axes: list[Axes], extra: list[tuple[object, str]]
                        else (1, order.index(kv[0]), "")))
     # As many columns as the figure's width holds for its longest label (about 0.6 em per character + the mark).
     size = FontProperties(size=mpl.rcParams["legend.fontsize"]).get_size_in_points()
-    entry_pt = 0.6 * size * max(map(len, seen), default=1) + 40
+    entry_pt = 0.6 * size * max((len((notes or {}).get(k, k)) for k in seen), default=1) + 40
     ncols = max(1, min(len(seen), 4, int(fig.get_figwidth() * 72 // entry_pt)))
-    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", frameon=False, ncols=ncols)
+    texts = [(notes or {}).get(label, label) for label in seen]
+    fig.legend(list(seen.values()), texts, loc="outside lower center", frameon=False, ncols=ncols)
 
 
 def log2_axis(ax: Axes, values) -> None:
@@ -77,3 +81,114 @@ def oom_handle(hollow: bool = False) -> Line2D:
     """The legend's mark for configs that did not fit (filled) or were skipped as too large (hollow)."""
     return Line2D([], [], ls="", marker="X", markersize=9, markeredgecolor="black",
                   markerfacecolor="white" if hollow else "black")
+
+
+# How the 2nd, 3rd... of policies whose marks coincide are drawn over the first (which keeps a solid line and a dot):
+# a dash that lets the line under it show through its gaps, and a larger hollow mark that rings the one under it.
+SAME_MARKS = [dict(marker="s", ms=8, mfc="none", mew=1.3, ls=(0, (4, 3))),
+              dict(marker="D", ms=10, mfc="none", mew=1.3, ls=(2, (2, 5))),
+              dict(marker="^", ms=11, mfc="none", mew=1.3, ls=(0, (1, 3))),
+              dict(marker="v", ms=12, mfc="none", mew=1.3, ls=(0, (6, 2, 1, 2)))]
+SAME_TOLERANCE = 0.015  # of the panel's span on each axis: closer marks are drawn on top of each other
+
+
+class Coincident:
+    """Policies whose marks lie on another policy's in a figure (two policies with the same peak draw as one line):
+    found panel by panel before anything is drawn, then each drawn in a style of its own and named in the legend
+    ("every-k:k=1 (same as full)"), so that no policy hides behind another. Positions are never moved."""
+
+    def __init__(self) -> None:
+        self.same: dict[str, dict[str, int]] = {}  # policy -> the earlier policy it lies on -> in how many panels
+        self.shared: dict[tuple[str, str], int] = {}  # (policy, earlier) -> panels that draw both
+        self.near: set[tuple[str, str]] = set()  # (policy, earlier) close somewhere, not equal
+
+    def panel(self, series: dict[str, tuple[list[float], list[float]]], from_zero: bool = False) -> None:
+        """One panel's marks per policy, in drawing (policy) order: x and y values. `from_zero`: the y axis starts
+        at 0 (what looks close is then relative to the largest y, not to the spread of the values)."""
+        xs = [x for px, _ in series.values() for x in px]
+        ys = [y for _, py in series.values() for y in py]
+        if not xs:
+            return
+        span = [(max(v) - min(v)) or abs(max(v)) or 1.0 for v in (xs, ys)]
+        if from_zero:
+            span[1] = max(map(abs, ys)) or 1.0
+        drawn = [label for label, (px, _) in series.items() if len(px)]
+        for i, label in enumerate(drawn):
+            for earlier in drawn[:i]:
+                self.shared[(label, earlier)] = self.shared.get((label, earlier), 0) + 1
+            for earlier in drawn[:i]:
+                if _same(series[label], series[earlier], span):
+                    self.same.setdefault(label, {})
+                    self.same[label][earlier] = self.same[label].get(earlier, 0) + 1
+                    if not _same(series[label], series[earlier], span, tolerance=1e-9):
+                        self.near.add((label, earlier))
+                    break
+
+    def style(self, label: str) -> dict:
+        """The plot() keywords of a policy's line: its own marker and dash where it lies on another policy's."""
+        if label not in self.same:
+            return {"marker": "o", "ms": 4}
+        # The 2nd, 3rd... policy on one policy's marks (directly or through another): each its own style.
+        group = [other for other in self.same if self._first(other) == self._first(label)]
+        n = group.index(label)
+        return SAME_MARKS[n % len(SAME_MARKS)] | {"zorder": 4 + n}
+
+    def _first(self, label: str) -> str:
+        for _ in range(len(self.same) + 1):  # a chain of policies each on the one before (never a circle)
+            if label not in self.same:
+                break
+            label = next(iter(self.same[label]))
+        return label
+
+    def scatter_style(self, label: str) -> dict:
+        """The same for scatter(): a larger mark of another shape (the caller leaves it hollow) around the one it
+        lies on; {} for a policy on no other."""
+        line = self.style(label)
+        if label not in self.same:
+            return {}
+        return {"marker": line["marker"], "s": line["ms"] ** 2 * 1.6, "linewidths": line["mew"],
+                "zorder": line["zorder"] + 2}
+
+    def notes(self) -> dict[str, str]:
+        """Legend text for the policies that lie on another one's: which, whether the same or only close (within
+        SAME_TOLERANCE), and in how many of the panels."""
+        out = {}
+        for label, on in self.same.items():
+            parts = []
+            for earlier, n in on.items():
+                both = self.shared.get((label, earlier), n)
+                how = "close to" if (label, earlier) in self.near else "same as"
+                parts.append(f"{how} {earlier}" + ("" if n == both else f" in {n} of {both} panels"))
+            out[label] = f"{label} ({'; '.join(parts)})"
+        return out
+
+    def caption(self) -> str:
+        """A sentence for the figure's caption where some policy lies on another, else nothing."""
+        if not self.same:
+            return ""
+        return (" Where a policy's marks lie on another's, it is drawn over them dashed, with larger hollow marks (the "
+                "legend says which).")
+
+
+def _same(a: tuple[list[float], list[float]], b: tuple[list[float], list[float]], span: list[float],
+          tolerance: float = SAME_TOLERANCE) -> bool:
+    """Every mark of `a` lies on one of `b`'s (a shorter line on a longer one hides just as well)."""
+    def near(p: tuple[float, float], q: tuple[float, float]) -> bool:
+        return all(abs(u - v) <= tolerance * w for u, v, w in zip(p, q, span))
+
+    return all(any(near(p, q) for q in zip(*b)) for p in zip(*a))
+
+
+def coincident(groups: list, x: str, y: str, within: str | None = None, from_zero: bool = False) -> Coincident:
+    """Which policies' marks lie on another policy's, over a figure's panels ((key, rows) each): per panel, each
+    ok record's (x, y) per policy, in policy order; `within`: a column whose values are kept apart (a method);
+    `from_zero`: as Coincident.panel."""
+    same = Coincident()
+    for _, g in groups:
+        ok = g[(g["status"] == "ok") & g[x].notna() & g[y].notna()].sort_values(x)
+        parts = [ok] if within is None else [part for _, part in ok.groupby(within)]
+        for part in parts:
+            series = {policy: (p[x].astype(float).tolist(), p[y].astype(float).tolist())
+                      for policy, p in sorted(part.groupby("policy_label"), key=lambda kv: policy_rank(kv[0]))}
+            same.panel(series, from_zero)
+    return same

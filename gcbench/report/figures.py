@@ -18,9 +18,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from gcbench.report.analysis import pareto_front
-from gcbench.report.figure_layout import (OOM_MARK, STYLE, Drawn, figure_legend, largest_panels, log2_axis,
+from gcbench.report.figure_layout import (OOM_MARK, STYLE, Drawn, coincident, figure_legend, largest_panels, log2_axis,
                                           oom_handle, panel_figure, policy_colors)
 from gcbench.report.fit_figures import fit_frontier
+from gcbench.report.prediction_figure import predicted_vs_measured
 from gcbench.results.frame import policy_rank, without_fit_trials
 from gcbench.units import byte_unit, fmt_bytes
 
@@ -73,10 +74,11 @@ def peak_vs_seq(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     fig, axes = panel_figure(len(groups), "Peak memory vs sequence length, per checkpoint policy",
                              dev["device_label"].iloc[0])
     legend_marks: dict[str, dict] = {}
+    same = coincident(groups, "seq_len", "peak_bytes", from_zero=True)
     for ax, ((setup, batch), g) in zip(axes, groups):
         for policy, p in sorted(g.groupby("policy_label"), key=lambda kv: policy_rank(kv[0])):
             ok = p[p["status"] == "ok"].sort_values("seq_len")
-            ax.plot(ok["seq_len"], ok["peak_bytes"] / scale, marker="o", ms=4, color=colors[policy], label=policy)
+            ax.plot(ok["seq_len"], ok["peak_bytes"] / scale, color=colors[policy], label=policy, **same.style(policy))
         limits = _limits(g)
         for value, label, style in limits:
             ax.axhline(value / scale, color="crimson", ls=style, lw=1.2, label=label)
@@ -102,8 +104,8 @@ def peak_vs_seq(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(f"peak memory ({unit})\n{dev['peak_label'].iloc[0]}")
     extra = [(oom_handle(hollow), label) for label, hollow in sorted(legend_marks.items())]
-    figure_legend(fig, axes, extra, colors)
-    return fig, "One line per policy; lower is better." + note
+    figure_legend(fig, axes, extra, colors, same.notes())
+    return fig, "One line per policy; lower is better." + note + same.caption()
 
 
 def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
@@ -116,6 +118,7 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     scale, unit = byte_unit(ok["peak_bytes"].max())
     fig, axes = panel_figure(len(groups), "Step time vs peak memory, with the Pareto frontier",
                              dev["device_label"].iloc[0])
+    same = coincident(groups, "peak_bytes", "step_ms_median")
     for ax, ((setup, seq, batch), g) in zip(axes, groups):
         g = g.reset_index(drop=True)
         front = g.iloc[pareto_front(zip(g["peak_bytes"], g["step_ms_median"]))]
@@ -124,23 +127,30 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         for policy, p in sorted(g.groupby("policy_label"), key=lambda kv: policy_rank(kv[0])):
             on_front = p.index.isin(front.index)
             trusted = p["timing_trusted"].to_numpy(dtype=bool)
-            ax.scatter([], [], color=colors[policy], s=46, label=policy)  # the legend's mark: always solid
-            ax.scatter(p["peak_bytes"] / scale, p["step_ms_median"], s=46, zorder=4, linewidths=1.2,
-                       facecolors=[colors[policy] if t else _pale(colors[policy]) for t in trusted],
-                       edgecolors=["black" if f else colors[policy] if not t else "none"
+            # A policy on another one's point: a larger hollow mark of its own shape around that point.
+            on = same.scatter_style(policy)
+            legend_mark = {"s": 46} | on | ({"facecolors": "none", "edgecolors": colors[policy]} if on
+                                            else {"color": colors[policy]})
+            ax.scatter([], [], label=policy, **legend_mark)  # the legend's mark: solid, or as the ring
+            ax.scatter(p["peak_bytes"] / scale, p["step_ms_median"], **({"s": 46, "zorder": 4, "linewidths": 1.2}
+                                                                        | on),
+                       facecolors=[("none" if on else colors[policy]) if t else _pale(colors[policy])
+                                   for t in trusted],
+                       edgecolors=["black" if f else colors[policy] if not t or on else "none"
                                    for f, t in zip(on_front, trusted)])
         ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
         ax.set_xlabel(f"peak memory ({unit}) — {dev['peak_label'].iloc[0]}")
         ax.set_ylabel("step time, median (ms)")
         ax.margins(0.15)
     untrusted = not all(g["timing_trusted"].all() for _, g in groups)
-    figure_legend(fig, axes, [(_pale_handle(), UNTRUSTED_LABEL)] if untrusted else [], colors)
+    figure_legend(fig, axes, [(_pale_handle(), UNTRUSTED_LABEL)] if untrusted else [], colors, same.notes())
     return fig, ("One point per policy; points ringed in black are on the Pareto frontier (lower-left is better)."
                  + (" A pale point's step time is not trusted (noisy steps or a busy machine)." if untrusted
-                    else "") + note)
+                    else "") + note + same.caption())
 
 
 UNTRUSTED_LABEL = "pale: timing not trusted"
+
 
 
 def _pale(color: str) -> tuple[float, float, float, float]:
@@ -291,18 +301,22 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     fig, axes = panel_figure(len(groups), "Throughput vs batch size, per checkpoint policy",
                              dev["device_label"].iloc[0])
     oom_seen = untrusted = False
+    same = coincident(groups, "batch_size", "tokens_per_s", from_zero=True)
     for ax, ((setup, seq), g) in zip(axes, groups):
         ranked = sorted(g.loc[g["status"] == "oom", "policy_label"].unique(), key=policy_rank)
         for policy, p in sorted(g.groupby("policy_label"), key=lambda kv: policy_rank(kv[0])):
             ok = p[p["status"] == "ok"].sort_values("batch_size")
-            ax.plot(ok["batch_size"], ok["tokens_per_s"], marker="o", ms=4, color=colors[policy], label=policy)
+            style = same.style(policy)
+            ax.plot(ok["batch_size"], ok["tokens_per_s"], color=colors[policy], label=policy, **style)
             shaky = ok[~ok["timing_trusted"]]
             if len(shaky):
                 untrusted = True
-                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], s=30, facecolors="white",
-                           edgecolors="none", zorder=5)  # the line's own marker shows through faded
-                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], s=30, facecolors=_pale(colors[policy]),
-                           edgecolors=colors[policy], zorder=6)
+                mark = {"marker": style["marker"], "s": max(30, style["ms"] ** 2)}
+                if policy not in same.same:  # a hollow mark has no inside to fade
+                    ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], facecolors="white", edgecolors="none",
+                               zorder=5, **mark)  # the line's own marker shows through faded
+                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], facecolors=_pale(colors[policy]),
+                           edgecolors=colors[policy], zorder=style.get("zorder", 5) + 1, **mark)
             oom = p[p["status"] == "oom"]
             if len(oom):
                 oom_seen = True
@@ -316,37 +330,10 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_ylabel("throughput (tokens/s)")
     extra = [(oom_handle(), "OOM: did not fit (drawn at 0)")] if oom_seen else []
     extra += [(_pale_handle(), UNTRUSTED_LABEL)] if untrusted else []
-    figure_legend(fig, axes, extra, colors)
+    figure_legend(fig, axes, extra, colors, same.notes())
     skipped = f" Not drawn, nothing ran: {', '.join(nothing_ran)}." if nothing_ran else ""
-    return fig, "Tokens per second = batch x seq / median step time; higher is better." + note + skipped
-
-
-def predicted_vs_measured(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
-    rows = dev[(dev["status"] == "ok") & dev["predicted_peak_bytes"].notna() & dev["peak_bytes"].notna()]
-    if rows.empty:
-        return None  # records without predictions: the figure simply does not apply
-    scale, unit = byte_unit(max(rows["peak_bytes"].max(), rows["predicted_peak_bytes"].max()))
-    fig, [ax] = panel_figure(1, "Predicted vs measured peak memory", dev["device_label"].iloc[0])
-    hi = max(rows["peak_bytes"].max(), rows["predicted_peak_bytes"].max()) / scale * 1.1
-    ax.plot([0, hi], [0, hi], color="black", lw=1, label="prediction = measurement")
-    ax.fill_between([0, hi], [0, hi * 0.9], [0, hi * 1.1], color="grey", alpha=0.15, label="within ±10%")
-    methods = rows["prediction_method"].fillna("unnamed method") if "prediction_method" in rows \
-        else pd.Series("unnamed method", index=rows.index)
-    markers = dict(zip(sorted(set(methods)), "os^Dv"))
-    for (policy, method), p in sorted(rows.groupby(["policy_label", methods]), key=lambda kv: policy_rank(kv[0][0])):
-        ax.scatter(p["peak_bytes"] / scale, p["predicted_peak_bytes"] / scale, color=colors[policy], s=36,
-                   marker=markers[method], zorder=4, label=policy)
-    if len(markers) > 1:  # say which shape is which method; with one method the caption names it
-        ax.legend([Line2D([], [], ls="", marker=m, color="grey") for m in markers.values()],
-                  [f"method: {name}" for name in markers], loc="upper left", frameon=False)
-    ax.set_xlim(0, hi)
-    ax.set_ylim(0, hi)
-    ax.set_xlabel(f"measured peak ({unit}) — {dev['peak_label'].iloc[0]}")
-    ax.set_ylabel(f"predicted peak ({unit})")
-    figure_legend(fig, [ax], policies=colors)
-    err = rows["prediction_error"].abs()
-    return fig, (f"One point per config that ran; points above the diagonal over-predict. Prediction method: "
-                 f"{', '.join(markers)}. Median |error| {err.median():.1%}, worst {err.max():.1%}.")
+    return fig, ("Tokens per second = batch x seq / median step time; higher is better." + note + skipped
+                 + same.caption())
 
 
 # (file stem, title, function): the order is the report's order
@@ -379,8 +366,11 @@ def write_figures(frame: pd.DataFrame, root: Path, folder: str = "figures") -> d
         for stem, title, draw in FIGURES:
             name = f"{stem}-{slug(device)}" if several else stem
             rows = dev if stem in ALL_RECORDS else without_fit_trials(dev)
+            if "oom_limit" in rows:  # an oom not run (the host's free memory then, a plan's budget): not a result
+                rows = rows[~rows["oom_limit"].isin(["free", "plan"])]
             if rows.empty:
-                files.append(FigureFile(stem, title, "only `gcbench fit` trials here (figure 7 and the fit table)"))
+                files.append(FigureFile(stem, title, "nothing measured here: only configs not run, or `gcbench fit` "
+                                        "trials (figure 7 and the fit table)"))
                 continue
             with mpl.rc_context(STYLE):
                 result = draw(rows, colors)

@@ -3,14 +3,17 @@ tables read a frame: tables.py), so that a run prints its result without 0.2 s m
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
-from rich.markup import escape
+from rich.console import Console
 from rich.table import Table
 
 from gcbench.fields import DeviceKind
+from gcbench.text import markup
 from gcbench.results.schema import PHASE_SHORT, PHASES, half_width, lever_text, mix_text, peak_bytes, policy_label
-from gcbench.units import fmt_bytes, human_count
+from gcbench.units import fmt_bytes, human_count, plural
 
 
 def run_table(record: dict[str, Any]) -> Table:
@@ -18,23 +21,25 @@ def run_table(record: dict[str, Any]) -> Table:
     cuda = DeviceKind.of(record["device"]) is DeviceKind.CUDA
     env = record.get("env") or {}
     threads = record.get("threads") or env.get("torch_threads")
-    where = env.get("gpu_name") or f"CPU ({threads} thread{'s' if threads != 1 else ''})"
+    where = markup(env["gpu_name"]) if env.get("gpu_name") else f"{cpu_label(env)} ({plural(threads, 'thread')})"
     blocks = record.get("n_layers") or record.get("layers")
     # the family, where the model's name does not say it (a config.json, a Hub id)
     shape = ", ".join(([record["family"]] if record.get("family") and record["family"] not in record["model"]
-                       else []) + ([f"{blocks} blocks"] if blocks else []))
+                       else []) + ([plural(blocks, "block")] if blocks else []))
     # the optimizer is named in the model state row; the precision and the other levers here
     levers = lever_text(record, leave_out=("optimizer",))
     world = record.get("world_size") or 1
-    title = (f"{record['model']}{f' ({shape})' if shape else ''} · seq {record['seq_len']} · batch "
-             f"{record['batch_size']} · {policy_label(record)} · {levers} · {where}")
+    compiled = record.get("compile_ms") is not None
+    # markup(): names from a config, a path or a Hub id are shown as they are, never read as rich tags
+    title = (f"{markup(record['model'])}{f' ({markup(shape)})' if shape else ''} · seq {record['seq_len']} · batch "
+             f"{record['batch_size']} · {markup(policy_label(record))} · {markup(levers)} · {where}")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("what it is", style="dim")
     if record["status"] != "ok":
         style = "bold yellow" if record["status"] == "oom" else "bold red"
-        table.add_row("status", f"[{style}]{record['status']}[/]", escape(record.get("error") or ""))
+        table.add_row("status", f"[{style}]{markup(record['status'])}[/]", markup(record.get("error") or ""))
         if record.get("predicted_peak_bytes"):
             table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
                           f"{record.get('prediction_method')}, before the run")
@@ -43,20 +48,24 @@ def run_table(record: dict[str, Any]) -> Table:
         table.add_row("peak memory", fmt_bytes(record["peak_allocated_bytes"]),
                       "torch.cuda.max_memory_allocated, whole step")
         table.add_row("peak reserved", fmt_bytes(record["peak_reserved_bytes"]), "allocator cache incl. fragmentation")
+    elif record.get("peak_tracked_bytes") is None:  # a compiled policy's (policies/budget.py): see UNTRACKED
+        table.add_row("peak memory (tracked)", "[yellow]not measured[/]", UNTRACKED if compiled else "")
     else:
         table.add_row("peak memory (tracked)", fmt_bytes(record["peak_tracked_bytes"]),
                       "peak of live tensor bytes on CPU (not an allocator)")
     measured = peak_bytes(record)
-    if record.get("predicted_peak_bytes"):
+    if record.get("predicted_peak_bytes") and measured:
         error = record["predicted_peak_bytes"] / measured - 1
         table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
                       f"{record.get('prediction_method')} before the run, {error:+.1%} vs measured")
     if record.get("peak_phase"):
         table.add_row("peak reached in", f"[bold]{record['peak_phase']}[/]", _phase_text(record))
-    table.add_row("activation peak", fmt_bytes(record["activation_peak_bytes"]), "fwd+bwd peak above model state")
+    if record.get("activation_peak_bytes") is not None:
+        table.add_row("activation peak", fmt_bytes(record["activation_peak_bytes"]), "fwd+bwd peak above model state")
     table.add_row("saved activations", fmt_bytes(record["saved_activation_bytes"]), "kept for backward after forward")
     if record.get("plan_mix"):
-        table.add_row("plan mix", mix_text(record["plan_mix"]), "blocks of each kind the plan chose for this shape")
+        table.add_row("plan mix", markup(mix_text(record["plan_mix"])),
+                      "blocks of each kind the plan chose for this shape")
     if record.get("offloaded_bytes") is not None:
         table.add_row("offloaded to host", fmt_bytes(record["offloaded_bytes"]), "host copies per forward (offload)")
     if record.get("compile_ms") is not None:
@@ -64,7 +73,8 @@ def run_table(record: dict[str, Any]) -> Table:
     if record.get("shard") not in (None, "none"):
         peaks = record.get("rank_peak_allocated_bytes") or record.get("rank_peak_tracked_bytes") or []
         table.add_row("peak per rank", " · ".join(fmt_bytes(p) for p in peaks),
-                      f"each of the {world} ranks (the record's peak and model state: the largest rank's)")
+                      (f"each of the {world} ranks" if world > 1 else "its one rank")
+                      + " (the record's peak and model state: the largest rank's)")
     state = record["param_bytes"] + record["grad_bytes"] + record["optimizer_bytes"]
     # Sharded: a rank holds 1/world of the bytes per parameter.
     per_param = f"{state * world / record['n_params']:.1f} B/param{f' over {world} ranks' if world > 1 else ''}: " \
@@ -77,17 +87,63 @@ def run_table(record: dict[str, Any]) -> Table:
     if "timing_stable" in record:
         stable = record["timing_stable"]
         table.add_row("timing", "[green]stable[/]" if stable else "[bold yellow]not trusted[/]",
-                      escape("; ".join(record["timing_notes"])) if not stable else _host_text(record))
+                      markup("; ".join(record["timing_notes"])) if not stable else _host_text(record))
     accum = record.get("grad_accum") or 1
     table.add_row("throughput", f"{record['tokens_per_s']:,.0f} tokens/s",
                   f"batch x seq{f' x {accum} micro-batches' if accum > 1 else ''}"
                   f"{f' x {world} ranks' if world > 1 else ''} / median step")
     ratio = record.get("recompute_flops_ratio")
-    table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
-                  f"{human_count(record['flops'], 'FLOP')} per step vs {human_count(record['model_flops'], 'FLOP')}")
+    if record.get("flops") is None and compiled:
+        table.add_row("recompute FLOPs", "[yellow]not counted[/]", UNCOUNTED)
+    else:
+        table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
+                      f"{human_count(record['flops'], 'FLOP')} per step vs "
+                      f"{human_count(record['model_flops'], 'FLOP')}")
     if record.get("mfu") is not None:
         table.add_row("MFU", f"{record['mfu']:.1%}", "model FLOPs / step time / dense bf16 peak")
     return table
+
+
+# Why a compiled policy's CPU run has no peak and no FLOP count: both are counted by dispatch modes, and torch.compile
+# runs the blocks eagerly under any dispatch mode, so they would count another step than the one timed.
+UNTRACKED = ("on CPU the live-tensor tracker would make torch.compile run the blocks uncompiled: another step than "
+             "the one timed (a CUDA run measures its peak)")
+UNCOUNTED = "the FLOP counter would make torch.compile run the blocks uncompiled: another step than the one timed"
+
+
+def before_run_notes(spec: Any) -> list[str]:
+    """What `gcbench run` says before it starts (a resolved.ResolvedRun): a compiling policy's minutes of
+    torch.compile, and, on CPU, what it will not measure."""
+    policy = spec.policy
+    if not policy.compiles:
+        return []
+    notes = [f"{policy.name} compiles every block with torch.compile before the first step: minutes on CPU while "
+             "inductor's on-disk cache is cold, never counted in the step time"]
+    if policy.hidden_from_dispatch_modes and spec.device_kind is DeviceKind.CPU:
+        notes.append(f"{policy.name} on CPU: peak memory and FLOPs are not measured (the live-tensor tracker and the "
+                     "FLOP counter would make torch.compile run the blocks uncompiled); its step time is")
+    return notes
+
+
+def print_run(record: dict[str, Any], out: Any, output_format: str, console: Console, err_console: Console) -> None:
+    """`gcbench run`'s output: the table, then where the record went. --format json: the record alone on stdout
+    (one JSON object, as --out stores it: ensure_ascii, so no escape sequence from a name reaches a terminal), where
+    it went on stderr."""
+    if output_format == "json":
+        console.out(json.dumps(record, default=str), highlight=False)
+    else:
+        console.print(run_table(record))
+    (err_console if output_format == "json" else console).print(f"[dim]record appended to {markup(out)}[/]")
+
+
+def cpu_label(env: dict[str, Any]) -> str:
+    """"CPU" and its model's name where the record has it (env.cpu_model; not in older records)."""
+    return f"CPU {cpu_name(env['cpu_model'])}" if env.get("cpu_model") else "CPU"
+
+
+def cpu_name(model: str) -> str:
+    """A CPU's model name for a title, as markup, without trademark signs: "Intel Xeon Gold 6338 CPU @ 2.00GHz"."""
+    return markup(" ".join(re.sub(r"\s*\((?:R|TM|tm)\)", "", model).split()))
 
 
 PHASE_ADVICE = {

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
@@ -19,7 +19,8 @@ from gcbench.report.tables import rich_table
 from gcbench.results.frame import given, paired_ratio_trusted, results_frame
 from gcbench.fields import RUN_FIELDS, Role
 from gcbench.results.schema import LEVER_FIELDS, STATUSES, lever_text, note_kinds, peak_bytes, policy_label
-from gcbench.units import fmt_bytes
+from gcbench.text import markup
+from gcbench.units import fmt_bytes, plural
 
 STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "red", "error": "bold red"}
 
@@ -41,14 +42,15 @@ def grid_table(configs: Iterable[tuple[dict[str, Any], str | None]], results_fil
     `caption`: the options every config shares."""
     configs = list(configs)
     to_run = sum(status is None for _, status in configs)
-    table = Table(title=f"{len(configs)} configs ({to_run} to run, {len(configs) - to_run} already in "
-                        f"{results_file})", caption=caption)
+    table = Table(title=f"{plural(len(configs), 'config')} ({to_run} to run, {len(configs) - to_run} already in "
+                        f"{markup(results_file)})", caption=markup(caption))
     setups = setup_texts([record for record, _ in configs])
     for col in ("#", "model", *(["setup"] if setups else []), "seq", "batch", "policy", "in results file"):
         table.add_column(col, justify="right" if col in ("#", "seq", "batch") else "left")
     for i, (record, status) in enumerate(configs, 1):
-        table.add_row(str(i), record["model"], *([setups[i - 1]] if setups else []), str(record["seq_len"]),
-                      str(record["batch_size"]), policy_label(record), status or "to run")
+        table.add_row(str(i), markup(record["model"]), *([markup(setups[i - 1])] if setups else []),
+                      str(record["seq_len"]), str(record["batch_size"]), markup(policy_label(record)),
+                      status or "to run")
     return table
 
 
@@ -84,10 +86,10 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
     would not fit otherwise."""
     frame = summary_frame(records)
     counts = Counter(frame["status"]) if len(frame) else Counter()
-    title = f"{len(frame)} configs: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
+    title = f"{plural(len(frame), 'config')}: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
     models = sorted(set(frame["model"])) if len(frame) else []
     if len(models) == 1:  # one model: name it once in the title, keep the table within 80 columns
-        title = f"{models[0]} · {title}"
+        title = f"{markup(models[0])} · {title}"
     # the levers beyond precision and optimizer (in backward, accumulation, sharding) that every config has (a
     # setup column shows them otherwise)
     varying = tuple(f for f in LEVER_FIELDS if len({str(r.get(f)) for r in records}) > 1)
@@ -103,7 +105,8 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
         # A failure's reason, or why a timing is not trusted (each distinct text once, numbered under the table).
         note = "" if not given(row.note) else f"({notes.setdefault(str(row.note), len(notes) + 1)})"
         unstable = "~" if ok and _false(row.timing_stable) else ""
-        rows.append([row.model, row.setup, str(row.seq_len), str(row.batch_size), row.policy, row.status,
+        rows.append([markup(row.model), markup(row.setup), str(row.seq_len), str(row.batch_size), markup(row.policy),
+                     row.status,
                      f"{unstable}{row.step_ms_median:.1f}" if ok else "-", _time_ratio(row),
                      fmt_bytes(row.peak_bytes) if ok else "-", fmt_bytes(row.activation_peak_bytes) if ok else "-",
                      f"{row.tokens_per_s:,.0f}" if ok else "-", note])
@@ -161,7 +164,7 @@ def _time_ratio(row) -> str:
     return time_ratio_text(ratio, row.time_ratio_vs, paired_ratio_trusted(ratio, row.time_ratio_ci))
 
 
-def largest_fit_table(records: list[dict[str, Any]], width: int | None = None) -> Table | None:
+def largest_fit_table(records: list[dict[str, Any]], width: int | None = None) -> Table | Group | None:
     """`gcbench report`'s "largest config that fit" table for these records; None when nothing ran out of memory
     (then "largest" would only mean "largest in the grid"). `width`: the terminal's (see tables.rich_table)."""
     if not any(r["status"] == "oom" for r in records):

@@ -1,0 +1,128 @@
+"""`gcbench estimate`'s table: one row per config and method. Narrow by design (an 80-column terminal or pipe
+takes the README's examples whole); where varying levers and several models would still make it wider than the
+terminal, its least useful columns are left out, and the caption says which."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from gcbench.fields import run_field
+from gcbench.results.schema import LEVER_FIELDS, PHASE_SHORT, lever_text, policy_label
+from gcbench.text import markup
+from gcbench.units import byte_unit, fmt_bytes, plural
+from gcbench.values import Switch
+
+LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> its column's heading
+# Left out first when the table is too wide: derivable from the others (B/p, grads ~ params), then the least asked.
+SPARE = ("B/p", "in", "grads", "method")
+
+
+@dataclass
+class _Column:
+    header: str
+    left: bool  # text (left) or a number (right)
+    cells: list[str]
+
+
+def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, width: int | None = None) -> Table:
+    """The table `gcbench estimate` prints: one row per config and method (rows are Estimate.as_record()s: `policy`
+    the name with `policy_options` beside it, or, from older code, the whole label in `policy`; a cell no method
+    could predict has `peak_bytes` None and why in `not_available`). Byte columns share one unit, chosen for the
+    largest peak; what all rows share goes into the title (the model, precision, optimizer...), what varies gets a
+    column; the caption says why a cell is n/a or predicted by another method than asked (`stands_in`), and how
+    long predictions took. `width`: the most columns it may take (None: no limit)."""
+    first, predicted_rows = rows[0], [r for r in rows if r["peak_bytes"] is not None]
+    scale, unit = byte_unit(max((r["peak_bytes"] for r in predicted_rows), default=0))
+    models = {markup(r["model"]) + (f" ({plural(r['layers'], 'block')})" if r.get("layers") else "") for r in rows}
+    predicted = "torch.cuda.max_memory_allocated" if first["target"] == "cuda" else "CPU live-tensor peak"
+    kernels = ", ".join(sorted({r["attention_kernel"] for r in predicted_rows}))
+    varying = [f for f in LEVERS if len({str(r.get(f)) for r in rows}) > 1]
+    shared = lever_text(first, leave_out=tuple(varying))
+    title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
+             f"({predicted}){' · ' + markup(shared) if shared else ''} · attention: {kernels}")
+    sharded = any(r.get("shard") not in (None, "none") for r in rows)
+    columns = _columns(rows, varying, len(models) > 1, scale, memory_bytes)
+    left_out = []
+    for header in SPARE:  # the table as it would print, measured unwrapped: a bounded console clamps to its width
+        if width is None or Console(width=100_000).measure(_table(title, "", columns)).maximum <= width:
+            break
+        columns = [c for c in columns if c.header != header]
+        left_out.append(header)
+    shown = {c.header for c in columns}
+    words = {"activ.": "activ. = everything else at the peak",
+             "in": "in = the phase that reaches the peak (opt: the optimizer step, which checkpointing cannot lower)",
+             "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else "")}
+    notes = ["; ".join([unit, *(text for header, text in words.items() if header in shown)]
+                       + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
+                       + ([f"fits = peak <= {fmt_bytes(memory_bytes)}"] if memory_bytes else []))]
+    stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
+    notes += [f"† simulated instead: {markup(reason)}" for reason in stand_ins]
+    notes += [f"n/a: {markup(reason)}" for reason in dict.fromkeys(r["not_available"] for r in rows
+                                                                   if r["peak_bytes"] is None)]
+    notes.append(_seconds_note(predicted_rows))
+    if left_out:
+        notes.append(f"left out at this width: {', '.join(left_out)} (--format json has every value)")
+    return _table(title, "\n".join(n for n in notes if n), columns)
+
+
+def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: bool, scale: int,
+             memory_bytes: int | None) -> list[_Column]:
+    """Every column the rows call for, its cells rich markup."""
+    columns = ([_Column("model", True, [markup(r["model"]) for r in rows])] if several_models else []) + [
+        _Column("seq", False, [str(r["seq_len"]) for r in rows]),
+        _Column("batch", False, [str(r["batch_size"]) for r in rows]),
+        _Column("policy", True, [markup(policy_label(r)) for r in rows]),
+        *(_Column(LEVERS[f], True, [markup(_lever_cell(f, r.get(f))) for r in rows]) for f in varying),
+        _Column("method", True, [r["method"] + ("†" if r.get("stands_in") else "") for r in rows])]
+    parts = {"params": "param_bytes", "grads": "grad_bytes", "optim.": "optimizer_bytes", "activ.": "activation_bytes"}
+    na = "[dim]n/a[/]"
+    columns += [_Column(header, False, [f"{r[key] / scale:.2f}" if r["peak_bytes"] is not None else na for r in rows])
+                for header, key in parts.items()]
+    columns.append(_Column("peak", False, [f"[bold]{r['peak_bytes'] / scale:.2f}[/]" if r["peak_bytes"] is not None
+                                           else na for r in rows]))
+    columns.append(_Column("in", True, [PHASE_SHORT.get(r["peak_phase"], "-") if r["peak_bytes"] is not None else na
+                                        for r in rows]))
+    columns.append(_Column("B/p", False, [_per_param(r) if r["peak_bytes"] is not None else na for r in rows]))
+    if memory_bytes:
+        columns.append(_Column("fits", True, [na if r["peak_bytes"] is None else "[green]yes[/]"
+                                              if r["peak_bytes"] <= memory_bytes else "[red]no[/]" for r in rows]))
+    return columns
+
+
+def _table(title: str, caption: str, columns: list[_Column]) -> Table:
+    # No padding and no outer edge: one space between columns, nothing around them.
+    table = Table(title=title, caption=caption or None, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, caption_justify="left", padding=0)
+    for column in columns:
+        table.add_column(column.header, justify="left" if column.left else "right")
+    for cells in zip(*(c.cells for c in columns)):
+        table.add_row(*cells)
+    return table
+
+
+def _lever_cell(field: str, value: Any) -> str:
+    if isinstance(run_field(field).kind, Switch):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _per_param(row: dict[str, Any]) -> str:
+    state = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
+    return f"{state * (row.get('nproc') or 1) / row['n_params']:.1f}" if row.get("n_params") else "-"
+
+
+def _seconds_note(rows: list[dict[str, Any]]) -> str:
+    """How long each method took per config ("simulate 4.9-17.4 s per config"): the cost of asking again."""
+    spans = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        seconds = [r["seconds"] for r in rows if r["method"] == method and r.get("seconds") is not None]
+        if seconds:
+            low, high = min(seconds), max(seconds)
+            spans.append(f"{method} {low:.2f} s" if f"{low:.2f}" == f"{high:.2f}" else
+                         f"{method} {low:.2f}-{high:.2f} s")
+    return f"time per prediction: {', '.join(spans)}" if spans else ""

@@ -1,0 +1,461 @@
+"""`gcbench report --out DIR` loses nothing (only its own files are replaced; a failure or a kill at any step leaves
+the old report or the new one), and text from a results file reaches the terminal as text (issue 30)."""
+
+import copy
+import fcntl
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import gcbench
+from gcbench.cli import app
+from gcbench.errors import GcbenchError
+from gcbench.report import publish as pub
+from gcbench.report.cells import results_grid
+from gcbench.results.frame import results_frame
+from gcbench.results.store import append_record
+from tests.helpers import tiny_spec
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def records():
+    """Two measured configs (none, full) and one OOM (a 5 MiB cap), as `gcbench run` records them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny runs: spinning threads on a busy machine only slow them down
+    try:
+        return [gcbench.run(tiny_spec(policy=p, seq_len=32, batch_size=1)) for p in ("none", "full")] \
+            + [gcbench.run(tiny_spec(policy="none", seq_len=32, batch_size=2, memory_cap_bytes=5 * 2**20))]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def write(path: Path, records: list[dict]) -> Path:
+    for r in records:
+        append_record(path, r)
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def hidden(folder: Path) -> list[Path]:
+    return [*folder.glob(".gcbench-report-*"), *folder.parent.glob(".gcbench-report-*")]
+
+
+# --------------------------------------------------------------------------------------------------- user files
+
+def test_report_leaves_the_users_files_in_its_directory_alone(tmp_path, records):
+    out = tmp_path / "rep"
+    (out / "figures").mkdir(parents=True)
+    (out / "figures" / "my-plot.png").write_bytes(b"mine")
+    (out / "notes.md").write_text("my notes")
+    fit_like = [dict(r) for r in records]
+    first = runner.invoke(app, ["report", str(write(tmp_path / "a.jsonl", fit_like)), "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    assert (out / "figures" / "my-plot.png").read_bytes() == b"mine" and (out / "notes.md").read_text() == "my notes"
+    # A second report into the same directory: its own files replaced, the user's still there.
+    ok_only = [r for r in records if r["status"] == "ok"]
+    second = runner.invoke(app, ["report", str(write(tmp_path / "b.jsonl", ok_only)), "--out", str(out)])
+    assert second.exit_code == 0, second.output
+    assert (out / "figures" / "my-plot.png").read_bytes() == b"mine" and (out / "notes.md").read_text() == "my notes"
+    assert (out / "figures" / "1-peak-vs-seq.png").exists() and not hidden(out)
+
+
+def test_report_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, records):
+    results = write(tmp_path / "r.jsonl", records)
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "report.md").write_text("my own report")
+    result = runner.invoke(app, ["report", str(results), "--out", str(out)])
+    assert result.exit_code == 2 and "report.md" in result.stderr and "not written by gcbench" in result.stderr
+    assert snapshot(out) == {"report.md": b"my own report"} and not hidden(out)
+    # ...and a report of its own that the user has edited since is theirs too.
+    (out / "report.md").unlink()
+    assert runner.invoke(app, ["report", str(results), "--out", str(out)]).exit_code == 0
+    (out / "report.md").write_text("edited by hand")
+    again = runner.invoke(app, ["report", str(results), "--out", str(out)])
+    assert again.exit_code == 2 and (out / "report.md").read_text() == "edited by hand"
+
+
+def test_a_failed_report_leaves_no_folder_it_made(tmp_path):
+    def broken(root: Path) -> None:
+        (root / "report.md").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(GcbenchError, match="No space left"):
+        pub.publish(tmp_path / "new" / "deeper", broken)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------- failures and kills
+
+# A figure changed (1-a), one gone (2-b), one added (3-c), one drawn the same again (4-same).
+OLD = {"report.md": "old md", "report.html": "old html", "figures/1-a.png": "old a", "figures/2-b.png": "old b",
+       "figures/4-same.png": "same"}
+NEW = {"report.md": "new md", "report.html": "new html", "figures/1-a.png": "new a", "figures/3-c.png": "new c",
+       "figures/4-same.png": "same"}
+
+
+def maker(files: dict[str, str]):
+    def make(root: Path) -> None:
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+    return make
+
+
+def report_dir(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A directory with an old report (written by publish) and a user's file among its figures."""
+    out = tmp_path / "rep"
+    pub.publish(out, maker(OLD))
+    (out / "figures" / "mine.png").write_bytes(b"mine")
+    return out, snapshot(out)
+
+
+def test_a_failure_at_any_step_leaves_the_old_report_whole(tmp_path, monkeypatch):
+    real = os.replace
+    steps = len(NEW) + 1  # each file, then the manifest
+    for k in range(steps):
+        out, before = report_dir(tmp_path / str(k))
+        calls = []
+
+        def failing(src, dst, k=k):
+            calls.append(dst)
+            if len(calls) == k + 1:
+                raise OSError(28, "No space left on device")
+            return real(src, dst)
+
+        monkeypatch.setattr(pub.os, "replace", failing)
+        with pytest.raises(GcbenchError, match="No space left"):
+            pub.publish(out, maker(NEW))
+        monkeypatch.setattr(pub.os, "replace", real)
+        assert snapshot(out) == before and not hidden(out), k
+    out, _ = report_dir(tmp_path / "ok")
+    pub.publish(out, maker(NEW))
+    assert {k: v.decode() for k, v in snapshot(out).items() if not k.startswith(".")} == NEW | {"figures/mine.png":
+                                                                                               "mine"}
+
+
+KILLER = """
+import json, os, signal, sys
+from pathlib import Path
+from gcbench.report import publish as pub
+from gcbench.report.cells import results_grid
+from gcbench.results.frame import results_frame
+NEW = json.loads(sys.argv[3])
+def make(root):
+    for rel, text in NEW.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+k = int(sys.argv[2])
+calls = []
+real = os.replace
+def replace(src, dst):
+    calls.append(dst)
+    if len(calls) == k + 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(src, dst)
+os.replace = replace
+if k == len(NEW) + 1:  # after the commit, before the old report's leftovers are removed
+    pub._remove_ours = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+pub.publish(Path(sys.argv[1]), make)
+"""
+
+
+@pytest.mark.parametrize("k", range(len(NEW) + 2))
+def test_a_kill_at_any_step_leaves_the_old_report_or_the_new_one(tmp_path, k):
+    out, before = report_dir(tmp_path)
+    killed = subprocess.run([sys.executable, "-c", KILLER, str(out), str(k), json.dumps(NEW)], cwd=ROOT,
+                            capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    now = snapshot(out)
+    for page in pub.PAGES:  # what a reader opens is whole at every moment: one or the other
+        assert now[page].decode() in (OLD[page], NEW[page])
+    stages = list(out.glob(".gcbench-report-*"))
+    assert len(stages) == 1
+    # The next report into the directory first finishes or undoes the killed one: here, as recover() does it.
+    pub.recover(out, stages[0])
+    after = snapshot(out)
+    after.pop(".gcbench-report.json")
+    expected = (NEW if k > len(NEW) else OLD) | {"figures/mine.png": "mine"}
+    assert {rel: data.decode() for rel, data in after.items()} == expected and not hidden(out)
+    if k <= len(NEW):
+        assert snapshot(out) == before
+    pub.publish(out, maker(NEW))  # and a new report goes in as if nothing had happened
+    assert (out / "report.md").read_text() == "new md" and not hidden(out)
+    assert not (out / "figures" / "2-b.png").exists() and (out / "figures" / "mine.png").read_bytes() == b"mine"
+
+
+def test_the_next_report_cleans_up_after_a_killed_one(tmp_path):
+    out, _ = report_dir(tmp_path)
+    stale = out / ".gcbench-report-0badf00d"
+    (stale / "new" / "figures").mkdir(parents=True)
+    (stale / "new" / "figures" / "1-a.png").write_text("half")
+    (out / ".gcbench-report-mine").mkdir()  # a folder of the user's that only looks like one
+    (out / ".gcbench-report-mine" / "keep.txt").write_text("mine")
+    # An earlier gcbench made its scratch folder beside the directory; a stranger's folder of that name stays.
+    legacy = tmp_path / ".gcbench-report-old1"
+    (legacy / "figures").mkdir(parents=True)
+    (legacy / "figures" / "1-peak-vs-seq.png").write_bytes(b"png")
+    (legacy / "report.md").write_text("# gcbench report")
+    stranger = tmp_path / ".gcbench-report-notes"
+    stranger.mkdir()
+    (stranger / "todo.txt").write_text("mine")
+    pub.publish(out, maker(NEW))
+    assert not stale.exists() and not legacy.exists() and (stranger / "todo.txt").read_text() == "mine"
+    assert (out / ".gcbench-report-mine" / "keep.txt").read_text() == "mine"
+
+
+def test_two_reports_into_one_directory_do_not_interleave(tmp_path):
+    out, before = report_dir(tmp_path)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a report being written holds it
+        with pytest.raises(GcbenchError, match="another `gcbench report` is writing"):
+            pub.publish(out, maker(NEW))
+    finally:
+        os.close(fd)
+    assert snapshot(out) == before
+
+
+def test_a_report_of_an_earlier_gcbench_is_replaced_as_its_own(tmp_path):
+    """No manifest (written before there was one): its pages and figures are recognised by their names and
+    headings; a user's file among them is not."""
+    out = tmp_path / "rep"
+    (out / "figures").mkdir(parents=True)
+    (out / "report.md").write_text("# gcbench report\n\nold")
+    (out / "report.html").write_text("<!doctype html>\n<html><head><title>gcbench report</title>")
+    (out / "figures" / "1-a.png").write_text("old a")
+    (out / "figures" / "9-gone.png").write_text("old figure no longer drawn")
+    (out / "figures" / "mine.png").write_text("mine")
+    pub.publish(out, maker(NEW))
+    files = {k: v.decode() for k, v in snapshot(out).items() if not k.startswith(".")}
+    assert files == NEW | {"figures/mine.png": "mine"}
+    assert json.loads((out / ".gcbench-report.json").read_text())["files"].keys() == NEW.keys()
+
+
+# --------------------------------------------------------------------------------------- tables at 80 columns
+
+def slowed(record: dict, factor: float) -> dict:
+    """The record as if each step took `factor` times as long (tokens/s scaled to match)."""
+    r = copy.deepcopy(record)
+    if r["status"] == "ok":
+        for key in ("step_ms_median", "step_ms_iqr"):
+            r[key] *= factor
+        r["step_ms_ci"] = [v * factor for v in r["step_ms_ci"]] if r.get("step_ms_ci") else r.get("step_ms_ci")
+        r["tokens_per_s"] /= factor
+        r["timing_stable"] = False  # a ~ before the time, as on a busy machine
+    return r
+
+
+def header_lines(text: str) -> str:
+    """The header of the first results table: the lines before its first rule."""
+    lines = text.splitlines()
+    rule = next(i for i, line in enumerate(lines) if set(line.strip()) <= set("─━┡╇┩") and line.strip())
+    return "\n".join(lines[rule - 3:rule])
+
+
+def test_report_headers_and_numbers_stay_whole_at_80_columns_and_piped(tmp_path, records, monkeypatch):
+    """Step times of five and six digits: every header readable ("time x none", not "tim"), every number whole."""
+    from rich.console import Console
+
+    from gcbench import cli
+
+    every_2 = {**copy.deepcopy(records[1]), "policy": "every-k", "policy_options": {"k": 2}}  # a longer name
+    path = write(tmp_path / "slow.jsonl", [slowed(r, 10_000) for r in [*records, every_2]])
+    frame = results_frame(gcbench.load(path))
+    grid = results_grid(frame)
+    monkeypatch.setattr(cli, "console", Console(width=80))
+    result = runner.invoke(app, ["report", str(path)])
+    assert result.exit_code == 0, result.output
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    piped = subprocess.run([sys.executable, "-m", "gcbench", "report", str(path)], cwd=ROOT, env=env,
+                           capture_output=True, text=True)  # stdout is a pipe: rich's 80 columns
+    assert piped.returncode == 0, piped.stderr
+    for out in (result.stdout, piped.stdout):
+        assert max(map(len, out.splitlines())) <= 80
+        header = header_lines(out)
+        assert re.search(r"\btime\b", header) and header.count("x none") == 2, header  # peak x none, time x none
+        for row in grid.rows:
+            for cell in (row[grid.headers.index("step ms")], row[grid.headers.index("time x none")]):
+                assert cell in out  # e.g. "~121,152.6" and "1.83x", never cropped
+
+
+def test_a_table_too_wide_for_its_essential_columns_is_split_not_cropped(tmp_path, records):
+    from rich.console import Console
+
+    from gcbench.report.tables import rich_table
+
+    grid = results_grid(results_frame(gcbench.load(write(tmp_path / "r.jsonl", [slowed(r, 10_000)
+                                                                                  for r in records]))))
+    console = Console(width=50, record=True, file=io.StringIO())
+    console.print(rich_table(grid, 50))
+    out = console.export_text()
+    assert max(map(len, out.splitlines())) <= 50
+    assert out.count("policy") >= 2 and re.search(r"continued,\s+2\s+of", out), out  # each part names its rows
+    for row in grid.rows:
+        assert row[grid.headers.index("step ms")] in out and row[grid.headers.index("peak x none")] in out
+
+
+# ------------------------------------------------------------------------------------------- untrusted text
+
+EVIL = "\x1b[31mRED\x1b]0;retitled\x07\x1b[2J"
+
+
+def poisoned(records: list[dict], text: str) -> list[dict]:
+    """The records with `text` in every free-text field a results file carries."""
+    out = copy.deepcopy(records)
+    for r in out:
+        r["model"] = f"tiny{text}"
+        r["env"]["cpu"] = f"x86{text}"
+        r["env"]["platform"] = f"linux{text}"
+        r["timing_notes"] = [f"busy{text}"]
+        r["timing_stable"] = False
+        if r.get("error"):
+            r["error"] = f"{r['error']}{text}"
+    return out
+
+
+def test_escape_sequences_from_a_results_file_never_reach_the_terminal_or_the_files(tmp_path, records,
+                                                                                     monkeypatch):
+    from rich.console import Console
+
+    from gcbench import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=250))
+    path = write(tmp_path / "evil.jsonl", poisoned(records, EVIL))
+    shown = runner.invoke(app, ["report", str(path), "--out", str(tmp_path / "rep")])
+    assert shown.exit_code == 0, shown.output
+    assert "\x1b" not in shown.stdout and "tinyRED" in shown.stdout
+    for written in (tmp_path / "rep").rglob("*.*"):
+        if written.suffix in (".md", ".html", ".svg"):
+            assert "\x1b" not in written.read_text(), written
+    compared = runner.invoke(app, ["compare", str(path), str(path)])
+    assert compared.exit_code == 0, compared.output
+    assert "\x1b" not in compared.stdout and "tinyRED" in compared.stdout
+
+
+def test_a_model_path_that_reads_as_rich_markup_prints_as_itself(tmp_path, records, monkeypatch):
+    from rich.console import Console
+
+    from gcbench import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=250))
+    path = write(tmp_path / "m.jsonl", poisoned(records, "/m[1][/1][b]"))
+    shown = runner.invoke(app, ["report", str(path)])
+    assert shown.exit_code == 0, shown.output
+    assert "tiny/m[1][/1][b]" in shown.stdout and "x86/m[1][/1][b]" in shown.stdout
+    compared = runner.invoke(app, ["compare", str(path), str(path)])
+    assert compared.exit_code == 0, compared.output
+    assert "tiny/m[1][/1][b]" in compared.stdout
+
+
+def test_a_dollar_in_a_name_is_a_dollar_in_the_figures(tmp_path, records):
+    """matplotlib reads $...$ as mathematics: `m$\\frac$` failed to draw, `x$^2$` drew a superscript."""
+    path = write(tmp_path / "d.jsonl", poisoned(records, "m$\\frac$ x$^2$"))
+    result = runner.invoke(app, ["report", str(path), "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    assert "m$\\frac$ x$^2$" in (tmp_path / "rep" / "figures" / "1-peak-vs-seq.svg").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+def drawn(draw, frame):
+    """A figure function's figure, laid out as it is saved; its renderer for the extents of its texts."""
+    import matplotlib as mpl
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from gcbench.report.figure_layout import STYLE, policy_colors
+
+    with mpl.rc_context(STYLE):
+        fig, caption = draw(frame, policy_colors([*frame["policy_label"], *frame["fit_policy"].dropna()]))
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+    return fig, caption, canvas.get_renderer()
+
+
+def test_policies_with_the_same_marks_stay_apart_in_the_figures(tmp_path, records):
+    """every-k:k=1 is full: its line lay exactly on full's and hid it. Now each is drawn its own way and named."""
+    from gcbench.report.figures import peak_vs_seq, throughput_vs_batch, time_vs_peak
+
+    twins = [{**copy.deepcopy(r), "policy": "every-k", "policy_options": {"k": 1}} for r in records
+             if r["policy"] == "full"]
+    frame = results_frame(gcbench.load(write(tmp_path / "r.jsonl", records + twins)))
+    for draw in (peak_vs_seq, throughput_vs_batch, time_vs_peak):
+        fig, caption, _ = drawn(draw, frame)
+        ax = fig.axes[0]
+        marks = {}
+        for line in ax.get_lines():
+            marks.setdefault(line.get_label(), (line.get_marker(), line.get_linestyle()))
+        for coll in ax.collections:  # time_vs_peak draws points (and a legend mark per policy, as they are drawn)
+            if coll.get_label() in ("full", "every-k:k=1"):
+                marks[coll.get_label()] = (coll.get_paths()[0].vertices.round(3).tobytes(),
+                                           tuple(coll.get_facecolors().ravel().round(3)))
+        full, twin = marks["full"], marks["every-k:k=1"]
+        assert full[0] != twin[0] and full[1] != twin[1], draw.__name__  # another mark, another dash or fill
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert "every-k:k=1 (same as full)" in legend and "full" in legend, legend
+        assert "lie on another" in caption
+
+
+def fit_trials(records: list[dict], rates: dict[str, tuple[dict, int, float]]) -> list[dict]:
+    """A `gcbench fit` at one 12 MiB budget: per policy its largest batch (ok, with a paired tokens/s) and the OOM
+    above it."""
+    ok = next(r for r in records if r["status"] == "ok" and r["policy"] == "none")
+    oom = next(r for r in records if r["status"] == "oom")
+    fit = {"fit_id": "fit-1", "fit_vary": "batch_size", "fit_budget_bytes": 12 * 2**20, "memory_cap_bytes": 12 * 2**20}
+    out = []
+    for policy, (options, batch, rate) in rates.items():
+        out.append(copy.deepcopy(ok) | fit | {"policy": policy, "policy_options": options, "batch_size": batch,
+                                              "fit_trial": 1, "paired_tokens_per_s": rate})
+        out.append(copy.deepcopy(oom) | fit | {"policy": policy, "policy_options": options, "batch_size": batch + 1,
+                                               "fit_trial": 2})
+    return out
+
+
+def test_fit_figure_labels_at_one_budget_do_not_pile_up(tmp_path, records):
+    """Six policies at one budget, their throughputs close: each label readable, none on another, all inside the
+    panel (they used to stack upwards out of it, over the title)."""
+    from gcbench.report.fit_figures import fit_frontier
+
+    rates = {"none": ({}, 3, 6788.0), "full": ({}, 12, 6616.0), "every-k": ({"k": 2}, 5, 6700.0),
+             "segments": ({"k": 2}, 8, 5550.0), "sqrtn": ({}, 7, 5513.0), "offload": ({}, 9, 6750.0)}
+    frame = results_frame(gcbench.load(write(tmp_path / "fit.jsonl", fit_trials(records, rates))))
+    fig, _, renderer = drawn(fit_frontier, frame)
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if t.get_text()]
+    assert len(labels) == len(rates)
+    from matplotlib.text import Text
+
+    boxes = [Text.get_window_extent(t, renderer) for t in labels]  # the text's own (an Annotation's adds its line)
+    panel = ax.get_window_extent(renderer)
+    for i, box in enumerate(boxes):
+        assert panel.y0 <= box.y0 and box.y1 <= panel.y1, labels[i].get_text()
+        assert panel.x0 <= box.x0 and box.x1 <= panel.x1, labels[i].get_text()
+        for other in boxes[:i]:
+            assert not box.overlaps(other), (labels[i].get_text(), [t.get_text() for t in labels])
+    assert {t.get_text() for t in labels} >= {"none: 3", "full: 12", "sqrtn: 7"}  # one budget: names the policy
+
+
+def test_spread_keeps_labels_apart_near_their_points():
+    from gcbench.report.fit_figures import spread
+
+    placed = spread([10.0, 10.5, 11.0, 50.0], gap=2.0, low=0.0, high=100.0)
+    assert all(b - a >= 2.0 - 1e-9 for a, b in zip(placed, placed[1:]))
+    assert placed[1] == pytest.approx(10.5) and placed[3] == 50.0  # centred on the crowd; the loner stays put
+    top = spread([97.0, 98.0, 99.0], gap=2.0, low=0.0, high=99.0)
+    assert top == pytest.approx([95.0, 97.0, 99.0])  # pushed down, not out of the panel
