@@ -16,13 +16,15 @@ from rich.console import Console
 from rich.table import Table
 
 from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption, PredictionBar,
-                                 SlurmGpusOption, SlurmParallelismOption, SlurmPartitionOption, domain_errors,
-                                 step_progress, warm_children, with_bare_switches, with_spec_options)
+                                 RunFormatOption, SlurmGpusOption, SlurmParallelismOption, SlurmPartitionOption,
+                                 check_format, check_jobs, domain_errors, prepare_sweep, print_warnings, step_progress,
+                                 warm_children, with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
 from gcbench.grid import one_value_each
 from gcbench.results.schema import Status
 from gcbench.spec import RunSpec
+from gcbench.text import markup, plain
 from gcbench.validate import command as validate_command
 
 app = typer.Typer(help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
@@ -68,19 +70,22 @@ def run(
     spec_values: dict[str, Any],
     out: Annotated[Path, typer.Option(help="JSON Lines file the record is appended to", metavar="<path>")]
     = DEFAULT_OUT,
+    output_format: RunFormatOption = "table",
 ) -> None:
     """Measure real training steps of one model under one checkpoint policy."""
     written: list[bool] = []  # [True] once the record is in --out
     with domain_errors(lambda: f"interrupted; {'the record is in' if written else 'nothing was written to'} {out}"):
         from gcbench.grid import parse_options
-        from gcbench.report.run_table import run_table
+        from gcbench.report.run_table import before_run_notes, print_run
         from gcbench.resolved import resolve
         from gcbench.results.store import append_record, check_appendable
         from gcbench.launch import run as run_spec
 
+        check_format(output_format)
         values, _ = parse_options(spec_values, fields=tuple(BY_NAME))
         spec = resolve(RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`")))
         check_appendable(out)  # before measuring: an output that cannot take the record is known now
+        print_warnings(before_run_notes(spec))
         # --steps auto: how many steps is not known in advance; the bar pulses and the text counts them
         fixed = spec.budget.fixed
         with step_progress(err_console, spec.warmup_steps + fixed + 4 if fixed else None) as advance:
@@ -91,10 +96,9 @@ def run(
             typer.echo(json.dumps(record, default=str))  # the measurement is not lost: stdout has it
             raise
         if dropped is not None:
-            typer.echo(f"gcbench: warning: {out}: removed a truncated last line left by an interrupted run "
+            typer.echo(f"gcbench: warning: {plain(out)}: removed a truncated last line left by an interrupted run "
                        f"({dropped[:60]!r}...)", err=True)
-    console.print(run_table(record))
-    console.print(f"[dim]record appended to {out}[/]")
+    print_run(record, out, output_format, console, err_console)
     if record["status"] != Status.OK:
         raise typer.Exit(1)
 
@@ -138,7 +142,7 @@ def policies() -> None:
 
 @app.command()
 def report(
-    paths: Annotated[list[Path], typer.Argument(help="results files (*.jsonl) or directories holding them")],
+    paths: Annotated[list[Path], typer.Argument(help="results files (*.jsonl) or folders of them (not subfolders)")],
     out: Annotated[str | None, typer.Option(help="also write report.md, a self-contained report.html and "
                                                  "figures/*.png|svg into this directory", metavar="<dir>")] = None,
 ) -> None:
@@ -152,14 +156,13 @@ def report(
         if out is not None and not out.strip():
             raise GcbenchError("--out: an empty path; give the directory the report goes to")
         df, notes = load_results(paths)
-        for note in notes:
-            typer.echo(f"gcbench: warning: {note}", err=True)
+        print_warnings(notes)
         frame = results_frame(df)
         for item in terminal_tables(frame, console.width):
             console.print(item)
         if out is not None:
             written = write_report(frame, Path(out))
-            console.print(f"report written to {out}/ ({len(written)} files: report.md, report.html, "
+            console.print(f"report written to {markup(out)}/ ({len(written)} files: report.md, report.html, "
                           f"{len(written) - 2} figure files)")
 
 
@@ -173,9 +176,12 @@ def compare(
     strict: Annotated[bool, typer.Option("--strict", help="with --fail: a time or tokens/s change inside the noise "
                                                          "of either run fails too (default: listed, not failed)")]
     = False,
+    by: Annotated[str, typer.Option(help="time: each config's step time; ratio: each policy's time relative to its "
+                                         "results' baseline policy (none) at the same seq and batch, paired where "
+                                         "timed so: what a machine's load shifts least")] = "time",
 ) -> None:
     """Changes in peak memory, step time and tokens/s between two results, matched config by config."""
-    from gcbench.compare import compare_results, comparison_tables, parse_thresholds
+    from gcbench.compare import compare_results, parse_thresholds, print_comparison
     from gcbench.results.frame import load_results, results_frame
 
     with domain_errors():
@@ -183,30 +189,12 @@ def compare(
         frames = []
         for path in (old, new):
             df, notes = load_results([path])
-            for note in notes:
-                typer.echo(f"gcbench: warning: {note}", err=True)
+            print_warnings(notes)
             frames.append(results_frame(df))
-        result = compare_results(*frames, thresholds, strict=strict)
-    for table in comparison_tables(result, thresholds, console.width):
-        console.print(table)
-    for title, specs in (("only in OLD (not compared)", result.only_old), ("only in NEW (not compared)",
-                                                                           result.only_new)):
-        if specs:
-            console.print(f"[bold]{title}:[/] {len(specs)}")
-            for spec in specs:
-                console.print(f"  {spec}")
-    if result.within_noise:
-        console.print(f"[yellow]{len(result.within_noise)} change(s) past --fail {fail} but inside the noise of a run "
-                      "(not failed; --strict fails them):[/]")
-        for line in result.within_noise:
-            console.print(f"  {line}")
-    if result.regressions:
-        console.print(f"[bold red]{len(result.regressions)} regression(s) past --fail {fail}:[/]")
-        for line in result.regressions:
-            console.print(f"  {line}")
+        result = compare_results(*frames, thresholds, strict=strict, by=by)
+    print_comparison(console, result, thresholds, fail)
+    if result.failed:
         raise typer.Exit(1)
-    if thresholds:
-        console.print(f"[green]no regression past --fail {fail}[/]")
 
 
 @app.command()
@@ -254,14 +242,14 @@ def sweep(
                                "resume"):
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
         results = grid.out
-        if grid.isolation == "process" and grid.executor is None and not dry_run:
-            warm_children(list(grid.values["model"]))
+        prepare_sweep(grid, dry_run)
         from gcbench.report.sweep_tables import grid_table, largest_fit_table, summary_table
         from gcbench.sweeps import Sweep
 
         job = Sweep(grid, rerun=rerun, retry_failed=retry_failed, skip_after_oom=not no_skip, console=err_console)
+        check_jobs(grid, dry_run)
         if left_out := grid.left_out():
-            err_console.print(f"[dim]{left_out}[/]")
+            err_console.print(f"[dim]{markup(left_out)}[/]")
         if dry_run:
             plan = [(p.spec.as_record(), p.done["status"] if p.done else None) for p in job.plan()]
             console.print(grid_table(plan, grid.out, grid.shared_options()))
@@ -271,7 +259,7 @@ def sweep(
     fits = largest_fit_table(records, console.width)
     if fits is not None:
         console.print(fits)
-    console.print(f"[dim]records in {grid.out} (sweep {job.sweep_id})[/]")
+    console.print(f"[dim]records in {markup(grid.out)} (sweep {job.sweep_id})[/]")
     # OOMs, timeouts and skips are results; an error (a crash, a bug) is not: make scripts notice it.
     if any(r["status"] == Status.ERROR and r.get("sweep_id") == job.sweep_id for r in records):
         raise typer.Exit(1)
@@ -315,11 +303,11 @@ def fit(
         fits, rec = job.run()
     title = f"{fields['model']} · largest {vary} per policy · " + (
         f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
-    console.print(fit_table(fits, field_name, job.cap, title))
+    console.print(fit_table(fits, field_name, job.cap, markup(title)))
     for line in recommendation_lines(rec, field_name) if rec else ["no policy fits the budget at the range's "
                                                                     "smallest size"]:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"[dim]records in {out} (fit {job.fit_id})[/]")
+        console.print(plain(line), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"[dim]records in {markup(out)} (fit {job.fit_id})[/]")
     if any(f.error for f in fits):
         raise typer.Exit(1)
 
@@ -329,7 +317,8 @@ def fit(
 def estimate(
     spec_values: dict[str, Any],
     method: Annotated[str, typer.Option(help="analytic (per-block formulas, instant) | simulate (the real step "
-                                             "on fake tensors, seconds); comma-separated")] = "analytic,simulate",
+                                             "on fake tensors, seconds); comma-separated; with --fit: the one used "
+                                             "(both: analytic where it knows the policy)")] = "analytic,simulate",
     device: Annotated[str, typer.Option(help="what to predict for: cuda (torch.cuda.max_memory_allocated; no GPU "
                                              "needed) | cpu (the live-tensor peak of a CPU run)")] = "cuda",
     gpu_memory: Annotated[str | None, typer.Option(help="memory to fit in, e.g. 80GiB: adds a fits / does not fit "
@@ -351,7 +340,7 @@ def estimate(
     state and activations per config, by formulas and by a fake-tensor simulation."""
     from gcbench.estimators import estimate_grid
     from gcbench.grid import parse_options
-    from gcbench.report.tables import estimate_table
+    from gcbench.report.estimate_table import estimate_table
     from gcbench.units import parse_bytes
 
     with domain_errors():
@@ -361,31 +350,31 @@ def estimate(
         grid, _ = parse_options(spec_values, fields=ESTIMATE_FIELDS)
         if "model" not in grid:
             raise GcbenchError("no --model given: which model to estimate (see `gcbench models`)")
-        if fit_:
-            return _estimate_fit(grid, memory, gpu, vary, headroom, efficiency, device, output_format)
-        if gpu is not None:
-            raise GcbenchError("--gpu goes with --fit (without it, --gpu-memory adds a fits column)")
-        one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         methods = [m.strip() for m in method.split(",") if m.strip()]
         if not methods or len(set(methods)) < len(methods):
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
+        if fit_:
+            return _estimate_fit(grid, memory, gpu, vary, headroom, efficiency, device, output_format, methods)
+        if gpu is not None:
+            raise GcbenchError("--gpu goes with --fit (without it, --gpu-memory adds a fits column)")
+        one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
         with PredictionBar(err_console, "estimating") as bar:
             results = estimate_grid(axes, methods, device, bar, layers=one.get("layers"), attn=one.get("attn"))
     rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             for spec, e in results]
-    _print_rows(rows, output_format, lambda: estimate_table(rows, memory), piped_width=140)
+    _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)
 
 
 def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
-                  efficiency: float, device: str, output_format: str) -> None:
+                  efficiency: float, device: str, output_format: str, methods: list[str]) -> None:
     """`gcbench estimate --fit`: per policy, the largest size predicted to fit a GPU, and its predicted step time."""
     from gcbench.fits.command import predicted_fits
     from gcbench.report.fit_tables import predicted_fit_table
 
     with PredictionBar(err_console, "predicting") as bar:
         rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, efficiency, device,
-                                                          bar)
+                                                          bar, methods)
     _print_rows(rows, output_format, lambda: predicted_fit_table(rows, field_name, title, caption), piped_width=100)
 
 

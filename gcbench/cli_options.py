@@ -18,6 +18,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
 
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
+from gcbench.text import plain
 
 ALL = "all"
 
@@ -29,11 +30,18 @@ def domain_errors(interrupted: Callable[[], str] = lambda: "interrupted") -> Ite
     try:
         yield
     except GcbenchError as e:
-        typer.echo(f"gcbench: error: {e}", err=True)
+        # plain: the message quotes paths, names and values from files; one line, no escape sequences
+        typer.echo(f"gcbench: error: {plain(e)}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        typer.echo(f"gcbench: {interrupted()}", err=True)
+        typer.echo(f"gcbench: {plain(interrupted())}", err=True)
         raise typer.Exit(130) from None
+
+
+def print_warnings(notes: list[str]) -> None:
+    """Each note as one `gcbench: warning:` line on stderr, plain: notes quote file names and lines."""
+    for note in notes:
+        typer.echo(f"gcbench: warning: {plain(note)}", err=True)
 
 
 def warm_children(models: list[str]) -> None:
@@ -42,6 +50,22 @@ def warm_children(models: list[str]) -> None:
     from gcbench.launch.server import start
 
     start(models)
+
+
+def prepare_sweep(grid: Any, dry_run: bool) -> None:
+    """What a sweep (grid.SweepSpec) about to run in children starts first: their fork server, warming up its
+    models, so that its start-up overlaps the sweep's own."""
+    if grid.executor is None and grid.isolation == "process" and not dry_run:
+        warm_children(list(grid.values["model"]))
+
+
+def check_jobs(grid: Any, dry_run: bool) -> None:
+    """A sweep to run as jobs, its grid checked: one line now, before anything is written or submitted, when its
+    executor cannot submit from here (launch/slurm.py)."""
+    if grid.executor is not None and not dry_run:
+        from gcbench.launch.slurm import check_executor
+
+        check_executor(grid.executor)
 
 
 FIT_FIELDS = tuple(n for n in BY_NAME if n != "memory_cap_bytes")  # `gcbench fit`'s: --memory is its budget
@@ -94,13 +118,13 @@ def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str,
 @contextmanager
 def step_progress(err_console: Console, total: int | None):
     """A step counter on stderr for `gcbench run`; yields advance(description)."""
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), TimeElapsedColumn())
     # Not on a pipe or a log file: a bar there is noise, and its last refresh leaves an empty line.
     with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
         task = bar.add_task("starting", total=total)
 
         def advance(description: str) -> None:
-            bar.update(task, description=description, advance=1)
+            bar.update(task, description=plain(description), advance=1)
 
         yield advance
 
@@ -121,6 +145,17 @@ def with_bare_switches(args: list[str]) -> list[str]:
         if arg in switches and (following is None or following.startswith("-")):
             out.append(switches[arg])
     return out
+
+
+# How `gcbench run` shows its record: a display option, not a run field (it changes nothing measured or stored).
+RunFormatOption = Annotated[str, typer.Option("--format", help="table | json (the record alone on stdout, one JSON "
+                                                               "object as --out stores it; the rest on stderr)")]
+
+
+def check_format(output_format: str) -> None:
+    """--format is table or json: checked before anything runs."""
+    if output_format not in ("table", "json"):
+        raise GcbenchError(f"unknown --format {output_format!r} (table, json)")
 
 
 # How a sweep spreads its configs (docs/scale.md): declared here, beside the spec's options, to keep cli.py short.
@@ -157,9 +192,10 @@ class PredictionBar:
     def __call__(self, done: int, total: int, what: str) -> None:
         with self._lock:
             if self._bar is None:
-                self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                                      console=self.console, transient=True, disable=not self.console.is_terminal)
                 self._bar.start()
                 self._bar.add_task(self.what, total=total)
-            self._bar.update(self._bar.task_ids[0], completed=done, total=total, description=f"{self.what} {what}")
+            self._bar.update(self._bar.task_ids[0], completed=done, total=total,
+                             description=plain(f"{self.what} {what}"))

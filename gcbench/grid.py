@@ -150,7 +150,7 @@ class SweepSpec:
                     shape = (plain.model, plain.layers, plain.seq_len, plain.attn)
                     spec = resolve(plain, devices_here=devices_here, config=configs.get(shape))
                     configs[shape] = spec.model_config()
-                    spec.check_runnable()
+                    spec.check_runnable(here=devices_here)
                 except GcbenchError as e:
                     raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "
                                        f"{fields['batch_size']}, {fields['policy']})") from None
@@ -240,6 +240,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise GcbenchError(f"{path}: not a TOML file (TOML is UTF-8 text)") from None
     except tomllib.TOMLDecodeError as e:
         raise GcbenchError(f"{path}: malformed TOML: {e}") from None
+    except RecursionError:  # arrays or tables inside each other deeper than the parser follows
+        raise GcbenchError(f"{path}: not a sweep config: values nested too deeply") from None
 
 
 def one_value_each(values: dict[str, tuple], why: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from gcbench.errors import GcbenchError
 from gcbench.fields import POLICY_OPTIONS, PRECISIONS, DeviceKind, run_field
 from gcbench.results.schema import config_key
 from gcbench.spec import RunSpec
-from gcbench.timing import StepBudget, default_threads
+from gcbench.timing import StepBudget, cores_available, default_threads
 from gcbench.values import AUTO
 
 if TYPE_CHECKING:
@@ -65,6 +65,18 @@ class ResolvedRun:
         spec = dataclasses.replace(self.spec, **changes)
         same_model = all(getattr(spec, n) == getattr(self.spec, n) for n in ("model", "layers", "seq_len", "attn"))
         return resolve(spec, config=(self.config, self.family) if same_model else None)
+
+    def check_runnable(self, here: bool = True) -> None:
+        """GcbenchError when this machine cannot run the config (RunSpec.check_runnable), or, `here` (it runs on
+        this machine, not a Slurm job's), when the CPU ranks of a sharded run outnumber its cores: each rank is a
+        process stepping its share, and ranks taking turns on a core wait for each other at every collective."""
+        self.spec.check_runnable()
+        if here and self.spec.shard != "none" and self.device_kind is DeviceKind.CPU:
+            from gcbench.fsdp import in_rank
+
+            if not in_rank() and self.spec.nproc > (cores := cores_available()):
+                raise GcbenchError(f"--nproc {self.spec.nproc}: CPU ranks need a core each, and {cores} "
+                                   f"core{'s are' if cores != 1 else ' is'} available here")
 
     def model_config(self) -> tuple[Any, str]:
         """(config, family): the prepared config, built once when the run was resolved."""

@@ -17,6 +17,13 @@ from gcbench.units import parse_bytes
 AUTO = "auto"  # --steps auto, --threads auto, --device auto
 
 
+def shown(value: Any, most: int = 60) -> str:
+    """A value as an error quotes it: its repr, cut to `most` characters (a TOML file may nest a value thousands
+    deep: the error stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def split_items(text: str) -> list[str]:
     """A comma list as typed: "512,1024" -> ["512", "1024"]."""
     return [s.strip() for s in text.split(",") if s.strip()]
@@ -56,7 +63,7 @@ class Int(Kind):
         # bool is an int in Python; `seq = true` in TOML is a mistake, not 1.
         if isinstance(value, bool) or not isinstance(value, (int, str)) or \
                 not re.fullmatch(r"\s*-?[0-9]+\s*", str(value)):
-            raise GcbenchError(f"{value!r} is not an integer")
+            raise GcbenchError(f"{shown(value)} is not an integer")
         number = int(value)
         if number < self.lo and self.why_lo:
             raise GcbenchError(f"must be at least {self.lo}, got {number}: {self.why_lo}")
@@ -76,7 +83,7 @@ class IntOrAuto(Int):
         if isinstance(value, str) and value.strip() == AUTO:
             return AUTO
         if isinstance(value, bool) or not re.fullmatch(r"\s*-?[0-9]+\s*", str(value)):
-            raise GcbenchError(f"{value!r} is neither an integer nor 'auto'")
+            raise GcbenchError(f"{shown(value)} is neither an integer nor 'auto'")
         try:
             return super().parse(value)
         except GcbenchError as e:
@@ -95,10 +102,10 @@ class Seconds(Kind):
         try:
             seconds = float(value)
         except (TypeError, ValueError):
-            raise GcbenchError(f"expected seconds, got {value!r}") from None
+            raise GcbenchError(f"expected seconds, got {shown(value)}") from None
         if isinstance(value, bool) or not 0 < seconds <= self.most:
             most = f" and at most {self.most:g}" if self.most < float("inf") else ""
-            raise GcbenchError(f"must be a number of seconds above 0{most}, got {value!r}")
+            raise GcbenchError(f"must be a number of seconds above 0{most}, got {shown(value)}")
         return seconds
 
 
@@ -118,7 +125,7 @@ class Switch(Kind):
             return value
         if isinstance(value, str) and value.strip().lower() in SWITCH_WORDS:
             return SWITCH_WORDS[value.strip().lower()]
-        raise GcbenchError(f"expected on or off, got {value!r}")
+        raise GcbenchError(f"expected on or off, got {shown(value)}")
 
     def show(self, value: Any) -> str:
         return "on" if value else "off"
@@ -133,7 +140,7 @@ class Name(Kind):
 
     def parse(self, value: Any) -> str:
         if not isinstance(value, str) or not value.strip():
-            raise GcbenchError(f"expected a name, got {value!r}")
+            raise GcbenchError(f"expected a name, got {shown(value)}")
         return value.strip()
 
 
@@ -171,10 +178,10 @@ class Size(Kind):
 
     def parse(self, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise GcbenchError(f"expected a size such as 2GiB, got {value!r}")
+            raise GcbenchError(f"expected a size such as 2GiB, got {shown(value)}")
         size = parse_bytes(str(value))  # an int is bytes: the checks of a size typed
         if size <= 0:
-            raise GcbenchError(f"must be a positive size, got {value!r}")
+            raise GcbenchError(f"must be a positive size, got {shown(value)}")
         return size
 
 
@@ -190,7 +197,7 @@ class PolicyText(Kind):
         if not isinstance(value, str):
             if callable(getattr(value, "options", None)):
                 return value  # a Policy already
-            raise GcbenchError(f"expected a policy string, got {value!r}")
+            raise GcbenchError(f"expected a policy string, got {shown(value)}")
         if not value.strip():
             raise GcbenchError("expected a policy, got an empty string")
         return value.strip()

@@ -15,10 +15,11 @@ from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_
 from gcbench.estimators.estimates import Progress
 from gcbench.fits.predict import predict_each
 from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
-from gcbench.grid import one_value_each
+from gcbench.grid import RUN_OPTIONS, one_value_each
 from gcbench.fields import run_field
 from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
+from gcbench.text import markup
 from gcbench.units import fmt_bytes, parse_bytes
 
 
@@ -75,8 +76,10 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
         raise GcbenchError(f"unknown --isolation {isolation!r} (process, none)")
     if multiple_of < 1:
         raise GcbenchError(f"--multiple-of must be at least 1, got {multiple_of}")
-    if timeout <= 0:
-        raise GcbenchError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+    try:  # the sweep's rule (nan, 0 and negatives refused; inf: no limit)
+        timeout = RUN_OPTIONS["timeout"][1].parse(timeout)
+    except GcbenchError as e:
+        raise GcbenchError(f"--timeout: {e}") from None
     fields.pop(field_name, None)
     lo, hi = fit_range(range_, field_name, fields)
     if -(-lo // multiple_of) * multiple_of > hi:
@@ -87,14 +90,27 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
     return job, fields
 
 
+def fit_method(methods: list[str]) -> str | None:
+    """The one method `estimate --fit` predicts each policy's sizes by, from --method: one asked for is used for
+    every policy (analytic refuses a policy or family it has no formulas for); both (the default) leave it to
+    each policy: analytic where it knows it, else simulate."""
+    unknown = [m for m in methods if m not in ("analytic", "simulate")]
+    if unknown or not methods:
+        raise GcbenchError(f"--method {','.join(methods)!r}: analytic, simulate or both, comma-separated")
+    return methods[0] if len(set(methods)) == 1 else None
+
+
 def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
-                   efficiency: float, device: str, progress: Progress | None = None
+                   efficiency: float, device: str, progress: Progress | None = None,
+                   methods: list[str] | None = None
                    ) -> tuple[list[dict[str, Any]], str, str, list[str]]:
     """(rows, the varied field, title, caption) of `gcbench estimate --fit`: per policy the largest size predicted
     to fit, its peak, the next size's peak, and with a named GPU the predicted step time and tokens/s. `progress`:
-    told of each size predicted and each policy done."""
+    told of each size predicted and each policy done; `methods`: --method's (fit_method). The title and caption
+    are rich markup (the model's name escaped)."""
     if vary not in VARY:
         raise GcbenchError(f"unknown --vary {vary!r} (batch, seq)")
+    method = fit_method(methods or ["analytic", "simulate"])
     if (memory is None) == (gpu_name is None):
         raise GcbenchError("--fit needs the memory to fit: --gpu NAME or --gpu-memory SIZE (one of them)")
     if not 0 < efficiency <= 1:
@@ -112,7 +128,8 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     fixed = {k: v for k, v in fields.items() if k != field_name}  # what every prediction shares
     lo, hi = fit_range(None, field_name, fixed)
     rows = []
-    for policy, found in zip(policies, predict_each(fixed, policies, field_name, lo, hi, cap, device, progress)):
+    for policy, found in zip(policies, predict_each(fixed, policies, field_name, lo, hi, cap, device, progress,
+                                                    method)):
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         step_s = found.step_seconds(card.peak_flops if card else None, efficiency)
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
@@ -134,4 +151,4 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                        f"with: gcbench fit --model {fields['model']} ... --policy {best['policy']}")
     title = f"{fields['model']} · largest {vary} predicted to fit · " + (
         f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
-    return rows, field_name, title, caption
+    return rows, field_name, markup(title), [markup(line) for line in caption]

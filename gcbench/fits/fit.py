@@ -125,7 +125,8 @@ class Fit:
             for value in (spec.lo, spec.hi):
                 self._trial_spec(policy, value)
         try:  # the model state against the cap, or without one against the device's free memory
-            check_fits(self._trial_spec("none", spec.lo), model_size(first), None if self.trial_cap else self.budget)
+            check_fits(self._trial_spec("none", spec.lo), model_size(first), None if self.trial_cap else self.budget,
+                       cap_name=self.cap_name)
         except WontFit as e:
             raise GcbenchError(f"the budget is below what the model needs before any activation: {e}") from None
         check_appendable(spec.out)
@@ -154,6 +155,12 @@ class Fit:
     def _trial_spec(self, policy: str, value: int) -> ResolvedRun:
         """The config of one trial: the shared fields, the policy, the size, the fit's cap."""
         return spec_at({**self.spec.fields, "memory_cap_bytes": self.trial_cap}, policy, self.spec.vary, value)
+
+    @property
+    def cap_name(self) -> str:
+        """The trials' memory cap (each runs under --memory-cap) named by the options the user gave."""
+        budget = "--memory" if self.spec.memory is not None else "the free memory"
+        return f"{budget} less --headroom {self.spec.headroom * 100:g}%" if self.spec.headroom else budget
 
     def _budget(self, first: ResolvedRun) -> int:
         if self.spec.memory is not None:
@@ -213,6 +220,8 @@ class Fit:
                 raise DeadlineReached(f"stopped before {config_label(trial_spec.as_record())}")
             view.started(trial_spec)
             record = runner(trial_spec, view.phase)
+            if record.get("oom_limit") == "cap":  # not run: past the cap, which the user gave as the budget
+                record["error"] = record["error"].replace("--memory-cap allows", f"{self.cap_name} allows")
             record = {**record, "fit_id": self.fit_id, "fit_vary": self.spec.vary, "fit_budget_bytes": self.cap,
                       "fit_trial": len(search.trials) + 1}
             view.finished(record)

@@ -50,13 +50,16 @@ def spec_at(fields: Mapping[str, Any], policy: str, vary: str, value: int) -> Re
 
 
 def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Search, target: str,
-                flops: bool = False, tried: Callable[[int], None] | None = None) -> PredictedFit:
+                flops: bool = False, tried: Callable[[int], None] | None = None,
+                method: str | None = None) -> PredictedFit:
     """The largest size of `search`'s range whose predicted peak on `target` is within `search.budget` (the search
-    object is used up). `flops`: also count the step's FLOPs at that size. `tried`: told of each size predicted."""
+    object is used up). `flops`: also count the step's FLOPs at that size. `tried`: told of each size predicted.
+    `method`: analytic | simulate; None: the analytic model where it knows the policy and family, else simulate."""
     # the target says what is predicted; its default precision is what a run there would take
     fields = {**fields, "device": "cpu", "memory_cap_bytes": None,
               "precision": fields.get("precision") or ("bf16" if target == "cuda" else "fp32")}
-    method = "analytic" if analytic.unavailable(spec_at(fields, policy, vary, search.lo)) is None else "simulate"
+    if method is None:
+        method = "analytic" if analytic.unavailable(spec_at(fields, policy, vary, search.lo)) is None else "simulate"
     found: dict[int, Estimate] = {}
 
     # a simulation counts the FLOPs on its tracked step for a tenth more time: cheaper than a pass for them after
@@ -81,10 +84,10 @@ def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Searc
 
 
 def predict_each(fields: Mapping[str, Any], policies: list[str], vary: str, lo: int, hi: int, budget: int,
-                 target: str, progress: Progress | None = None) -> list[PredictedFit]:
+                 target: str, progress: Progress | None = None, method: str | None = None) -> list[PredictedFit]:
     """predict_fit of each policy over lo..hi within `budget`, FLOPs counted, in the policies' order; side by side
     where the machine has the cores (estimators/sharing.py: the policies' searches in threads, their simulations
-    in worker processes). `progress`: told of each size tried and each policy done."""
+    in worker processes). `progress`: told of each size tried and each policy done; `method`: predict_fit's."""
     done: list[str] = []
     lock = threading.Lock()
 
@@ -95,7 +98,7 @@ def predict_each(fields: Mapping[str, Any], policies: list[str], vary: str, lo: 
 
     def one(policy: str) -> PredictedFit:
         found = predict_fit(fields, policy, vary, Search(lo, hi, budget), target, flops=True,
-                            tried=lambda value: tell(f"{policy}: {run_field(vary).flag} {value}"))
+                            tried=lambda value: tell(f"{policy}: {run_field(vary).flag} {value}"), method=method)
         with lock:
             done.append(policy)
         tell(f"{policy}: done")
