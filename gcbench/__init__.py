@@ -5,7 +5,7 @@ The library calls the CLI makes, importable without paying for torch until one i
     import gcbench
     record = gcbench.run(gcbench.RunSpec(model="tiny-llama", seq_len=64, batch_size=2, policy="full"))
     records = gcbench.sweep("sweeps/smoke.toml")
-    df = gcbench.load("results/")
+    df = gcbench.load("results/")  # results/*.jsonl; subfolders only when named
 """
 
 from __future__ import annotations

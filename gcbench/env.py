@@ -35,6 +35,30 @@ def git_sha() -> str | None:
     return sha
 
 
+CPUINFO = Path("/proc/cpuinfo")
+# /proc/cpuinfo's keys for the CPU's name: x86 ("model name"), some ARM boards ("Model", "Hardware"), POWER ("cpu")
+_CPUINFO_NAMES = ("model name", "Model", "Hardware", "cpu")
+
+
+@cache
+def cpu_model(cpuinfo: Path = CPUINFO) -> str | None:
+    """The CPU's model name ("AMD EPYC 7R13 Processor"), which `platform` does not give on Linux (only "x86_64"):
+    /proc/cpuinfo on Linux, sysctl on macOS, platform.processor() elsewhere (Windows names the model there). None
+    where none of them says (many ARM servers' cpuinfo has part numbers only)."""
+    try:
+        fields = dict(line.split(":", 1) for line in cpuinfo.read_text(errors="replace").splitlines() if ":" in line)
+    except OSError:
+        fields = {}
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    for key in _CPUINFO_NAMES:
+        if fields.get(key):
+            return fields[key]
+    if platform.system() == "Darwin":
+        return _run("sysctl", "-n", "machdep.cpu.brand_string")
+    processor = platform.processor()
+    return processor if processor and processor != platform.machine() else None
+
+
 def capture_env(device: str, threads: int | None = None) -> dict:
     """Versions, device, and the numeric settings that change results (TF32, matmul precision). `device`: a
     resolved device ("cpu", "cuda:N"); `threads`: the run's torch threads (None: this process's now)."""
@@ -46,6 +70,7 @@ def capture_env(device: str, threads: int | None = None) -> dict:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": threads if threads is not None else torch.get_num_threads(),
         "cuda": torch.version.cuda,

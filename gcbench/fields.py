@@ -23,7 +23,7 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.optimizers import OPTIMIZERS
-from gcbench.units import fmt_bytes
+from gcbench.units import fmt_bytes, plural
 from gcbench.values import (AUTO, Choice, Device, Int, IntOrAuto, Kind, Name, PolicyText, Seconds, Size, Switch)
 
 DEFAULT_MAX_STEPS = 100  # --steps auto: the most timed steps
@@ -133,9 +133,14 @@ def _accumulation(value: Any, record: Mapping[str, Any]) -> str:
     return f"{int(value)} micro-batches" if isinstance(value, (int, float)) and value == value and value > 1 else ""
 
 
+def _counted(noun: str) -> Words:
+    """Words for a count that is named whenever it is set: "1 layer", "8 layers"."""
+    return lambda value, record: plural(value, noun) if value is not None else ""
+
+
 def _ranks(value: Any, record: Mapping[str, Any]) -> str:
     sharded = record.get("shard") not in (None, "none")
-    return f"{int(value)} ranks" if isinstance(value, (int, float)) and (value > 1 or sharded) else ""
+    return plural(int(value), "rank") if isinstance(value, (int, float)) and (value > 1 or sharded) else ""
 
 
 def _as_is(value: Any, record: Mapping[str, Any]) -> str:
@@ -152,7 +157,7 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("policy", "policy", PolicyText(), "checkpoint policy: name or name:key=value (see `gcbench policies`)",
           "none", role=Role.POLICY, axis=True, required=True),
     Field("layers", "layers", Int(1, 1_000), "keep only the first N blocks (activation memory is linear in N; "
-          "default: all)", None, estimate=True, words=_named("{} layers"), unset="all layers"),
+          "default: all)", None, estimate=True, words=_counted("layer"), unset="all layers"),
     Field("precision", "precision", Choice(tuple(PRECISIONS), "precision"), "fp32 | bf16 (pure: weights, grads and "
           "optimizer state in bf16) | amp-bf16 (fp32 weights, grads and state; bf16 autocast) (default: bf16 on "
           "CUDA, fp32 on CPU)", "", role=Role.LEVER, axis=True, words=_as_is),

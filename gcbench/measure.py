@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from gcbench.results.schema import PHASES, peak_phase
-from gcbench.units import round_up
+from gcbench.units import fmt_bytes, round_up
 
 # FlopCounterMode knows the CUDA SDPA kernels but not the CPU flash kernel that SDPA picks on CPU; without these
 # two formulas attention would count zero FLOPs on CPU. Same formulas as the CUDA flash kernel (causal not halved).
@@ -86,7 +86,8 @@ class LiveTensorTracker(TorchDispatchMode):
             self.peak = self.current
             if self.cap_bytes is not None and self.current > self.cap_bytes:
                 raise torch.OutOfMemoryError(
-                    f"live tensors need {self.current} bytes, past the memory cap of {self.cap_bytes} bytes")
+                    f"live tensors need {fmt_bytes(self.current)}, {fmt_bytes(self.current - self.cap_bytes)} past "
+                    f"the memory cap of {fmt_bytes(self.cap_bytes)}")
 
     def _release(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)

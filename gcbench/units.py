@@ -50,6 +50,13 @@ def human_count(n: float | None, unit: str = "") -> str:
     return f"{n:.0f} {unit}".strip()
 
 
+def plural(n: float, noun: str, many: str | None = None) -> str:
+    """'1 block', '2 blocks', '0 blocks' (`many`: an irregular plural). Integral floats (counts read back from a
+    DataFrame) print without '.0'."""
+    shown = int(n) if isinstance(n, float) and n.is_integer() else n
+    return f"{shown} {noun if n == 1 else many or noun + 's'}"
+
+
 def byte_unit(max_bytes: float | None) -> tuple[int, str]:
     """One binary unit for a whole column (GiB = 2**30), so its values compare at a glance."""
     given = max_bytes is not None and not (isinstance(max_bytes, float) and math.isnan(max_bytes))

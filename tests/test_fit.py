@@ -331,7 +331,7 @@ def test_the_report_shows_the_fit_table_and_the_frontier_figure(tmp_path, fit_fi
     assert "Throughput at the largest fit vs memory budget" in md
     # a fit's trials are not a grid: the grid figures leave them out (here: nothing else, so not drawn)
     assert "Largest config that fit" in md  # the sweep's record; the fit trials are not in that table
-    assert "5 fit(s) of 15 trials" in md
+    assert "5 fits of 15 trials" in md
     narrow = subprocess.run([sys.executable, "-m", "gcbench", "report", str(fit_file)], capture_output=True,
                             text=True, env={**os.environ, "COLUMNS": "80"})
     assert narrow.returncode == 0, narrow.stderr

@@ -34,6 +34,7 @@ def real_plan() -> Validation:
                       card="h100-80gb", planning=True, python=sys.executable)
 
 
+@pytest.mark.slow  # the whole plan's costs (~12 s); CI runs it
 def test_the_dry_run_prints_every_tier_and_a_total_within_the_budget():
     done = subprocess.run([*GCBENCH, "validate", "--dry-run"], capture_output=True, text=True, cwd=REPO_ROOT,
                           timeout=300)
@@ -169,6 +170,7 @@ def _rehearse(tmp_path: Path, selection: tuple[str, ...], deadline: str) -> tupl
     return folder, next((tmp_path / "out2").glob("*.tar.gz")), env
 
 
+@pytest.mark.slow  # about a minute: two tiers of the plan in subprocesses; CI runs it
 def test_tiers_1_and_2_rehearsed_on_the_fake_gpu_stop_at_a_deadline_resume_and_come_home(tmp_path):
     folder, archive, env = _rehearse(tmp_path, ("--tiers", "1,2"), deadline="20")
     home = tmp_path / "home"

@@ -18,6 +18,7 @@ from gcbench.fields import DeviceKind, setup_words, spec_columns
 from gcbench.results.schema import (SHAPE_FIELDS, SIZE_WORDS, fastest, fit_policy, half_width, mix_text,
                                     policy_label, record_problem)
 from gcbench.results.store import read_records, result_files
+from gcbench.units import plural
 
 PEAK_LABELS = {"cpu": "tracked live-tensor peak (CPU)", "cuda": "torch.cuda.max_memory_allocated (CUDA)"}
 # `x none` ratios are taken inside these groups and never across them: a device, a model setup, one seq and batch.
@@ -28,7 +29,7 @@ EXPECTED = [*spec_columns(), "peak_allocated_bytes", "peak_tracked_bytes", "acti
             "fwd_bwd_peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr",
             "tokens_per_s", "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
             "predicted_peak_bytes_analytic", "error", "env.gpu_name", "env.gpu_memory_bytes", "env.cpu",
-            "env.cpu_count", "env.torch_threads", "env.gcbench", "timing_stable", "timing_notes", "timing_note_kinds", "step_ms_ci",
+            "env.cpu_model", "env.cpu_count", "env.torch_threads", "env.gcbench", "timing_stable", "timing_notes", "timing_note_kinds", "step_ms_ci",
             "step_ms_rel_iqr", "time_ratio", "time_ratio_ci", "time_ratio_vs", "paired_error", "peak_phase",
             "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "n_params",
             # `gcbench fit`'s trials (fits/fit.py): the search a record belonged to
@@ -37,7 +38,8 @@ FAILED = {"oom": "OOM", "timeout": "timeout", "error": "error", "skipped": "skip
 
 
 def load(*paths: str | Path) -> pd.DataFrame:
-    """Every record of the given files/directories as one DataFrame, a row per config; `env` is flattened
+    """Every record of the given files and directories (their *.jsonl files, not their subfolders': see
+    results.store.result_files; default `results/`) as one DataFrame, a row per config; `env` is flattened
     to `env.*` columns, `source` names the file and `policy_label` is the policy with its options ("every-k:k=2";
     flattening would otherwise scatter the options over NaN-padded `policy_options.*` columns); a fit's trials
     also get `fit_policy` (results.schema.fit_policy), a plan's records `plan_mix_text` ("full 4 · none 28")."""
@@ -56,9 +58,9 @@ def load(*paths: str | Path) -> pd.DataFrame:
 def load_results(paths: Iterable[str | Path]) -> tuple[pd.DataFrame, list[str]]:
     """`load()` for a report: (DataFrame, warnings as one-line strings). No records at all is a GcbenchError;
     an empty file beside files with records is only a warning (a sweep may have just started it)."""
-    files = result_files(paths)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        files = result_files(paths)
         df = load(*files)
     notes = [str(w.message) for w in caught]
     if df.empty:
@@ -82,11 +84,11 @@ def device_label(row: dict[str, Any]) -> str:
     if DeviceKind.of(row["device"]) is DeviceKind.CUDA:
         return str(row["env.gpu_name"]) if given(row.get("env.gpu_name")) else str(row["device"])
     cpu = row.get("env.cpu") if given(row.get("env.cpu")) else ""
-    cores = f" · {as_int(row['env.cpu_count'])} cores" if given(row.get("env.cpu_count")) else ""
+    cores = f" · {plural(as_int(row['env.cpu_count']), 'core')}" if given(row.get("env.cpu_count")) else ""
     # The run's own threads (--threads); records from before it existed carry the process's in env.
     n = as_int(row["threads"]) if given(row.get("threads")) else \
         as_int(row["env.torch_threads"]) if given(row.get("env.torch_threads")) else None
-    threads = f" · {n} torch thread{'s' if n != 1 else ''}" if n is not None else ""
+    threads = f" · {plural(n, 'torch thread')}" if n is not None else ""
     return f"CPU {cpu}{cores}{threads}".replace("  ", " ")
 
 

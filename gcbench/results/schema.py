@@ -105,6 +105,7 @@ class Record(TypedDict, total=False):
     error: str | None  # why it did not run or finished early (OOM message, timeout, last stderr line)
     oom_predicted: bool  # an `oom` recorded without running: model state or predicted peak past the memory it may use
     oom_limit: str  # with oom_predicted: "free" (the device's free memory then; --retry-failed re-checks) | "cap"
+    # | "plan" (no mix of a `plan` policy is predicted within its memory)
     # prediction made before the run (estimators.predict_for_run)
     predicted_peak_bytes: int | None
     prediction_method: str | None
@@ -126,7 +127,9 @@ class Record(TypedDict, total=False):
     step_ms_median: float
     step_ms_iqr: float
     step_ms_rel_iqr: float  # IQR / median
-    step_ms_ci: list[float] | None  # 95% interval of the median (order statistics); None below 6 steps
+    # 95% interval of the median for correlated steps (results.stats.median_interval; records from before it took
+    # the steps as independent: readers that judge noise recompute it from step_ms); None: too few or too correlated
+    step_ms_ci: list[float] | None
     steps_stop: str  # why measuring stopped: fixed | ci (interval within +-2%) | max-steps | max-time
     timing_stable: bool  # the stability rule (timing.timing_verdict, docs/methodology.md)
     timing_notes: list[str]  # why the timing is not trusted; empty when stable
@@ -174,6 +177,7 @@ class Record(TypedDict, total=False):
     mfu: float | None
     # a sweep's
     sweep_id: str
+    record_id: str  # a later line with the same id is a newer version of this record (its paired timing added)
     isolation: str
     device_slot: str  # --devices / --jobs: the GPU (cuda:N as the driver numbers them) or the cores it ran on
     parallel_jobs: int  # with device_slot: how many configs ran side by side
