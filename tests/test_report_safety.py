@@ -306,7 +306,8 @@ def test_a_table_too_wide_for_its_essential_columns_is_split_not_cropped(tmp_pat
     console.print(rich_table(grid, 50))
     out = console.export_text()
     assert max(map(len, out.splitlines())) <= 50
-    assert out.count("policy") >= 2 and re.search(r"continued,\s+2\s+of", out), out  # each part names its rows
+    # each part names its rows, and which part it is
+    assert out.count("policy") >= 2 and re.search(r"\(1\s+of\s+\d", out) and re.search(r"\(2\s+of", out), out
     for row in grid.rows:
         assert row[grid.headers.index("step ms")] in out and row[grid.headers.index("peak x none")] in out
 

@@ -53,7 +53,7 @@ def rich_table(grid: Grid, width: int | None = None) -> Table | Group:
         parts[-1].append(i)
     tables: list[Table | Text] = []
     for n, part in enumerate(parts, 1):
-        title = grid.title if n == 1 else f"{grid.title or 'table'} (continued, {n} of {len(parts)})"
+        title = f"{grid.title or 'table'} ({n} of {len(parts)})" if len(parts) > 1 else grid.title
         tables.append(_rich_table(grid, keys + part, compact=True, title=title, caption=""))
     # The caption under the last part, as wide as the terminal (not as narrow as that part).
     tables.append(Text(plain(_caption(grid, shown), lines=True)))
