@@ -160,9 +160,13 @@ def _time_bounds(r: dict[str, Any]) -> tuple[float, float]:
         return math.nan, math.nan
     if isinstance(r["step_ms"], list) and r["step_ms"]:
         s = Stats.of(r["step_ms"])
-        if s.ci is None:  # too few or too correlated steps to bound their median: no change is clear of it
-            return math.nan, math.nan
         scale = median / s.median if s.median else 1.0  # the record's median is its steps' (kept as stored)
+        if s.ci is None:
+            # Too few or too correlated steps to bound their median at 95%: the interval would be wider than
+            # min..max, so the whole range on each side of the median stands in for it. A change past that (a
+            # step time twice as long) is still a change, not noise.
+            spread = s.max - s.min
+            return (s.median - spread) * scale, (s.median + spread) * scale
         return s.ci[0] * scale, s.ci[1] * scale
     if isinstance(r.get("step_ms_ci"), list) and len(r["step_ms_ci"]) == 2:
         return r["step_ms_ci"][0], r["step_ms_ci"][1]

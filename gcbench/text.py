@@ -11,13 +11,16 @@ _SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\
 # where the text is one line.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _CONTROL_KEEP_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile("[\udc80-\udcff]")
 
 
 def plain(text: object, *, lines: bool = False) -> str:
     """`text` as a str a terminal shows literally: escape sequences dropped, other control characters written as
     `\\xNN` (so that a name differing only by one still reads differently). `lines`: keep newlines and tabs."""
     text = _SEQUENCE.sub("", str(text))
-    return (_CONTROL_KEEP_LINES if lines else _CONTROL).sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    text = (_CONTROL_KEEP_LINES if lines else _CONTROL).sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    # A byte of a file name that was not UTF-8 (Python keeps it as a lone surrogate, which no encoder writes).
+    return _SURROGATE.sub(lambda m: f"\\x{ord(m.group()) - 0xDC00:02x}", text)
 
 
 def markup(text: object, *, lines: bool = False) -> str:

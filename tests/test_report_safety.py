@@ -233,18 +233,19 @@ def test_two_reports_into_one_directory_do_not_interleave(tmp_path):
 
 
 def test_a_report_of_an_earlier_gcbench_is_replaced_as_its_own(tmp_path):
-    """No manifest (written before there was one): its pages and figures are recognised by their names and
-    headings; a user's file among them is not."""
+    """No manifest (written before there was one): its pages are recognised by their headings, its figures by the
+    links of its report.md; a user's file among them is not, even one named like a figure."""
     out = tmp_path / "rep"
     (out / "figures").mkdir(parents=True)
-    (out / "report.md").write_text("# gcbench report\n\nold")
+    (out / "report.md").write_text("# gcbench report\n\n![a](figures/1-a.png) ![gone](figures/9-gone.png)")
     (out / "report.html").write_text("<!doctype html>\n<html><head><title>gcbench report</title>")
     (out / "figures" / "1-a.png").write_text("old a")
     (out / "figures" / "9-gone.png").write_text("old figure no longer drawn")
     (out / "figures" / "mine.png").write_text("mine")
+    (out / "figures" / "8-my-notes.png").write_text("mine too")
     pub.publish(out, maker(NEW))
     files = {k: v.decode() for k, v in snapshot(out).items() if not k.startswith(".")}
-    assert files == NEW | {"figures/mine.png": "mine"}
+    assert files == NEW | {"figures/mine.png": "mine", "figures/8-my-notes.png": "mine too"}
     assert json.loads((out / ".gcbench-report.json").read_text())["files"].keys() == NEW.keys()
 
 
@@ -348,6 +349,15 @@ def test_escape_sequences_from_a_results_file_never_reach_the_terminal_or_the_fi
     compared = runner.invoke(app, ["compare", str(path), str(path)])
     assert compared.exit_code == 0, compared.output
     assert "\x1b" not in compared.stdout and "tinyRED" in compared.stdout
+
+
+def test_a_results_file_whose_name_is_not_utf8_is_reported_under_a_readable_name(tmp_path, records):
+    # Python keeps the byte 0xff of such a name as a lone surrogate, which no encoder writes: report.md failed.
+    path = write(tmp_path / os.fsdecode(b"a\xff.jsonl"), records)
+    out = tmp_path / os.fsdecode(b"rep\xff")
+    shown = runner.invoke(app, ["report", str(path), "--out", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "a\\xff.jsonl" in (out / "report.md").read_text()
 
 
 def test_a_model_path_that_reads_as_rich_markup_prints_as_itself(tmp_path, records, monkeypatch):

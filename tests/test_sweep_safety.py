@@ -23,10 +23,11 @@ from gcbench.grid import SweepSpec
 from gcbench.launch import failure_record
 from gcbench.launch.inline import InProcessRunner
 from gcbench.results import store
-from gcbench.results.schema import Status, config_key
+from gcbench.results.schema import Status, config_key, new_record
 from gcbench.results.store import append_record, read_records
 from gcbench.sweeps.claims import Claims
 from gcbench.sweeps.orchestrate import NOT_YET_PAIRED, _policy_free_key
+from tests.helpers import tiny_spec
 
 runner = CliRunner()
 FAST = dict(device="cpu", warmup=1, steps=1)
@@ -197,3 +198,31 @@ def test_a_plan_no_mix_of_which_fits_is_recorded_as_not_run_in_a_sweep(tmp_path)
     assert none["status"] == "ok"
     assert plan["status"] == "oom" and plan["oom_predicted"] and plan["oom_limit"] == "plan"
     assert plan["error"].startswith("not run: no plan fits 1KiB") and "step_ms_median" not in plan
+
+
+def test_records_of_two_configs_never_replace_each_other_even_with_one_record_id(tmp_path):
+    # A record_id is random (uuid4); a file merged by hand could still repeat one: only the same config is a
+    # newer version of a record.
+    out = tmp_path / "r.jsonl"
+    a = {**new_record(tiny_spec().as_record()), "status": "ok", "record_id": "same"}
+    b = {**new_record(tiny_spec(seq_len=64).as_record()), "status": "ok", "record_id": "same"}
+    append_record(out, a)
+    append_record(out, b)
+    assert [r["seq_len"] for r in read_records(out)] == [128, 64]
+
+
+def test_a_writer_stopped_while_waiting_for_the_lock_removes_no_file(tmp_path, monkeypatch):
+    # It made the file, then waited for the lock of another writer that opened it meanwhile: the file is that
+    # writer's now, and an unlinked file would swallow its record.
+    out = tmp_path / "r.jsonl"
+
+    def stopped(fd, path, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "lock", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        append_record(out, {**new_record(tiny_spec().as_record()), "status": "ok"})
+    assert out.exists()
+    monkeypatch.undo()
+    append_record(out, {**new_record(tiny_spec().as_record()), "status": "ok"})
+    assert len(read_records(out)) == 1

@@ -174,9 +174,13 @@ def _ours(out: Path) -> dict[str, str]:
                     found[page] = _sha(out / page)
         except OSError:
             continue
-    if found and (out / "figures").is_dir():
-        for path in (out / "figures").iterdir():
-            rel = f"figures/{path.name}"
+    if "report.md" in found:
+        # An earlier gcbench's figures are those its report.md links to (PNG and SVG), nothing else in figures/:
+        # a file of the user's there may look like one (figures/8-my-notes.png) and must stay.
+        page = (out / "report.md").read_text(errors="replace")
+        linked = set(re.findall(r"\((figures/[^()\s]+\.(?:png|svg))\)", page))
+        for rel in sorted(linked):
+            path = out / rel
             if FIGURE_NAME.fullmatch(rel) and path.is_file() and not path.is_symlink():
                 found[rel] = _sha(path)
     return found

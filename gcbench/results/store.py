@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import ADDED_SPEC_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION
+from gcbench.results.schema import ADDED_SPEC_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION, config_key
 from gcbench.text import plain
 
 # Waiting for another process's lock on a results file: how often to try again (a blocking flock would hold off
@@ -59,10 +59,9 @@ def ensure_writable(path: Path) -> None:
         missing = [p for p in path.absolute().parents if not p.exists()]
         existed = path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-        if not existed:
-            path.unlink()
+        with open(path, "a") as f:
+            if not existed:
+                _remove_if_unused(path, f.fileno())
     except OSError as e:
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
     finally:
@@ -94,14 +93,22 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     after the record is in: `written` is called as soon as it is (fsynced)."""
     check_regular(path)
     data = (json.dumps(record, default=str) + "\n").encode()
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            created = not path.exists()
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
+        try:
+            lock(fd, path)  # concurrent writers: repairing or truncating back cuts only our own
+        except BaseException:
+            os.close(fd)  # never holding the lock, it removes nothing: the file may be another writer's now
+            raise
+        if os.fstat(fd).st_nlink:
+            break
+        os.close(fd)  # the writer that held the lock removed the empty file it had made: open the path anew
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        created = not path.exists()
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
-    except OSError as e:
-        raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
-    try:
-        lock(fd, path)  # concurrent writers: repairing or truncating back cuts only our own
         with _signals_held():
             dropped = _drop_torn_tail(fd)
             size = os.fstat(fd).st_size
@@ -122,12 +129,34 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}; its last line may be "
                            "incomplete (the next write removes it)") from None
     except BaseException:
-        if created and os.fstat(fd).st_size == 0:
+        # Removed under the lock, and only while the path still names this file: a writer waiting for the lock
+        # finds its file unlinked and opens the path anew (above).
+        if created and os.fstat(fd).st_size == 0 and _names(path, fd):
             path.unlink(missing_ok=True)
         raise
     finally:
         os.close(fd)
     return dropped
+
+
+def _remove_if_unused(path: Path, fd: int) -> None:
+    """Remove the empty file `path` this process just made to try it, unless another writer opened it meanwhile and
+    holds or takes its lock (then it is theirs: append_record's writer that finds its file unlinked opens it anew)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return
+    if os.fstat(fd).st_size == 0 and _names(path, fd):
+        path.unlink()
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is (still) the file open as `fd`."""
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
 
 def lock(fd: int, path: Path, stop: Callable[[], bool] | None = None, what: str | None = None) -> bool:
@@ -287,11 +316,13 @@ def _record_int(text: str) -> int:
 
 
 def _newest_versions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # A later version of a record is the same config (a random record_id, and the config checked too: a record
+    # never replaces another config's, even in a file a person or a script merged by hand).
     at: dict[str, int] = {}
     kept: list[dict[str, Any]] = []
     for record in records:
         rid = record.get("record_id")
-        if isinstance(rid, str) and rid in at:
+        if isinstance(rid, str) and rid in at and config_key(kept[at[rid]]) == config_key(record):
             kept[at[rid]] = record
             continue
         if isinstance(rid, str):

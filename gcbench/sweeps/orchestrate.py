@@ -11,6 +11,7 @@ import secrets
 import signal
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -90,7 +91,6 @@ class Sweep:
             self._warn(note)
         # Records other sweeps on the same file append while this one runs: read from here on, as they come.
         self._seen, self._seen_lock, self._done_since = end_of_records(grid.out), threading.Lock(), {}
-        self._ids = itertools.count()  # record_id: a record and its later version with the paired timing
         # The configs to run that cannot fit at all, known before the first child starts (warned about by run()).
         # On a cluster the job's child checks against its node's memory; this machine's says nothing about it.
         to_run = [p.spec for p in self.plan() if p.done is None]
@@ -332,7 +332,7 @@ class Sweep:
         if len(self.slots) > 1:
             record.update(side_by_side_fields(record, self.slots[slot], len(self.slots)))
         # config_wall_ms: the whole config as the sweep saw it (child start, build, all steps), in ms.
-        return {**record, "sweep_id": self.sweep_id, "record_id": f"{self.sweep_id}-{next(self._ids)}",
+        return {**record, "sweep_id": self.sweep_id, "record_id": uuid.uuid4().hex,
                 "isolation": self.grid.isolation, "config_wall_ms": wall_ms, "env": env}
 
     def _warn_torn(self, dropped: str | None) -> None:
