@@ -31,7 +31,7 @@ from gcbench.errors import GcbenchError
 from gcbench.results.frame import FAILED, GROUP_KEYS, given, latest_per_group, policy_rank
 from gcbench.results.schema import NoteKind, Status, note_kinds, timing_notes_of
 from gcbench.results.stats import Stats, clearly_different
-from gcbench.text import markup, plain
+from gcbench.text import fits, markup, plain
 from gcbench.units import byte_unit
 
 # --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
@@ -288,7 +288,7 @@ def comparison_tables(c: Comparison, thresholds: dict[str, float], width: int | 
     frame = frame.sort_values(["device_label", "setup", "seq_len", "batch_size", "_rank"])
     for (device, setup), part in frame.groupby(["device_label", "setup"], sort=False):
         table = _comparison_table(device, setup, part, thresholds, tokens=c.by == "time", by=c.by)
-        if c.by == "time" and width is not None and Console(width=100_000).measure(table).maximum > width:
+        if c.by == "time" and not fits(table, width):
             table = _comparison_table(device, setup, part, thresholds, tokens=False, by=c.by)
         tables.append(table)
     return tables

@@ -28,3 +28,11 @@ def markup(text: object, *, lines: bool = False) -> str:
     from rich.markup import escape
 
     return escape(plain(text, lines=lines))
+
+
+def fits(renderable: object, width: int | None) -> bool:
+    """Whether a rich table (or any renderable) fits `width` columns unwrapped (None: any width fits). Measured on an
+    unbounded console: a bounded one clamps what it measures to its own width."""
+    from rich.console import Console
+
+    return width is None or Console(width=100_000).measure(renderable).maximum <= width

@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from gcbench.fields import run_field
 from gcbench.results.schema import LEVER_FIELDS, PHASE_SHORT, lever_text, policy_label
-from gcbench.text import markup
+from gcbench.text import fits, markup
 from gcbench.units import byte_unit, fmt_bytes, plural
 from gcbench.values import Switch
 
@@ -48,8 +47,8 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     sharded = any(r.get("shard") not in (None, "none") for r in rows)
     columns = _columns(rows, varying, len(models) > 1, scale, memory_bytes)
     left_out = []
-    for header in SPARE:  # the table as it would print, measured unwrapped: a bounded console clamps to its width
-        if width is None or Console(width=100_000).measure(_table(title, "", columns)).maximum <= width:
+    for header in SPARE:
+        if fits(_table(title, "", columns), width):
             break
         columns = [c for c in columns if c.header != header]
         left_out.append(header)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 from rich import box
-from rich.console import Console, Group
+from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
 
@@ -19,7 +19,7 @@ from gcbench.report.tables import rich_table
 from gcbench.results.frame import given, paired_ratio_trusted, results_frame
 from gcbench.fields import RUN_FIELDS, Role
 from gcbench.results.schema import LEVER_FIELDS, STATUSES, lever_text, note_kinds, peak_bytes, policy_label
-from gcbench.text import markup
+from gcbench.text import fits, markup
 from gcbench.units import fmt_bytes, plural
 
 STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "red", "error": "bold red"}
@@ -128,7 +128,7 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
         peaks = "peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak" + (
             "" if "act. peak" in dropped else "; act. peak: fwd+bwd peak above model state")
         table = _summary(title, [peaks, *caption], [c for c in columns if c not in dropped], columns, rows)
-        if width is None or Console(width=100_000).measure(table).maximum <= width:
+        if fits(table, width):
             break
     return table
 

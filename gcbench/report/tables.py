@@ -7,14 +7,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from gcbench.report.cells import Grid, fit_grids, largest_fit_grid, prediction_grid, results_grid
 from gcbench.results.frame import FAILED, given
 from gcbench.report.run_table import cpu_name
-from gcbench.text import markup, plain
+from gcbench.text import fits, markup, plain
 from gcbench.units import plural
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def rich_table(grid: Grid, width: int | None = None) -> Table | Group:
     shown = list(range(len(grid.headers)))
     while True:
         table = _rich_table(grid, shown)
-        if _fits(table, width):
+        if fits(table, width):
             return table
         hideable = [i for i in grid.optional if i in shown]
         if not hideable:
@@ -42,13 +42,13 @@ def rich_table(grid: Grid, width: int | None = None) -> Table | Group:
         if i is not None:
             shown.remove(i)
         table = _rich_table(grid, shown, compact=True)
-        if _fits(table, width):
+        if fits(table, width):
             return table
     # ...and then split them: every value stays whole and every header readable, on any terminal width.
     keys, rest = shown[:grid.keys], shown[grid.keys:]
     parts: list[list[int]] = [[]]
     for i in rest:
-        if parts[-1] and not _fits(_rich_table(grid, keys + parts[-1] + [i], compact=True), width):
+        if parts[-1] and not fits(_rich_table(grid, keys + parts[-1] + [i], compact=True), width):
             parts.append([])
         parts[-1].append(i)
     tables: list[Table | Text] = []
@@ -65,11 +65,6 @@ def _caption(grid: Grid, shown: list[int]) -> str:
     left_out = [grid.headers[i] for i in range(len(grid.headers)) if i not in shown]
     return grid.caption + (f"{' ' if grid.caption else ''}Left out at this terminal width: {', '.join(left_out)} "
                            "(a wider terminal or `report --out` shows them)." if left_out else "")
-
-
-def _fits(table: Table, width: int | None) -> bool:
-    # The natural (unwrapped) width: measured on an unbounded console, since a bounded one clamps to its width.
-    return width is None or Console(width=100_000).measure(table).maximum <= width
 
 
 def _rich_table(grid: Grid, shown: list[int], compact: bool = False, title: str | None = None,
