@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gcbench.errors import GcbenchError
+from gcbench.results.store import missing_folders, remove_empty
 from gcbench.text import plain
 
 MANIFEST = ".gcbench-report.json"
@@ -40,12 +41,12 @@ def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
     where = repr(plain(out))
     if out.exists() and not out.is_dir():
         raise GcbenchError(f"--out {where} is a file, not a directory")
-    created = _missing_parents(out)
+    created = missing_folders(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out, os.O_RDONLY)
     except OSError as e:
-        _remove_empty(created)
+        remove_empty(created)
         raise GcbenchError(f"cannot write the report to {where}: {e.strerror or e}") from None
     stage: Path | None = None
     try:
@@ -70,7 +71,7 @@ def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
         if stage is not None and _settled(out, stage):
             shutil.rmtree(stage, ignore_errors=True)
         os.close(fd)
-        _remove_empty(created)  # only where nothing was written
+        remove_empty(created)  # only where nothing was written
     return sorted(written, key=lambda p: (p.name not in PAGES, str(p)))
 
 
@@ -156,7 +157,7 @@ def _undo(out: Path, stage: Path, journal: dict) -> None:
         elif rel not in journal["had"] and _exists(out / rel) and _sha(out / rel) == journal["new"].get(rel):
             (out / rel).unlink()
     if journal.get("figures_made"):
-        _remove_empty([out / "figures"])
+        remove_empty([out / "figures"])
 
 
 def _ours(out: Path) -> dict[str, str]:
@@ -251,20 +252,3 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _missing_parents(out: Path) -> list[Path]:
-    """The folders of `out` (itself included) that do not exist yet, deepest first."""
-    missing, path = [], out.absolute()
-    while not _exists(path) and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    return missing
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:
-            return  # not empty (a report is in it) or gone

@@ -54,9 +54,8 @@ def ensure_writable(path: Path) -> None:
     """Fail now (GcbenchError) if records could not be appended to `path`, leaving nothing behind: neither the
     file nor the folders made to try it (the first record makes them again; a refused command leaves none)."""
     check_regular(path)
-    missing: list[Path] = []
+    missing = missing_folders(path.absolute().parent)
     try:
-        missing = [p for p in path.absolute().parents if not p.exists()]
         existed = path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
@@ -65,11 +64,26 @@ def ensure_writable(path: Path) -> None:
     except OSError as e:
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
     finally:
-        for folder in missing:  # deepest first; one another process wrote into meanwhile stays
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_empty(missing)
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those above it that do not exist yet, deepest first: what making it would create."""
+    missing, path = [], folder.absolute()
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (deepest first) this process made, up to the first that is not empty: one that another
+    process, or a report, wrote into meanwhile stays, with those above it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def check_appendable(path: Path) -> None:
@@ -131,7 +145,7 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     except BaseException:
         # Removed under the lock, and only while the path still names this file: a writer waiting for the lock
         # finds its file unlinked and opens the path anew (above).
-        if created and os.fstat(fd).st_size == 0 and _names(path, fd):
+        if created and os.fstat(fd).st_size == 0 and same_file(path, fd):
             path.unlink(missing_ok=True)
         raise
     finally:
@@ -146,11 +160,11 @@ def _remove_if_unused(path: Path, fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return
-    if os.fstat(fd).st_size == 0 and _names(path, fd):
+    if os.fstat(fd).st_size == 0 and same_file(path, fd):
         path.unlink()
 
 
-def _names(path: Path, fd: int) -> bool:
+def same_file(path: Path, fd: int) -> bool:
     """Whether `path` is (still) the file open as `fd`."""
     try:
         st, now = os.fstat(fd), os.stat(path)

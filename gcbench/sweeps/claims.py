@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gcbench.results.store import lock
+from gcbench.results.store import lock, same_file
 
 
 class Claim:
@@ -72,7 +72,7 @@ class Claims:
                         held = True
                     except BlockingIOError:
                         held = False
-                if held and _names(path, fd):
+                if held and same_file(path, fd):
                     fd, claim = None, Claim(fd, path)
                     return claim
                 if not held:
@@ -94,7 +94,7 @@ class Claims:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _names(path, fd):
+                if same_file(path, fd):
                     path.unlink()
             except OSError:
                 pass  # held: a running sweep's
@@ -105,10 +105,3 @@ class Claims:
         except OSError:
             pass
 
-
-def _names(path: Path, fd: int) -> bool:
-    """Whether `path` still names the file open on `fd` (not removed, nor made again, since it was opened)."""
-    try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
-    except FileNotFoundError:
-        return False
