@@ -24,7 +24,7 @@ from typing import Any
 from gcbench.errors import GcbenchError
 from gcbench.optimizers import OPTIMIZERS
 from gcbench.units import fmt_bytes, plural
-from gcbench.values import (AUTO, Choice, Device, Int, IntOrAuto, Kind, Name, PolicyText, Seconds, Size, Switch)
+from gcbench.values import (AUTO, Choice, Device, Int, IntOrAuto, Kind, Name, OptionText, PolicyText, Seconds, Size, Switch)
 
 DEFAULT_MAX_STEPS = 100  # --steps auto: the most timed steps
 DEFAULT_MAX_TIME_S = 10.0  # --steps auto: seconds of timed steps after which it stops
@@ -48,6 +48,7 @@ class DeviceKind(enum.StrEnum):
     def of(cls, device: Any) -> DeviceKind:
         return cls.CUDA if str(device).split(":")[0] == cls.CUDA else cls.CPU
 SHARDS = ("none", "fsdp2")
+COMPILES = ("none", "blocks")
 
 
 # --------------------------------------------------------------------------------------------------- a field
@@ -170,6 +171,17 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("grad_accum", "grad-accum", Int(1, 65_536), "micro-batches of --batch per optimizer step (gradient "
           "accumulation: the memory of one micro-batch, the tokens of all)", 1, role=Role.LEVER, axis=True,
           ascending=True, added=(2, 1), short="accum", words=_accumulation),
+    Field("adapter", "adapter", OptionText("an adapter"), "none | lora[:r=16,alpha=32,dropout=0.05,targets=all-linear] "
+          "| dora[:...] | qlora[:...] (LoRA on a 4-bit NF4 base; bitsandbytes): a frozen base with trainable "
+          "adapters through peft (docs/levers.md)", "none", role=Role.LEVER, axis=True, added=(4, "none"),
+          words=lambda value, record: "" if value in (None, "none") else str(value)),
+    Field("loss", "loss", OptionText("a loss"), "ce (the model's own: full logits) | chunked[:n=8] (cross-entropy "
+          "over n chunks of the sequence, each chunk's logits recomputed in backward: the full logits never exist) "
+          "| fused-linear (liger-kernel's fused linear cross-entropy; CUDA)", "ce", role=Role.LEVER, axis=True,
+          added=(4, "ce"), words=lambda value, record: "" if value in (None, "ce") else f"loss {value}"),
+    Field("compile", "compile", Choice(COMPILES, "compile mode"), "none | blocks (torch.compile each block after "
+          "the policy wraps it, as torchtitan and torchtune do)", "none", role=Role.LEVER, axis=True,
+          added=(4, "none"), words=lambda value, record: "" if value in (None, "none") else "compiled blocks"),
     Field("shard", "shard", Choice(SHARDS, "shard"), "none | fsdp2: parameters, gradients and optimizer state "
           "sharded over --nproc ranks (FSDP2 on each block and the root; --batch is per rank)", "none",
           role=Role.LEVER, axis=True, added=(3, "none"),

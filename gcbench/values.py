@@ -186,6 +186,40 @@ class Size(Kind):
 
 
 @dataclass(frozen=True)
+class OptionText(Kind):
+    """`name` or `name:key=value[,key=value]`: a lever with options (`--adapter lora:r=16,alpha=32`, `--loss
+    chunked:n=8`). Read here by its form only, stripped; which names and options exist is the lever's module to
+    say when the run is resolved. Several values in one string split where a piece names a new lever (has no
+    '=' or has a ':'), so "lora:r=8,alpha=16,none" is two values."""
+
+    what: str = "value"
+    metavar = "NAME[:K=V,...]"
+    python_type = "str"
+
+    def parse(self, value: Any) -> str:
+        if not isinstance(value, str):
+            raise GcbenchError(f"expected {self.what} as text (name or name:key=value), got {shown(value)}")
+        if not value.strip():
+            raise GcbenchError(f"expected {self.what}, got an empty string")
+        return value.strip()
+
+    def split(self, text: str) -> list[str]:
+        return join_options(split_items(text))
+
+
+def join_options(pieces: list[str]) -> list[str]:
+    """Comma pieces put back together: a piece with '=' but no ':' is one more option of the value before it
+    ("foo:a=1,b=2,none" -> ["foo:a=1,b=2", "none"])."""
+    texts: list[str] = []
+    for piece in pieces:
+        if texts and "=" in piece and ":" not in piece:
+            texts[-1] += "," + piece
+        else:
+            texts.append(piece)
+    return texts
+
+
+@dataclass(frozen=True)
 class PolicyText(Kind):
     """`name` or `name:key=value[,key=value]` (`gcbench policies`). Read here by its form; which names and options
     exist is the policy registry's to say, when the spec is made. A Policy object from Python is taken as it is."""
@@ -203,11 +237,4 @@ class PolicyText(Kind):
         return value.strip()
 
     def split(self, text: str) -> list[str]:
-        # A piece with '=' but no ':' is one more option of the policy before it: "foo:a=1,b=2,none".
-        texts: list[str] = []
-        for piece in split_items(text):
-            if texts and "=" in piece and ":" not in piece:
-                texts[-1] += "," + piece
-            else:
-                texts.append(piece)
-        return texts
+        return join_options(split_items(text))

@@ -18,9 +18,9 @@ from gcbench.fields import RUN_FIELDS, Role, identity_columns, names, run_field,
 from gcbench.units import parse_bytes
 
 # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
-# world_size and the per-rank fields)
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # an older record reads as one with ADDED_SPEC_FIELDS' values
+# world_size and the per-rank fields); 4: adapters, the loss and compiled blocks (adapter, loss, compile)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # an older record reads as one with ADDED_SPEC_FIELDS' values
 
 
 class Status(enum.StrEnum):
