@@ -15,10 +15,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption, PredictionBar,
-                                 RunFormatOption, SlurmGpusOption, SlurmParallelismOption, SlurmPartitionOption,
-                                 check_format, check_jobs, domain_errors, prepare_sweep, print_warnings, step_progress,
-                                 warm_children, with_bare_switches, with_spec_options)
+from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption, LeversOption,
+                                 PredictionBar, RunFormatOption, SlurmGpusOption, SlurmParallelismOption,
+                                 SlurmPartitionOption, check_format, check_jobs, domain_errors, prepare_sweep,
+                                 print_warnings, step_progress, warm_children, with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
 from gcbench.grid import one_value_each
@@ -286,9 +286,15 @@ def fit(
     = "process",
     no_paired: Annotated[bool, typer.Option("--no-paired", help="do not time the policies' largest configs "
                                                                "interleaved (rank them by their own runs)")] = False,
+    levers: LeversOption = None,
 ) -> None:
     """The largest batch (or sequence) each policy runs in a memory budget, by real trials: predicted, bracketed,
     bisected; then the fastest recommended, with the `gcbench run` command that measures it again."""
+    if levers is not None:  # a plan across levers (fits/lever_command.py), its winner verified
+        from gcbench.fits.lever_command import fit_levers
+        with domain_errors(lambda: f"interrupted; nothing of the plan is kept but the records in {out}"):
+            return fit_levers(spec_values, levers, memory, headroom, out, timeout, isolation, console,
+                              PredictionBar(err_console, "predicting"))
     if isolation == "process" and "model" in spec_values:
         warm_children([spec_values["model"]])
     from gcbench.fits.command import fit_job
@@ -335,6 +341,7 @@ def estimate(
                                           metavar="<percent>")] = "0%",
     efficiency: Annotated[float, typer.Option(help="with --fit: the fraction of the GPU's dense bf16 peak a step "
                                                    "reaches, recompute included (an assumption)")] = 0.4,
+    levers: LeversOption = None,
 ) -> None:
     """Predict the peak memory of a training step without running it (no GPU needed): params, grads, optimizer
     state and activations per config, by formulas and by a fake-tensor simulation."""
@@ -353,10 +360,15 @@ def estimate(
         methods = [m.strip() for m in method.split(",") if m.strip()]
         if not methods or len(set(methods)) < len(methods):
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
+        if levers is not None and fit_:  # a plan across levers (fits/lever_command.py)
+            from gcbench.fits.lever_command import estimate_levers
+            return estimate_levers(grid, levers, memory, gpu, headroom, efficiency, device, console,
+                                   PredictionBar(err_console, "predicting"))
         if fit_:
             return _estimate_fit(grid, memory, gpu, vary, headroom, efficiency, device, output_format, methods)
-        if gpu is not None:
-            raise GcbenchError("--gpu goes with --fit (without it, --gpu-memory adds a fits column)")
+        if gpu is not None or levers is not None:
+            raise GcbenchError(f"{'--gpu' if gpu is not None else '--levers'} goes with --fit (without it, "
+                               "--gpu-memory adds a fits column)")
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
         with PredictionBar(err_console, "estimating") as bar:

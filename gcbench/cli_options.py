@@ -199,3 +199,10 @@ class PredictionBar:
                 self._bar.add_task(self.what, total=total)
             self._bar.update(self._bar.task_ids[0], completed=done, total=total,
                              description=plain(f"{self.what} {what}"))
+
+
+# A plan across levers (fits/levers.py, docs/levers.md): an option of `fit` and of `estimate --fit`.
+LeversOption = Annotated[str | None, typer.Option(help="plan across levers: auto (policy, adapter, optimizer, its "
+                                                      "step, loss, compile, accumulation to --batch) or some of "
+                                                      "them, comma-separated: the configs predicted to fit, ranked "
+                                                      "by predicted tokens/s", metavar="<auto|levers>")]

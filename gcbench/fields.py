@@ -89,6 +89,11 @@ class Field:
     unset: str = ""  # its words where a column must show a value that was left at its default ("all layers")
     added: tuple[int, Any] | None = None  # (schema version it came in, what records before it measured)
     short: str = ""  # a table column's heading where its flag is too long ("in bwd"); "": the flag
+    # `gcbench fit --levers` (fits/levers.py): the values a plan tries (None: not a lever it searches; (): derived),
+    # and `plan_role`: "class" (changes a step's FLOPs; a plan compares candidates within one policy and adapter),
+    # "flops" (changes the FLOPs), "named" (searched only where --levers names it), "" (memory only)
+    plan: tuple[Any, ...] | None = None
+    plan_role: str = ""
 
     @property
     def heading(self) -> str:
@@ -156,32 +161,37 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("batch_size", "batch", Int(), "samples per step", role=Role.SHAPE, axis=True, ascending=True,
           required=True),
     Field("policy", "policy", PolicyText(), "checkpoint policy: name or name:key=value (see `gcbench policies`)",
-          "none", role=Role.POLICY, axis=True, required=True),
+          "none", role=Role.POLICY, axis=True, required=True, plan=("none", "full", "sac"), plan_role="class"),
     Field("layers", "layers", Int(1, 1_000), "keep only the first N blocks (activation memory is linear in N; "
           "default: all)", None, estimate=True, words=_counted("layer"), unset="all layers"),
     Field("precision", "precision", Choice(tuple(PRECISIONS), "precision"), "fp32 | bf16 (pure: weights, grads and "
           "optimizer state in bf16) | amp-bf16 (fp32 weights, grads and state; bf16 autocast) (default: bf16 on "
-          "CUDA, fp32 on CPU)", "", role=Role.LEVER, axis=True, words=_as_is),
+          "CUDA, fp32 on CPU)", "", role=Role.LEVER, axis=True, words=_as_is, plan=("bf16", "amp-bf16"),
+          plan_role="named"),
     Field("optimizer", "optimizer", Choice(tuple(OPTIMIZERS), "optimizer"), f"{' | '.join(OPTIMIZERS)} "
-          "(docs/levers.md; adamw8bit needs bitsandbytes)", "adamw", role=Role.LEVER, axis=True, words=_as_is),
+          "(docs/levers.md; adamw8bit and the paged ones need bitsandbytes)", "adamw", role=Role.LEVER, axis=True,
+          words=_as_is, plan=("adamw", "adamw8bit", "paged_adamw8bit", "adafactor")),
     Field("optim_in_backward", "optim-in-backward", Switch(), "step each parameter inside backward as soon as its "
           "gradient is complete, then drop that gradient (no full set of gradients at once); on | off", False,
           role=Role.LEVER, axis=True, flag_value="on", added=(2, False), short="in bwd",
-          words=lambda value, record: "optimizer in backward" if value is True else ""),
+          words=lambda value, record: "optimizer in backward" if value is True else "", plan=(False, True)),
     Field("grad_accum", "grad-accum", Int(1, 65_536), "micro-batches of --batch per optimizer step (gradient "
           "accumulation: the memory of one micro-batch, the tokens of all)", 1, role=Role.LEVER, axis=True,
-          ascending=True, added=(2, 1), short="accum", words=_accumulation),
+          ascending=True, added=(2, 1), short="accum", words=_accumulation, plan=()),
     Field("adapter", "adapter", OptionText("an adapter"), "none | lora[:r=16,alpha=32,dropout=0.05,targets=all-linear] "
           "| dora[:...] | qlora[:...] (LoRA on a 4-bit NF4 base; bitsandbytes): a frozen base with trainable "
           "adapters through peft (docs/levers.md)", "none", role=Role.LEVER, axis=True, added=(4, "none"),
-          words=lambda value, record: "" if value in (None, "none") else str(value)),
+          words=lambda value, record: "" if value in (None, "none") else str(value), plan=("none", "lora", "qlora"),
+          plan_role="class"),
     Field("loss", "loss", OptionText("a loss"), "ce (the model's own: full logits) | chunked[:n=8] (cross-entropy "
           "over n chunks of the sequence, each chunk's logits recomputed in backward: the full logits never exist) "
           "| fused-linear (liger-kernel's fused linear cross-entropy; CUDA)", "ce", role=Role.LEVER, axis=True,
-          added=(4, "ce"), words=lambda value, record: "" if value in (None, "ce") else f"loss {value}"),
+          added=(4, "ce"), words=lambda value, record: "" if value in (None, "ce") else f"loss {value}",
+          plan=("ce", "chunked"), plan_role="flops"),
     Field("compile", "compile", Choice(COMPILES, "compile mode"), "none | blocks (torch.compile each block after "
           "the policy wraps it, as torchtitan and torchtune do)", "none", role=Role.LEVER, axis=True,
-          added=(4, "none"), words=lambda value, record: "" if value in (None, "none") else "compiled blocks"),
+          added=(4, "none"), words=lambda value, record: "" if value in (None, "none") else "compiled blocks",
+          plan=("none", "blocks")),
     Field("shard", "shard", Choice(SHARDS, "shard"), "none | fsdp2: parameters, gradients and optimizer state "
           "sharded over --nproc ranks (FSDP2 on each block and the root; --batch is per rank)", "none",
           role=Role.LEVER, axis=True, added=(3, "none"),

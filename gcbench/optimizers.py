@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,12 @@ LR = 1e-5
 # two uint8 states, quantised in blocks of 256 elements, each block with an fp32 absolute maximum, and two 256-entry
 # fp32 quantisation maps per optimizer.
 BNB_MIN_8BIT_SIZE, BNB_BLOCK, BNB_QMAP_BYTES = 4096, 256, 2 * 256 * 4
+# bitsandbytes' paged optimizers (optim/optimizer.py, Optimizer8bit.get_state_buffer): on CUDA a state buffer
+# (state1/state2) of a parameter with at least this many elements comes from functional.get_paged, i.e.
+# cudaMallocManaged: unified memory outside torch's caching allocator, which the driver pages to host memory under
+# pressure. Smaller parameters' buffers, the absmax vectors and the quantisation maps are ordinary torch tensors. On
+# CPU every buffer is an ordinary tensor (get_state_buffer returns zeros_like there).
+BNB_PAGED_MIN_SIZE = 100_000  # `p.numel() < 1e5` -> torch.zeros_like
 
 
 @dataclass(frozen=True)
@@ -32,10 +39,13 @@ class OptimizerKind:
     make: Callable[[list[Any], bool | None], Any]  # (params, multi_tensor) -> a torch.optim.Optimizer;
     # multi_tensor None = torch's default for the device (the multi-tensor `foreach` path on CUDA, a loop on CPU)
     state: Callable[[Sequence[int], int, bool], list[int]]  # (param shape, bytes per element, cuda) -> bytes of
-    # each state tensor it keeps in device memory for that parameter
+    # each state tensor it keeps in device memory for that parameter, inside torch's allocator (counted in the peak)
     temporaries: Callable[[list[int], bool], int]  # (bytes of each parameter, multi_tensor) -> the most its step
     # allocates at once above the state
     multi_tensor_on_cuda: bool = False  # torch's default path on CUDA is the multi-tensor (foreach) one
+    # (param shape, bytes per element, cuda) -> bytes of each state tensor it keeps in CUDA managed memory
+    # (bitsandbytes' paged buffers): outside torch's allocator, so not in max_memory_allocated, nor in `state`
+    paged: Callable[[Sequence[int], int, bool], list[int]] | None = None  # None: it pages nothing
     shared_state: Callable[[list[tuple[int, ...]]], int] = lambda shapes: 0  # bytes kept once per optimizer
     # object over parameters of these shapes (with the optimizer in backward: one object per parameter)
     module: str | None = None  # the package it needs beyond torch
@@ -48,6 +58,11 @@ class OptimizerKind:
     def shared_bytes(self, shapes: list[tuple[int, ...]], in_backward: bool) -> int:
         """State kept per optimizer object rather than per parameter, over all of `shapes`."""
         return sum(self.shared_state([s]) for s in shapes) if in_backward else self.shared_state(shapes)
+
+    def paged_bytes(self, shapes: list[tuple[int, ...]], cuda: bool) -> int:
+        """Bytes of state over parameters of `shapes` that live in CUDA managed memory (0 on CPU, and for every
+        optimizer but the paged ones)."""
+        return sum(sum(self.paged(s, 0, cuda)) for s in shapes) if self.paged else 0
 
     def check_installed(self) -> None:
         """GcbenchError in one line when the package this optimizer needs cannot be imported."""
@@ -101,6 +116,29 @@ def _adamw8bit_state(shape: Sequence[int], elem: int, cuda: bool) -> list[int]:
     return [n, n] + [math.ceil(n / BNB_BLOCK) * 4] * 2  # two uint8 states, two absmax vectors
 
 
+def _paged_on(shape: Sequence[int], cuda: bool) -> bool:
+    return cuda and _numel(shape) >= BNB_PAGED_MIN_SIZE
+
+
+def _paged_adamw8bit_state(shape: Sequence[int], elem: int, cuda: bool) -> list[int]:
+    # the two uint8 states are paged on CUDA; the absmax vectors never are (torch.zeros in init_state)
+    state = _adamw8bit_state(shape, elem, cuda)
+    return state[2:] if _paged_on(shape, cuda) else state
+
+
+def _paged_adamw8bit_paged(shape: Sequence[int], elem: int, cuda: bool) -> list[int]:
+    return [_numel(shape)] * 2 if _paged_on(shape, cuda) else []
+
+
+def _paged_adamw32bit_state(shape: Sequence[int], elem: int, cuda: bool) -> list[int]:
+    # two fp32 states whatever the parameter's dtype (Optimizer2State.init_state, optim_bits 32)
+    return [] if _paged_on(shape, cuda) else [_numel(shape) * 4] * 2
+
+
+def _paged_adamw32bit_paged(shape: Sequence[int], elem: int, cuda: bool) -> list[int]:
+    return [_numel(shape) * 4] * 2 if _paged_on(shape, cuda) else []
+
+
 def _bnb_qmaps(shapes: list[tuple[int, ...]]) -> int:
     # the quantisation maps exist once an optimizer holds a parameter with 8-bit state
     return BNB_QMAP_BYTES if any(_numel(s) >= BNB_MIN_8BIT_SIZE for s in shapes) else 0
@@ -143,10 +181,15 @@ def _make_adafactor(params: list[Any], multi_tensor: bool | None) -> Any:
     return torch.optim.Adafactor(params, lr=LR, foreach=multi_tensor)
 
 
-def _make_adamw8bit(params: list[Any], multi_tensor: bool | None) -> Any:
-    with quiet_logger("bitsandbytes"):  # its CPU backend warns at import of 4-bit kernels the optimizer does not use
-        bnb = importlib.import_module("bitsandbytes.optim")
-    return bnb.AdamW8bit(params, lr=LR)
+def _make_bnb(name: str) -> Callable[[list[Any], bool | None], Any]:
+    def make(params: list[Any], multi_tensor: bool | None) -> Any:
+        with quiet_logger("bitsandbytes"):  # its CPU backend warns at import of 4-bit kernels it does not use
+            bnb = importlib.import_module("bitsandbytes.optim")
+        # A paged optimizer on CPU warns at its first step that it falls back to ordinary tensors: what
+        # BNB_PAGED_MIN_SIZE's comment and the record's optimizer_paged_bytes (0 on CPU) say already.
+        warnings.filterwarnings("ignore", "Paged optimizers are not supported on CPU", UserWarning)
+        return getattr(bnb, name)(params, lr=LR)
+    return make
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (
@@ -165,8 +208,15 @@ OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (
     # takes its multi-tensor path only when asked: foreach=True)
     OptimizerKind("adafactor", _make_adafactor, _adafactor_state, _adafactor_temporaries),
     # bitsandbytes AdamW8bit: 2 one-byte states per element (blockwise quantised); the extra gcbench[bnb]
-    OptimizerKind("adamw8bit", _make_adamw8bit, _adamw8bit_state, _none, shared_state=_bnb_qmaps,
+    OptimizerKind("adamw8bit", _make_bnb("AdamW8bit"), _adamw8bit_state, _none, shared_state=_bnb_qmaps,
                   module="bitsandbytes", extra="bnb"),
+    # bitsandbytes PagedAdamW8bit: adamw8bit's state, its uint8 states of parameters of >= 100k elements in CUDA
+    # managed memory (paged: outside max_memory_allocated)
+    OptimizerKind("paged_adamw8bit", _make_bnb("PagedAdamW8bit"), _paged_adamw8bit_state, _none,
+                  shared_state=_bnb_qmaps, paged=_paged_adamw8bit_paged, module="bitsandbytes", extra="bnb"),
+    # bitsandbytes PagedAdamW32bit: two fp32 states per element, those of parameters of >= 100k elements paged
+    OptimizerKind("paged_adamw32bit", _make_bnb("PagedAdamW32bit"), _paged_adamw32bit_state, _none,
+                  paged=_paged_adamw32bit_paged, module="bitsandbytes", extra="bnb"),
     # no optimizer step: forward and backward only
     OptimizerKind("none", lambda params, multi_tensor: None, lambda shape, elem, cuda: [], _none),
 )}

@@ -17,6 +17,7 @@ import torch
 
 from gcbench.estimators import resolve_plan
 from gcbench.instruments import Progress, instrument_for
+from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
 from gcbench.models import build_model, find_blocks
 from gcbench.results.schema import policy_label
 from gcbench.runner import torch_threads
@@ -27,9 +28,10 @@ from gcbench.timing import paired_fields, paired_rounds
 
 def pairable(spec: ResolvedRun) -> bool:
     """Whether a policy can be timed paired. A compiling policy cannot: applying it resets Dynamo (which does not
-    guard on its options), so every round would compile again; nor a sharded run, whose step is its ranks'. Their
-    ratio stays the unpaired one."""
-    return not spec.policy.compiles and spec.shard == "none"
+    guard on its options), so every round would compile again; nor a sharded run, whose step is its ranks'; nor
+    compiled blocks (--compile blocks), which the rounds here would run uncompiled. Their ratio stays the unpaired
+    one."""
+    return not spec.policy.compiles and spec.shard == "none" and spec.compile == "none"
 
 
 def choose_baseline(records: Sequence[dict[str, Any]]) -> str:
@@ -61,6 +63,8 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
         progress("building model")
         torch.manual_seed(first.seed)
         model = build_model(config, first.device, first.param_dtype)
+        # the specs differ in their policy and batch only: one adapter, applied before any policy (as runner.py)
+        model = apply_adapter(model, parse_adapter(first.adapter), compute_dtype(first), first.device)
         blocks = find_blocks(model)
         optimizer = make_optimizer(first, model)
         steps = {label: TrainingStep(model, optimizer, make_batch(spec, spec.model_config()[0], first.device), spec)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gcbench.compiled import check_compile
 from gcbench.errors import GcbenchError
 from gcbench.fields import POLICY_OPTIONS, PRECISIONS, DeviceKind, run_field
 from gcbench.results.schema import config_key
@@ -71,6 +72,13 @@ class ResolvedRun:
         this machine, not a Slurm job's), when the CPU ranks of a sharded run outnumber its cores: each rank is a
         process stepping its share, and ranks taking turns on a core wait for each other at every collective."""
         self.spec.check_runnable()
+        if self.spec.loss == "fused-linear":  # liger-kernel's Triton kernel: CUDA only
+            from gcbench.losses import CPU_REFUSAL, liger_missing
+
+            if self.device_kind is DeviceKind.CPU:
+                raise GcbenchError(CPU_REFUSAL)
+            if here and (missing := liger_missing()):
+                raise GcbenchError(missing)
         if here and self.spec.shard != "none" and self.device_kind is DeviceKind.CPU:
             from gcbench.fsdp import in_rank
 
@@ -146,6 +154,9 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
         _check_sharding(spec, policy, device, devices_here and not in_rank())
     config, family = config or _prepared_config(spec.model, spec.layers, spec.seq_len, spec.attn)
     policy.validate(config.num_hidden_layers)
+    check_compile(spec, policy, device)
+    spec = dataclasses.replace(spec, adapter=_checked_adapter(spec, config))
+    spec = dataclasses.replace(spec, loss=_checked_loss(spec, config))
     concrete = dataclasses.replace(spec, policy=str(policy), device=device, threads=threads, precision=precision)
     return ResolvedRun(concrete, policy, config, family)
 
@@ -221,6 +232,34 @@ def _check_sharding(spec: RunSpec, policy: Policy, device: str, count_gpus: bool
         first, count = int(device.split(":")[1]), torch.cuda.device_count()
         if first + spec.nproc > count:
             raise GcbenchError(f"--nproc {spec.nproc} needs a GPU per rank from {device}: {count} here")
+
+
+def _checked_adapter(spec: RunSpec, config: Any) -> str:
+    """The run's --adapter, parsed and checked against the model (one GcbenchError line for a bad one: its named
+    targets must match a layer) and written one way (its defaults left out), so that `lora` and `lora:r=16` are one
+    configuration."""
+    from gcbench.adapters import check_targets, parse_adapter
+    from gcbench.models import build_meta_model
+
+    adapter = parse_adapter(spec.adapter)
+    check_targets(adapter, config, build_meta_model)
+    if adapter.active and spec.shard != "none":
+        raise GcbenchError(f"--adapter {adapter.name} with --shard fsdp2 is not supported (FSDP2 would shard the "
+                           "frozen base and its adapters alike; gcbench measures adapters on one device)")
+    return str(adapter)
+
+
+def _checked_loss(spec: RunSpec, config: Any) -> str:
+    """The run's --loss, parsed and checked against the model (one GcbenchError line: a bad value, or a head whose
+    loss a chunked or fused one would not equal), written one way (`chunked` and `chunked:n=8` are one config)."""
+    from gcbench.losses import check_loss, parse_loss
+
+    loss = parse_loss(spec.loss)
+    check_loss(loss, config, spec.batch_size * spec.seq_len)
+    if not loss.own and spec.shard != "none":
+        raise GcbenchError(f"--loss {loss.name} with --shard fsdp2 is not supported (FSDP2 gathers the root's "
+                           "parameters, the head's among them, around the model's own forward, which it bypasses)")
+    return str(loss)
 
 
 def _torch_default_threads() -> int:

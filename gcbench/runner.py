@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from gcbench.adapters import adapter_params, apply_adapter, compute_dtype, frozen_bytes, parse_adapter, \
+    trainable_params
+from gcbench.compiled import BLOCKS, compile_blocks
 from gcbench.fields import DeviceKind
 from gcbench.env import capture_env
 from gcbench.errors import GcbenchError, WontFit
@@ -34,6 +37,7 @@ from gcbench.estimators import predict_for_run, resolve_plan
 from gcbench.estimators.stored import stored_prediction
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
 from gcbench.measure import SavedActivations, counting_flops, storage_bytes
+from gcbench.optimizers import optimizer_kind
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.policies import Plan
 from gcbench.results.schema import Status, mix_text, new_record, timing_note_fields
@@ -64,15 +68,21 @@ class ModelSize:
     """Parameter shapes read off a meta-device model: enough to know the model state of any precision/optimizer."""
 
     n_params: int
-    shapes: list[tuple[int, ...]]  # of every distinct parameter
+    shapes: list[tuple[int, ...]]  # of every distinct trainable parameter
     block_shapes: list[tuple[int, ...]]  # of the largest transformer block (MoE models may keep dense blocks too)
     n_blocks: int
+    frozen_bytes: int = 0  # of the frozen parameters (an adapter's base): no gradients, no optimizer state
+    block_frozen_bytes: int = 0  # of the largest block's
 
     @classmethod
-    def of(cls, meta_model: nn.Module) -> ModelSize:
+    def of(cls, meta_model: nn.Module, elem: int = 4) -> ModelSize:
+        """`elem`: bytes per element of a frozen parameter (the run's precision)."""
         blocks = find_blocks(meta_model)
         largest = max(blocks, key=count_params)
-        return cls(count_params(meta_model), param_shapes(meta_model), param_shapes(largest), len(blocks))
+        trainable = lambda module: [s for p, s in zip(module.parameters(), param_shapes(module))  # noqa: E731
+                                    if p.requires_grad]
+        return cls(count_params(meta_model), trainable(meta_model), trainable(largest), len(blocks),
+                   frozen_bytes(meta_model, elem), frozen_bytes(largest, elem))
 
 
 _MODEL_SIZES: dict[str, ModelSize] = {}  # by config: a sweep asks once per config, a meta build takes ~0.1-1 s
@@ -81,9 +91,11 @@ _MODEL_SIZES: dict[str, ModelSize] = {}  # by config: a sweep asks once per conf
 def model_size(spec: ResolvedRun) -> ModelSize:
     """The ModelSize of a spec's model, from a meta-device build (no memory, no init)."""
     config, family = spec.model_config()
-    key = f"{family}:{config.to_json_string(use_diff=False)}"
+    adapter = parse_adapter(spec.adapter)
+    key = f"{family}:{adapter}:{spec.param_dtype}:{config.to_json_string(use_diff=False)}"
     if key not in _MODEL_SIZES:
-        _MODEL_SIZES[key] = ModelSize.of(build_meta_model(config))
+        meta = apply_adapter(build_meta_model(config), adapter, compute_dtype(spec), "meta")
+        _MODEL_SIZES[key] = ModelSize.of(meta, spec.param_dtype.itemsize)
     return _MODEL_SIZES[key]
 
 
@@ -102,10 +114,11 @@ def check_fits(spec: ResolvedRun, size: ModelSize, free: int | None, predicted_p
         return f"{cap_name} allows {fmt_bytes(cap)}" if by_cap else f"{spec.device} has {fmt_bytes(free)} free"
 
     cuda = spec.device_kind is DeviceKind.CUDA
-    need = model_state_bytes(spec, size.shapes, cuda) // spec.nproc  # a sharded run's ranks hold 1/nproc each
+    # a sharded run's ranks hold 1/nproc each
+    need = model_state_bytes(spec, size.shapes, cuda, size.frozen_bytes) // spec.nproc
     for limit, by_cap in limits:
         if limit is not None and need > 0.9 * limit:
-            per_block = model_state_bytes(spec, size.block_shapes, cuda)
+            per_block = model_state_bytes(spec, size.block_shapes, cuda, size.block_frozen_bytes)
             rest = need - per_block * size.n_blocks
             fit_layers = math.floor((0.5 * limit - rest) / per_block)
             hint = f"try --layers {fit_layers}" if fit_layers >= 1 else \
@@ -196,15 +209,20 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
     progress("building model")
     torch.manual_seed(spec.seed)
     model = build_model(config, spec.device, spec.param_dtype)
+    # the adapter before the policy: the policy wraps blocks that already hold the adapted layers
+    model = apply_adapter(model, parse_adapter(spec.adapter), compute_dtype(spec), spec.device)
     blocks = find_blocks(model)  # the ModuleList: the policy puts its wrappers back into it
     undo_policy = spec.policy.apply(blocks)
+    compiled = spec.compile == BLOCKS
+    if compiled:  # after the policy, as torchtitan does (apply_ac, then apply_compile); undo_policy uncompiles them
+        compile_blocks(blocks)
     sharded = spec.shard != "none"
     if sharded:  # after the policy, as torchtitan does: FSDP gathers a block, the checkpoint runs inside it
         shard_model(model, blocks, spec.precision)
     step = TrainingStep(model, make_optimizer(spec, model), make_batch(spec, config, spec.device), spec)
     spec.policy.prepare(step)
-    compile_ms = _compile_ms(step) if spec.policy.compiles else None
-    hidden = spec.policy.hidden_from_dispatch_modes
+    compile_ms = _compile_ms(step) if spec.policy.compiles or compiled else None
+    hidden = spec.policy.hidden_from_dispatch_modes or compiled  # Dynamo runs compiled blocks eagerly under them
     # Once a dispatch mode has run such a policy's blocks, Dynamo keeps running them eagerly: count what they save
     # before any instrument uses one (a CPU memory cap puts even the warm-up under the live-tensor tracker).
     hidden_saved_bytes = _saved_bytes(step) if hidden else None
@@ -212,7 +230,14 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
 
     out["param_bytes"] = storage_bytes(step.params())
     out["grad_bytes"] = storage_bytes(step.grads())
-    out["optimizer_bytes"] = storage_bytes(step.optimizer_state())
+    out["adapter_param_bytes"] = storage_bytes(adapter_params(step.model))  # part of param_bytes
+    out["trainable_params"] = trainable_params(step.model)
+    # bitsandbytes marks the state buffers it put in CUDA managed memory (functional.get_paged: `is_paged`): outside
+    # torch's allocator, so apart from optimizer_bytes, which the peak's static part holds
+    state = step.optimizer_state()
+    out["optimizer_bytes"] = storage_bytes([t for t in state if not getattr(t, "is_paged", False)])
+    if optimizer_kind(spec.optimizer).paged:
+        out["optimizer_paged_bytes"] = storage_bytes([t for t in state if getattr(t, "is_paged", False)])
     out.update(instrument.time_steps(step, AgreedBudget(spec.budget) if sharded else spec.budget, progress))
     out["timing_stable"], notes = timing_verdict(out, instrument.kind)
     out.update(timing_note_fields(notes))

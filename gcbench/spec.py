@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gcbench.adapters import parse_adapter
 from gcbench.errors import GcbenchError
 from gcbench.fields import RUN_FIELDS, DeviceKind
 from gcbench.optimizers import optimizer_kind
@@ -39,9 +40,10 @@ class _RunSpecMethods:
                                "(DTensors) and reduce-scattered after it: not with --shard fsdp2")
 
     def check_runnable(self) -> None:
-        """GcbenchError when this machine cannot run the config: a package its optimizer needs is not installed.
-        Not part of validation: `gcbench estimate` predicts such a config without the package."""
+        """GcbenchError when this machine cannot run the config: a package its optimizer or adapter needs is not
+        installed. Not part of validation: `gcbench estimate` predicts such a config without the package."""
         optimizer_kind(self.optimizer).check_installed()
+        parse_adapter(self.adapter).check_installed()
 
     @property
     def device_kind(self) -> DeviceKind:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from gcbench.losses import loss_of, parse_loss
+from gcbench.adapters import quantisation_state
 from gcbench.optimizers import optimizer_kind
 from gcbench.fsdp import rank_and_world
 
@@ -37,6 +39,7 @@ class StepSpec(Protocol):
     optimizer: str
     grad_accum: int
     optim_in_backward: bool
+    loss: str  # --loss: ce | chunked[:n=N] | fused-linear (losses.py)
 
     @property
     def param_dtype(self) -> torch.dtype: ...
@@ -86,11 +89,14 @@ class TrainingStep:
         n, rows = spec.grad_accum, spec.batch_size
         self.micro_batches = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(n)] \
             if n > 1 else [batch]
+        self.loss = parse_loss(getattr(spec, "loss", "ce"))
 
     def forward(self, micro_batch: dict | None = None) -> torch.Tensor:
         """The loss of one micro-batch (the first by default), its share of the step's mean: loss / grad_accum."""
         with self._autocast():
-            loss = self.model(**(micro_batch or self.micro_batches[0])).loss
+            batch = micro_batch or self.micro_batches[0]
+            # ce: the model's own loss, as always; else losses.py on its body's hidden states
+            loss = self.model(**batch).loss if self.loss.own else loss_of(self.loss, self.model, batch)
         n = len(self.micro_batches)
         return loss / n if n > 1 else loss
 
@@ -123,7 +129,9 @@ class TrainingStep:
         return self.params() + self.grads() + self.optimizer_state()
 
     def params(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters()] + [b for b in self.model.buffers()]
+        """Parameters, buffers and a 4-bit base's quantisation state (--adapter qlora: neither of the others)."""
+        return [p for p in self.model.parameters()] + [b for b in self.model.buffers()] \
+            + quantisation_state(self.model)
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -140,7 +148,7 @@ def make_optimizer(spec: StepSpec, model: nn.Module, multi_tensor: bool | None =
     (`optim_in_backward`). `multi_tensor` None = torch's default for the device (the multi-tensor path on CUDA: one
     parameter-sized temporary in the step); the memory estimator sets it to simulate a CUDA step with CPU tensors."""
     kind = optimizer_kind(spec.optimizer)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # a frozen base (--adapter): its adapters only
     if not kind.steps:
         return None
     if spec.optim_in_backward:
@@ -167,9 +175,11 @@ def param_shapes(model: nn.Module) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]
 
 
-def model_state_bytes(spec: StepSpec, shapes: list[tuple[int, ...]], cuda: bool = False) -> int:
+def model_state_bytes(spec: StepSpec, shapes: list[tuple[int, ...]], cuda: bool = False, frozen_bytes: int = 0
+                      ) -> int:
     """Parameters + gradients (none with the optimizer in backward) + optimizer state, in bytes, before anything is
-    allocated."""
+    allocated. `shapes`: the trainable parameters'; `frozen_bytes`: the frozen ones' (an adapter's base), which have
+    neither gradients nor state."""
     import math
 
     elem = torch.tensor([], dtype=spec.param_dtype).element_size()
@@ -177,4 +187,4 @@ def model_state_bytes(spec: StepSpec, shapes: list[tuple[int, ...]], cuda: bool 
     params = sum(math.prod(s) for s in shapes) * elem
     grads = 0 if spec.optim_in_backward else params
     return params + grads + sum(sum(kind.state(s, elem, cuda)) for s in shapes) \
-        + kind.shared_bytes(shapes, spec.optim_in_backward)
+        + kind.shared_bytes(shapes, spec.optim_in_backward) + frozen_bytes

@@ -28,13 +28,13 @@ LAYERS = [
     ("estimators",),
     ("env",),
     ("resolved",),
-    ("step", "fsdp", "policies", "models", "presets", "hub"),
+    ("step", "fsdp", "policies", "compiled", "losses", "liger_model", "models", "presets", "hub"),
     ("instruments",),
     ("measure", "timing"),
     ("spec",),
     ("results",),
     ("fields",),
-    ("values", "optimizers", "units", "text", "gpus", "errors", "__init__"),
+    ("values", "optimizers", "adapters", "units", "text", "gpus", "errors", "__init__"),
 ]
 # Readers of results: they import results and the small helpers beside it, nothing that measures.
 READERS = {"report": ("report", "results", "fields", "values", "units", "text", "errors", "__init__"),

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
+from gcbench.compiled import UNPREDICTED
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, per_rank, plan, sharing, simulate
 from gcbench.estimators.estimates import Estimate, Progress, Unavailable
@@ -44,6 +45,7 @@ def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str 
         raise GcbenchError(f"unknown estimate method {method!r} ({', '.join(METHODS)})")
     if target not in TARGETS:
         raise GcbenchError(f"unknown estimate target {target!r} ({', '.join(TARGETS)})")
+    _refuse_compiled(spec)
     spec = plan.with_mix(resolve(spec), target)
     if spec.shard != "none":  # per rank: the unsharded step at the rank's batch, and FSDP2's terms
         one_process = spec.replace(shard="none", nproc=1)
@@ -55,10 +57,18 @@ def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str 
 def step_flops(spec: RunSpec | ResolvedRun, target: str = "cuda") -> int:
     """estimate(spec, "simulate", target, flops=True).flops, the cheapest exact way: the count of a simulation this
     process already ran, else one forward and backward counting FLOPs, nothing else (simulate.count_flops)."""
+    _refuse_compiled(spec)
     spec = plan.with_mix(resolve(spec), target)
     if spec.shard != "none":  # the FLOPs of the unsharded step at the rank's batch, as estimate passes them on
         spec = spec.replace(shard="none", nproc=1)
     return simulate.count_flops(spec, target)
+
+
+def _refuse_compiled(spec: RunSpec | ResolvedRun) -> None:
+    """GcbenchError for compiled blocks (--compile blocks): neither method models what inductor's partition saves,
+    and the eager step's prediction would be another step's (compiled.UNPREDICTED)."""
+    if spec.compile != "none":
+        raise GcbenchError(UNPREDICTED)
 
 
 def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",
@@ -106,6 +116,8 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
 def _simulates(spec: ResolvedRun, method: str, methods: list[str]) -> bool:
     """Whether the cell is predicted by the simulation (the analytic one stands in for it only where the
     simulation was not asked for)."""
+    if spec.compile != "none":  # refused by estimate: nothing to begin
+        return False
     return method == "simulate" or analytic.unavailable(spec) is not None and "simulate" not in methods
 
 

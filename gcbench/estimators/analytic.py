@@ -16,7 +16,9 @@ from torch import nn
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators.estimates import Estimate
+from gcbench.estimators.loss_head import loss_head_terms
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, Shape, attention_kernel
+from gcbench.losses import CPU_TARGET
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import EveryK, Full, NoCheckpoint, Policy, Segments, SqrtN
 from gcbench.resolved import ResolvedRun, resolve
@@ -205,9 +207,10 @@ class HeadBytes:
     embedding_backward: int  # the input embedding's dense gradient (tied: plus the pending one and their sum)
 
 
-def head_bytes(sh: Shape, dev: Target, vocab_weight: int, tied: bool) -> HeadBytes:
+def head_bytes(sh: Shape, dev: Target, vocab_weight: int, tied: bool, loss: str = "ce") -> HeadBytes:
     """The LM head and the cross-entropy loss. Causal LMs upcast the logits to fp32 before the loss; BERT's loss
-    runs in the logits' dtype. vocab_weight: elements of the output embedding."""
+    runs in the logits' dtype. vocab_weight: elements of the output embedding. loss: --loss (a chunked or fused
+    one: loss_head.py)."""
     t, th, tv, e, es = sh.tokens, sh.tokens * sh.hidden, sh.tokens * sh.vocab, sh.act_bytes, sh.stream_bytes
     copy = 2 * vocab_weight if sh.amp else 0  # amp: the bf16 copy of the output embedding
     grad = vocab_weight * (2 + 4 if sh.amp else es)  # amp: a bf16 gradient, then its fp32 cast
@@ -224,6 +227,9 @@ def head_bytes(sh: Shape, dev: Target, vocab_weight: int, tied: bool) -> HeadByt
         inputs = es * th + dev.stats_bytes(t, es) + (2 if sh.amp else es) * th
     else:
         inputs = 4 * th + 4 * t + es * th + (2 if sh.amp else es) * th
+    if loss != "ce":
+        terms = loss_head_terms(sh, loss, inputs, (2 if sh.amp else es) * th, vocab_weight, copy)
+        return HeadBytes(**terms, **gradients)
     return HeadBytes(inputs + 4 * tv + 8 * t + copy, e * tv + (4 * tv if e < 4 else 0), 2 * 4 * tv,
                      weight_grad=inputs + copy + e * tv + grad, **gradients)
 
@@ -257,6 +263,9 @@ def unavailable(spec: RunSpec | ResolvedRun) -> str | None:
     if family not in ARCHITECTURES:
         return (f"the analytic model has no formulas for {family} models (it has them for "
                 f"{', '.join(sorted(ARCHITECTURES))})")
+    if spec.adapter != "none":  # docs/levers.md, "Adapters": what a frozen base and its adapters keep, measured
+        return (f"the analytic model has no formulas for --adapter {spec.adapter.partition(':')[0]} (a frozen base "
+                "keeps other tensors for backward, and its adapters their own)")
     return None
 
 
@@ -268,13 +277,15 @@ def analytic(spec: RunSpec | ResolvedRun, target: str = "cuda") -> Estimate:
         raise GcbenchError(f"{reason}; use --method simulate")
     config, family = spec.model_config()
     cuda = target == "cuda"
+    if spec.loss == "fused-linear" and not cuda:
+        raise GcbenchError(CPU_TARGET)
     sh = Shape.of(spec, config)
     dev = Target(cuda=cuda, kernel=attention_kernel(spec, config, target))
     meta = build_model(config, "meta", spec.param_dtype)
     blocks = find_blocks(meta)
     block = BLOCK_FORMULAS[ARCHITECTURES[family]](sh, dev, BlockWeights.of(blocks[0], sh))
     output, input_ = meta.get_output_embeddings().weight, meta.get_input_embeddings().weight
-    head = head_bytes(sh, dev, output.numel(), tied=output is input_)
+    head = head_bytes(sh, dev, output.numel(), tied=output is input_, loss=spec.loss)
 
     granularity = CUDA_BLOCK_BYTES if cuda else 1
     size = lambda nbytes: round_up(nbytes, granularity)  # noqa: E731 - what the device holds for one tensor
@@ -307,7 +318,8 @@ def analytic(spec: RunSpec | ResolvedRun, target: str = "cuda") -> Estimate:
         optimizer_bytes=optimizer_bytes, activation_bytes=peak - param_bytes - grad_bytes - optimizer_bytes,
         peak_phase=phase, forward_peak_bytes=above(phases["forward"]), backward_peak_bytes=above(phases["backward"]),
         optimizer_peak_bytes=above(phases["optimizer"]), n_params=sum(p.numel() for p in weights),
-        attention_kernel=dev.kernel, seconds=time.perf_counter() - start)
+        attention_kernel=dev.kernel, seconds=time.perf_counter() - start,
+        optimizer_paged_bytes=kind.paged_bytes([tuple(p.shape) for p in weights], cuda) if kind.paged else None)
 
 
 def _activation_peaks(policy: Policy, n: int, block: BlockBytes, head: HeadBytes, embedding: int, amp: bool,

@@ -42,6 +42,9 @@ class Estimate:
     # Set when this prediction stands in for another method's, which could not make it: why that one could not
     # (the analytic model for a policy or family it has no formulas for, predicted by the simulation instead).
     stands_in: str | None = None
+    # Optimizer state in CUDA managed memory (bitsandbytes' paged optimizers): outside torch's allocator, so neither
+    # in optimizer_bytes nor in the peak; 0 on a CPU target. None: the optimizer pages nothing.
+    optimizer_paged_bytes: int | None = None
 
     def fits(self, memory_bytes: int) -> bool | None:
         """Whether the predicted peak fits in `memory_bytes` (None where there is no prediction)."""
@@ -58,7 +61,8 @@ class Estimate:
 
         Show the policy with results.schema.policy_label(row), as for any record."""
         fields = spec.as_record()
-        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, **dataclasses.asdict(self), "not_available": None}
+        return _paged_only({**{name: fields[name] for name in ROW_SPEC_FIELDS}, **dataclasses.asdict(self),
+                            "not_available": None})
 
 
 @dataclass(frozen=True)
@@ -76,5 +80,13 @@ class Unavailable:
         fields = spec.as_record()
         # every key an Estimate row has, None where there is no prediction, so that JSON rows share one shape
         empty = {f.name: None for f in dataclasses.fields(Estimate)}
-        return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, **empty, "method": self.method,
-                "target": self.target, "not_available": self.reason}
+        return _paged_only({**{name: fields[name] for name in ROW_SPEC_FIELDS}, **empty, "method": self.method,
+                            "target": self.target, "not_available": self.reason})
+
+
+def _paged_only(row: dict[str, Any]) -> dict[str, Any]:
+    """A row without `optimizer_paged_bytes` where it is None (an optimizer that pages nothing, an unavailable
+    cell): the rows of every other optimizer keep the keys they had before the paged optimizers."""
+    if row.get("optimizer_paged_bytes") is None:
+        row.pop("optimizer_paged_bytes", None)
+    return row

@@ -25,13 +25,16 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gcbench.adapters import apply_adapter, compute_dtype, gemm_4bit_workspace_bytes, param_count, parse_adapter, \
+    quantise_fakes
 from gcbench.errors import GcbenchError, quiet_logger
 from gcbench.estimators.sharing import kept, shared
 from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
+from gcbench.losses import CPU_TARGET
 from gcbench.measure import LiveTensorTracker, PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
-from gcbench.models import build_model, count_params, find_blocks
+from gcbench.models import build_model, find_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
 from gcbench.resolved import ResolvedRun, resolve
@@ -101,6 +104,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Es
     # The fakes are CPU tensors whatever the target (autocast, too, must act on CPU tensors); see the module docstring.
     spec = resolve(spec).replace(device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
+    if spec.loss == "fused-linear" and not cuda:  # its fakes stand for liger's CUDA allocations (liger_model.py)
+        raise GcbenchError(CPU_TARGET)
     config, _ = spec.model_config()
     tracker = AllocatorModel(cuda)
     phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
@@ -109,6 +114,9 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Es
         if check is None:
             step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
         state = _device_state(step, cuda)
+        paged = _paged_state(step, spec.optimizer, cuda)  # CUDA managed memory: outside max_memory_allocated
+        state = [t for t in state if all(t is not q for q in paged)]
+        tracker.outside(paged)
         tracker.track(step.params() + step.grads() + state + [ids])
         tally = FlopTally() if flops and shortcut else None
         with tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext():
@@ -121,7 +129,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Es
                 step.forward_backward()
             counted = counter.get_total_flops()
         parts = [storage_bytes(tensors, tracker.granularity_bytes) for tensors in (step.params(), step.grads(), state)]
-        n_params = count_params(step.model)
+        paged_bytes = storage_bytes(paged) if optimizer_kind(spec.optimizer).paged else None
+        n_params = param_count(step.model)
     if unproven:  # a warm-up might have left other gradients than prime's: the full path, out of this fake mode
         return _simulate(spec, target, flops, False)
     peaks, peak = phases.fields(), max(phases.peaks.values())
@@ -131,7 +140,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Es
         forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
         optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=n_params,
         attention_kernel=attention_kernel(spec, config, target), flops=counted,
-        seconds=time.perf_counter() - start)
+        seconds=time.perf_counter() - start, optimizer_paged_bytes=paged_bytes)
 
 
 def _count_flops(spec: ResolvedRun, target: str) -> int:
@@ -151,9 +160,17 @@ def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, to
 
     config, _ = spec.model_config()
     # bitsandbytes keeps its quantisation maps as real tensors, made when the optimizer is
-    fake = FakeTensorMode(allow_non_fake_inputs=optimizer_kind(spec.optimizer).module is not None)
-    model = build_model(config, "meta", spec.param_dtype)
+    adapter = parse_adapter(spec.adapter)
+    # and bitsandbytes' 4-bit quantisation (qlora) its 8-bit map of the absmax values
+    fake = FakeTensorMode(allow_non_fake_inputs=optimizer_kind(spec.optimizer).module is not None
+                          or adapter.quantised)
+    # peft on the meta model, so that the adapters' weights become fakes with the rest; a 4-bit base is quantised
+    # once its weights are fakes
+    model = apply_adapter(build_model(config, "meta", spec.param_dtype), adapter, compute_dtype(spec), "meta")
     materialise_as_fakes(model, fake)
+    if adapter.quantised:
+        with fake:
+            quantise_fakes(model)
     spec.policy.apply(find_blocks(model))
     _refuse_compiled(model, spec.policy)
     try:
@@ -184,6 +201,17 @@ def _device_state(step: TrainingStep, cuda: bool) -> list[torch.Tensor]:
                 for group in opt.param_groups)
     return [v for state in step.optimizer.state.values() for k, v in state.items()
             if isinstance(v, torch.Tensor) and (fused or k != "step" or v.dim() > 0)]
+
+
+def _paged_state(step: TrainingStep, optimizer: str, cuda: bool) -> list[torch.Tensor]:
+    """The state tensors a paged optimizer would keep in CUDA managed memory: on the CPU fakes every state is an
+    ordinary tensor, so those bitsandbytes' get_state_buffer pages on CUDA (`state1`/`state2` of a parameter that
+    optimizers.OptimizerKind.paged names) are picked out by the same rule. None on a CPU target (an empty list)."""
+    kind = optimizer_kind(optimizer)
+    if not cuda or kind.paged is None or step.optimizer is None:
+        return []
+    return [state[key] for p, state in step.optimizer.state.items() if kind.paged(tuple(p.shape), 0, cuda)
+            for key in ("state1", "state2") if key in state]
 
 
 class ScalarReads(TorchDispatchMode):
@@ -296,6 +324,12 @@ class AllocatorModel(LiveTensorTracker):
         finally:
             self._listening.__exit__(*exc)
 
+    def outside(self, tensors: list[torch.Tensor]) -> None:
+        """Storages that live outside the allocator (bitsandbytes' paged state, CUDA managed memory): known, so that
+        an op returning one does not count it, and never counted."""
+        for t in tensors:
+            self._live.setdefault(id(t.untyped_storage()), 0)
+
     def _host_move(self, t: torch.Tensor, back: bool) -> None:
         """An offloaded activation leaves the GPU (its bytes stop counting) or comes back (they count again): on
         the CPU fakes the tensor itself stands for both copies."""
@@ -315,6 +349,9 @@ class AllocatorModel(LiveTensorTracker):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.cuda and func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
             self.peak = max(self.peak, self.current + flash_backward_workspace_bytes(args[1], args[2]))
+        elif self.cuda and func.namespace == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
+            self.peak = max(self.peak, self.current + gemm_4bit_workspace_bytes(self.granularity_bytes, *args,
+                                                                                  **(kwargs or {})))
         return out
 
 

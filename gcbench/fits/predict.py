@@ -51,10 +51,11 @@ def spec_at(fields: Mapping[str, Any], policy: str, vary: str, value: int) -> Re
 
 def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Search, target: str,
                 flops: bool = False, tried: Callable[[int], None] | None = None,
-                method: str | None = None) -> PredictedFit:
+                method: str | None = None, prior: int | None = None) -> PredictedFit:
     """The largest size of `search`'s range whose predicted peak on `target` is within `search.budget` (the search
     object is used up). `flops`: also count the step's FLOPs at that size. `tried`: told of each size predicted.
-    `method`: analytic | simulate; None: the analytic model where it knows the policy and family, else simulate."""
+    `method`: analytic | simulate; None: the analytic model where it knows the policy and family, else simulate.
+    `prior`: the size tried first (None: the range's middle)."""
     # the target says what is predicted; its default precision is what a run there would take
     fields = {**fields, "device": "cpu", "memory_cap_bytes": None,
               "precision": fields.get("precision") or ("bf16" if target == "cuda" else "fp32")}
@@ -72,7 +73,7 @@ def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Searc
         return Trial(value, e.peak_bytes <= search.budget, e.peak_bytes, e.param_bytes + e.grad_bytes
                      + e.optimizer_bytes)
 
-    search.run(attempt, lambda s: extrapolate(s))
+    search.run(attempt, lambda s: extrapolate(s, prior))
     best = search.maximum
     counted = None
     if flops and best is not None:

@@ -55,6 +55,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     shown = {c.header for c in columns}
     words = {"activ.": "activ. = everything else at the peak",
              "in": "in = the phase that reaches the peak (opt: the optimizer step, which checkpointing cannot lower)",
+             "paged": "paged = optimizer state in CUDA managed memory (bitsandbytes), not in the peak",
              "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else "")}
     notes = ["; ".join([unit, *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
@@ -82,6 +83,9 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
     na = "[dim]n/a[/]"
     columns += [_Column(header, False, [f"{r[key] / scale:.2f}" if r["peak_bytes"] is not None else na for r in rows])
                 for header, key in parts.items()]
+    if any(r.get("optimizer_paged_bytes") for r in rows):  # a paged optimizer's state outside the allocator
+        columns.append(_Column("paged", False, [f"{(r.get('optimizer_paged_bytes') or 0) / scale:.2f}"
+                                                if r["peak_bytes"] is not None else na for r in rows]))
     columns.append(_Column("peak", False, [f"[bold]{r['peak_bytes'] / scale:.2f}[/]" if r["peak_bytes"] is not None
                                            else na for r in rows]))
     columns.append(_Column("in", True, [PHASE_SHORT.get(r["peak_phase"], "-") if r["peak_bytes"] is not None else na

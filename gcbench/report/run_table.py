@@ -82,6 +82,15 @@ def run_table(record: dict[str, Any]) -> Table:
     table.add_row("model state" + (" per rank" if world > 1 else ""), fmt_bytes(state),
                   f"{per_param}params {fmt_bytes(record['param_bytes'])} + grads {fmt_bytes(record['grad_bytes'])} "
                   f"+ {record['optimizer']} {fmt_bytes(record['optimizer_bytes'])}")
+    if record.get("adapter") not in (None, "none") and record.get("adapter_param_bytes") is not None:
+        adapters = record["adapter_param_bytes"]
+        # the parts of params above: grads and optimizer state are the adapters' alone
+        table.add_row("  frozen base", fmt_bytes(record["param_bytes"] - adapters), "of params: weights, buffers")
+        table.add_row("  adapters", fmt_bytes(adapters), f"of params: {record['trainable_params']:,} trainable")
+    if record.get("optimizer_paged_bytes") is not None:  # a paged optimizer (optimizers.py, BNB_PAGED_MIN_SIZE)
+        table.add_row("paged optimizer state", fmt_bytes(record["optimizer_paged_bytes"]),
+                      "CUDA managed memory (bitsandbytes): not in max_memory_allocated nor the model state above"
+                      if cuda else "bitsandbytes pages nothing on CPU: all its state is in the model state above")
     shaky = "~" if record.get("timing_stable") is False else ""
     table.add_row("step time (median)", f"{shaky}{record['step_ms_median']:.1f} ms", _step_time_text(record))
     if "timing_stable" in record:
@@ -115,12 +124,14 @@ def before_run_notes(spec: Any) -> list[str]:
     """What `gcbench run` says before it starts (a resolved.ResolvedRun): a compiling policy's minutes of
     torch.compile, and, on CPU, what it will not measure."""
     policy = spec.policy
-    if not policy.compiles:
+    blocks = getattr(spec, "compile", "none") == "blocks"  # --compile blocks (compiled.py): as a compiling policy
+    if not policy.compiles and not blocks:
         return []
-    notes = [f"{policy.name} compiles every block with torch.compile before the first step: minutes on CPU while "
+    name = policy.name if policy.compiles else "--compile blocks"
+    notes = [f"{name} compiles every block with torch.compile before the first step: minutes on CPU while "
              "inductor's on-disk cache is cold, never counted in the step time"]
-    if policy.hidden_from_dispatch_modes and spec.device_kind is DeviceKind.CPU:
-        notes.append(f"{policy.name} on CPU: peak memory and FLOPs are not measured (the live-tensor tracker and the "
+    if (policy.hidden_from_dispatch_modes or blocks) and spec.device_kind is DeviceKind.CPU:
+        notes.append(f"{name} on CPU: peak memory and FLOPs are not measured (the live-tensor tracker and the "
                      "FLOP counter would make torch.compile run the blocks uncompiled); its step time is")
     return notes
 

@@ -118,9 +118,12 @@ class Record(TypedDict, total=False):
     n_params: int
     attn_implementation: str
     # static memory, bytes
-    param_bytes: int
+    param_bytes: int  # parameters, buffers and a 4-bit base's quantisation state: the base and the adapters
+    adapter_param_bytes: int  # --adapter: the adapters' own weights, part of param_bytes (0 without one)
+    trainable_params: int  # parameters that train (peft's count with an adapter; every one without)
     grad_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: int  # inside torch's allocator (on CUDA: in max_memory_allocated)
+    optimizer_paged_bytes: int  # paged optimizers only: state in CUDA managed memory, outside the allocator (0 on CPU)
     static_bytes: int  # the step's starting baseline: params + grads + optimizer state (+ buffers)
     # time, ms
     step_ms: list[float]  # every measured step, in order

@@ -102,6 +102,8 @@ class Sizes:
     policies: str = "none,full,every-k:k=2,segments:k=4,sqrtn"  # the classic ones, timed paired in tier 4
     shard_policies: str = "none,full,sqrtn"
     fit_policies: str = "none,full"
+    adapters: str = "none,lora"  # full fine-tuning beside LoRA (qlora joins where bitsandbytes is installed)
+    losses: str = "ce,chunked"  # the model's own loss beside the chunked one (fused-linear needs liger-kernel)
 
 
 REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_seq="2048", line_batch="1,2,4,8",
@@ -109,11 +111,13 @@ REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_s
              optimizers="adamw,adamw-fused,adafactor")
 SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, line_seq="64", line_batch="1,4,16",
               canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..16", cap="16MiB", rounds=2,
-              optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full")
+              optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full",
+              adapters="lora", losses="chunked")
 
 
 def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
-    """The plan, tier by tier. `bitsandbytes`: adamw8bit joins the levers (the extra gcbench[bnb] is installed)."""
+    """The plan, tier by tier. `bitsandbytes`: adamw8bit and qlora join the levers (the extra gcbench[bnb] is
+    installed)."""
     s = SMOKE if smoke else REAL
     capped = {"memory-cap": s.cap} if s.cap else {}
     # The smoke plan checks the plan, not the isolation (tests/test_sweep.py does): its configs run in the
@@ -124,6 +128,7 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
     # each record with both methods' predictions (made beforehand: --predict only acts where none is stored)
     short = {"warmup": 1 if smoke else 2, "steps": 2 if smoke else 5, "paired": "off", "predict": "on", **inline}
     optimizers = s.optimizers + (",adamw8bit" if bitsandbytes else "")
+    adapters = s.adapters + (",qlora" if bitsandbytes else "")
     core = [
         Step("cuda-context", StepKind.SCRIPT, "memory outside the caching allocator: the CUDA context, then "
              "cuBLAS and its workspaces after a forward and a backward (the device-level predictions assume them)",
@@ -152,6 +157,11 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
              "and the optimizer step in the backward (docs/levers.md)",
              {**per_layer, "batch": s.batch, "policy": "none,full", "optimizer": optimizers,
               "optim-in-backward": "on,off", **short}),
+        Step(f"{s.large}-{s.layers}layers-adapters-loss", StepKind.SWEEP, "adapters on a frozen base and the "
+             "chunked loss, under none and full: what a frozen base keeps for its adapters' gradients, what the "
+             "full logits cost (docs/levers.md)",
+             {**per_layer, "batch": 1, "policy": s.fit_policies, "adapter": adapters, "loss": s.losses,
+              **short}),
         Step(f"{s.large}-{s.layers}layers-fsdp2", StepKind.SWEEP, "FSDP2's machinery at world size 1: what its "
              "gathers, hooks and DTensor optimizer cost beside tier 1's unsharded configs (docs/scale.md)",
              {**per_layer, "batch": 1, "policy": s.shard_policies, "shard": "fsdp2", "nproc": 1, **short,

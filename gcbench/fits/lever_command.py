@@ -1,0 +1,160 @@
+"""What `gcbench fit --levers` and `gcbench estimate --fit --levers` do with their options: the plan (levers.py)
+made from them, every bad input one GcbenchError before anything is predicted; the plan predicted under a progress
+bar, its tables printed; on a device that can run it, the winner run under the budget and measured against its
+prediction. See docs/levers.md, "A plan across levers"."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from gcbench.errors import GcbenchError
+from gcbench.fields import BY_NAME, DeviceKind
+from gcbench.fits.command import parse_fraction
+from gcbench.fits.levers import LEVERS, LeverPlan, Row, candidate_fields, candidates, lever_space, predict_plan
+from gcbench.fits.predict import DEFAULT_EFFICIENCY, spec_at
+from gcbench.gpus import gpu
+from gcbench.grid import one_value_each
+from gcbench.units import fmt_bytes, parse_bytes
+
+
+def make_plan(values: dict[str, tuple], levers: str, budget: int, target: str,
+              global_batch: int | None) -> LeverPlan:
+    """The plan of `values` (RunSpec field -> the values given) searching `levers` within `budget` bytes."""
+    if "model" not in values:
+        raise GcbenchError("no --model given: which model to plan for (see `gcbench models`)")
+    if "seq_len" not in values:
+        raise GcbenchError("--levers needs the sequence length: give --seq")
+    searched, fixed = lever_space(levers, {k: v for k, v in values.items() if k in LEVERS}, target)
+    if global_batch is not None and "grad_accum" in fixed:
+        raise GcbenchError(f"--batch {global_batch} (the global batch a plan reaches) and --grad-accum "
+                           f"{fixed['grad_accum']} cannot both be given: give one of them")
+    if global_batch is not None and "grad_accum" not in searched:
+        raise GcbenchError(f"--batch {global_batch} is the global batch a plan reaches by accumulation: add "
+                           "grad_accum to --levers (or leave --batch out: the largest micro-batch)")
+    rest = one_value_each({k: v for k, v in values.items() if k not in LEVERS and k != "batch_size"},
+                          "a plan is for one model and shape")
+    fields = {**rest, **fixed, "device": "cpu"}
+    fields.setdefault("policy", "none")
+    plan = LeverPlan(fields, searched, budget, target, global_batch)
+    plan.rows = candidates(plan, plan.refused)
+    if not plan.rows:
+        raise GcbenchError("--levers: no candidate to predict")
+    return plan
+
+
+def fit_levers(spec_values: dict[str, Any], levers: str, memory: str | None, headroom: str, out: Path,
+               timeout: float, isolation: str, console: Console, bar: Any) -> None:
+    """`gcbench fit --levers`: the plan within --memory (on a GPU without it: its free memory) for the device's
+    kind; its winner run there under the budget as a memory cap. `bar`: the progress bar (cli_options'
+    PredictionBar), a context manager and an estimators Progress."""
+    from gcbench.grid import parse_options
+
+    values, _ = parse_options(spec_values, fields=tuple(n for n in BY_NAME if n != "memory_cap_bytes"))
+    device = one_value_each({k: v for k, v in values.items() if k == "device"}, "").get("device", "auto")
+    target = _target(device)
+    if isolation not in ("process", "none"):
+        raise GcbenchError(f"unknown --isolation {isolation!r} (process, none)")
+    here = target == DeviceKind.CUDA and _cuda_here()
+    if memory is None and not here:
+        raise GcbenchError("--levers needs the budget: give --memory (e.g. --memory 24GiB)")
+    total = parse_bytes(memory) if memory is not None else _free_memory(device)
+    budget = math.floor(total * (1 - parse_fraction(headroom, "--headroom")))
+    batch = values.pop("batch_size", None)
+    plan = make_plan({**values, "device": ("cpu",)}, levers, budget, target, batch[0] if batch else None)
+    peak = _gpu_peak() if here else None
+    with bar:
+        ranked = predict_plan(plan, peak, DEFAULT_EFFICIENCY, bar)
+    caption = [f"budget {fmt_bytes(budget)} (--memory {memory}{', less ' + headroom if headroom != '0%' else ''})"
+               if memory else f"budget {fmt_bytes(budget)}: the free memory of {device}"]
+    _print(plan, ranked, console, caption, None if peak else target)
+    winner = next((r for r in ranked if r.fits), None)
+    if winner is None:
+        return
+    if target == DeviceKind.CUDA and not here:
+        console.print("[dim]not verified: no GPU here (the plan is for --device cuda)[/]")
+        return
+    from gcbench.fits.lever_table import verification_lines
+
+    record = verify(plan, winner, device if device != "auto" else ("cuda" if here else "cpu"), out, timeout,
+                    isolation)
+    for line in verification_lines(winner, record, out):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu_name: str | None, headroom: str,
+                    efficiency: float, target: str, console: Console, bar: Any) -> None:
+    """`gcbench estimate --fit --levers`: the plan for a GPU by name (or --gpu-memory), nothing run. `bar`: as
+    fit_levers'."""
+    if (memory is None) == (gpu_name is None):
+        raise GcbenchError("--levers needs the memory to fit: --gpu NAME or --gpu-memory SIZE (one of them)")
+    if not 0 < efficiency <= 1:
+        raise GcbenchError(f"--efficiency must be above 0 and at most 1, got {efficiency:g}")
+    if target not in ("cuda", "cpu"):
+        raise GcbenchError(f"unknown --device {target!r} to predict for (cuda, cpu)")
+    card = gpu(gpu_name) if gpu_name is not None else None
+    usable = card.usable_bytes if card is not None else memory
+    budget = math.floor(usable * (1 - parse_fraction(headroom, "--headroom")))
+    batch = grid.pop("batch_size", (1,))
+    plan = make_plan(grid, levers, budget, target, batch[0] if len(batch) == 1 and batch[0] > 1 else None)
+    with bar:
+        ranked = predict_plan(plan, card.peak_flops if card else None, efficiency, bar)
+    where = f"{card.name} less CUDA context (assumed) and cuBLAS workspaces" if card else "--gpu-memory"
+    _print(plan, ranked, console, [f"budget {fmt_bytes(budget)}: {where}" + (f", less {headroom}"
+                                                                              if headroom != "0%" else "")],
+           None if card else target, efficiency)
+
+
+def _print(plan: LeverPlan, ranked: list[Row], console: Console, caption: list[str], no_peak: str | None,
+           efficiency: float = DEFAULT_EFFICIENCY) -> None:
+    from gcbench.fits.lever_table import lever_tables
+
+    out = console if console.is_terminal else Console(width=80)
+    for table in lever_tables(plan, ranked, caption, no_peak, efficiency):
+        out.print(table)
+
+
+def _target(device: str) -> str:
+    if device == "auto":
+        return DeviceKind.CUDA if _cuda_here() else DeviceKind.CPU
+    return DeviceKind.of(device)
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _free_memory(device: str) -> int:
+    from gcbench.instruments import free_after_context
+
+    free = free_after_context(device if device != "auto" else "cuda:0")
+    if free is None:
+        raise GcbenchError(f"cannot read the free memory of {device}: give --memory")
+    return free
+
+
+def _gpu_peak() -> float | None:
+    import torch
+
+    from gcbench.gpus import peak_flops
+
+    return peak_flops(torch.cuda.get_device_name())
+
+
+def verify(plan: LeverPlan, row: Row, device: str, out: Path, timeout: float, isolation: str) -> dict[str, Any]:
+    """Run `row` for real on `device` under the budget as its memory cap (as a fit's trial runs); its record is
+    appended to `out` and returned."""
+    from gcbench.launch import launcher
+    from gcbench.results.store import append_record, check_appendable
+
+    check_appendable(out)
+    spec = spec_at({**candidate_fields(plan, row), "device": device, "memory_cap_bytes": plan.budget, "grad_accum": row.accum},
+                   row.spec_fields["policy"], "batch_size", row.micro_batch)
+    record = launcher(isolation, timeout, models=[row.spec_fields["model"]])(spec, lambda phase: None)
+    append_record(out, record)
+    return record

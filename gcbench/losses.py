@@ -1,0 +1,212 @@
+"""The loss a training step computes (--loss): the model's own cross-entropy, a chunked one, or liger-kernel's fused
+linear cross-entropy.
+
+- `ce`: `model(**batch).loss`, the model's own head and loss (transformers' ForCausalLMLoss upcasts the full
+  batch x seq x vocab logits to fp32, and log-softmax keeps another fp32 copy for backward).
+- `chunked:n=N`: the model's body gives the hidden states (the decoder without its LM head), and the head and the
+  cross-entropy run on N chunks of the batch's tokens (its rows one after another: contiguous chunks, no copy; with
+  batch 1, chunks of the sequence), each chunk under a non-reentrant checkpoint: only the chunk's
+  hidden states are kept, its logits are recomputed in backward, so the full logits never exist. The same loss as
+  ForCausalLMLoss (transformers/loss/loss_utils.py): fp32 logits, labels shifted by one (position t predicts label
+  t+1, the last position ignored), ignore_index -100, the mean over every predicted token.
+- `fused-linear`: liger-kernel's LigerFusedLinearCrossEntropyLoss (a Triton kernel: CUDA only) on the same hidden
+  states and shifted labels. On fake tensors (the simulation) liger_model.py stands in for it: what its code
+  allocates on CUDA.
+
+Only a head that is one linear layer whose output is the loss's input can be chunked exactly: a masked-LM head (a
+transform before its decoder, no shift), logits scaled or soft-capped after the head (Gemma 2, Cohere, Granite),
+or a router's auxiliary loss added to it are refused in one line when the run is resolved, never computed another
+way. torch is imported inside the functions that use it: resolved.py parses --loss here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from gcbench.errors import GcbenchError
+
+LOSSES = ("ce", "chunked", "fused-linear")
+DEFAULT_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss default (num_output_chunks = 8)
+IGNORE_INDEX = -100  # transformers' ForCausalLMLoss and liger's default
+LIGER_HINT = "pip install 'gcbench[liger]'"
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A parsed --loss: its name and, for `chunked`, the number of chunks."""
+
+    name: str
+    chunks: int = DEFAULT_CHUNKS
+
+    def __str__(self) -> str:
+        """Written one way: the default chunk count left out (`chunked` and `chunked:n=8` are one config)."""
+        return f"chunked:n={self.chunks}" if self.name == "chunked" and self.chunks != DEFAULT_CHUNKS else self.name
+
+    @property
+    def own(self) -> bool:
+        """The model's own loss (`ce`): the step calls the model as it always did."""
+        return self.name == "ce"
+
+
+def parse_loss(text: str) -> Loss:
+    """`ce` | `chunked[:n=N]` | `fused-linear`; GcbenchError naming --loss for anything else."""
+    name, colon, options = str(text).strip().partition(":")
+    if name not in LOSSES:
+        raise GcbenchError(f"--loss: unknown loss {name!r} ({', '.join(LOSSES)}; chunked takes n, e.g. chunked:n=8)")
+    values: dict[str, str] = {}
+    for item in filter(None, (o.strip() for o in options.split(","))) if options else ():
+        key, eq, value = item.partition("=")
+        if not eq or name != "chunked" or key.strip() != "n":
+            takes = "takes one option, n (chunks)" if name == "chunked" else "takes no options"
+            raise GcbenchError(f"--loss {name} {takes}, got {item!r}")
+        values[key.strip()] = value.strip()
+    if colon and not values:
+        raise GcbenchError(f"--loss {text}: nothing after ':' (chunked:n=8)")
+    if "n" not in values:
+        return Loss(name)
+    try:
+        chunks = int(values["n"])
+    except ValueError:
+        raise GcbenchError(f"--loss chunked: n must be a whole number of chunks, got {values['n']!r}") from None
+    if chunks < 1:
+        raise GcbenchError(f"--loss chunked: n must be at least 1, got {chunks}")
+    return Loss(name, chunks)
+
+
+def check_loss(loss: Loss, config: Any, tokens: int) -> None:
+    """GcbenchError in one line where `loss` cannot be computed exactly for this model: more chunks than the
+    micro-batch's tokens (`tokens` = batch x seq), a masked-LM head, or a head whose logits are changed before the
+    loss (soft-capped, scaled) or whose loss gets a router's auxiliary loss added."""
+    if loss.own:
+        return
+    if loss.name == "chunked" and loss.chunks > tokens:
+        raise GcbenchError(f"--loss chunked:n={loss.chunks}: more chunks than the {tokens} tokens of a micro-batch "
+                           "(batch x seq)")
+    if (why := not_chunkable(config)) is not None:
+        raise GcbenchError(f"--loss {loss.name}: {why}; use --loss ce")
+
+
+# Config attributes that change the logits after the head, and what each family does with them: a value other
+# than these means the head's output is not the loss's input.
+_LOGIT_CHANGES = {
+    "final_logit_softcapping": (None,),  # Gemma 2/3: tanh soft-capping of the logits
+    "logit_scale": (None, 1, 1.0),  # Cohere: logits * logit_scale
+    "logits_scaling": (None, 1, 1.0),  # Granite: logits / logits_scaling
+    "output_router_logits": (None, False),  # MoE (Mixtral, Qwen2-MoE, ...): loss += coef * router aux loss
+}
+
+
+def not_chunkable(config: Any) -> str | None:
+    """Why the model's own loss is not cross-entropy on its LM head's output, or None when it is (and so a chunked
+    or fused loss on the body's hidden states computes the same loss)."""
+    from gcbench.models import auto_class
+
+    import transformers
+
+    family = config.model_type
+    if auto_class(config) is not transformers.AutoModelForCausalLM:
+        return (f"{family} trains a masked-LM head (a transform before its decoder, no shift): only a causal LM's "
+                "linear head can be chunked exactly")
+    for name, plain in _LOGIT_CHANGES.items():
+        value = getattr(config, name, None)
+        if value not in plain:
+            what = "adds its router's auxiliary loss to the loss" if name == "output_router_logits" else \
+                "changes the logits after its LM head"
+            return f"{family} {what} ({name}={value!r}), which a chunked or fused loss would leave out"
+    head_class = auto_class(config)._model_mapping[type(config)]
+    extra = _logit_changes_in_source(head_class)
+    if extra:
+        return f"{family}'s {head_class.__name__} changes the logits after its LM head ({extra!r})"
+    return None
+
+
+def _logit_changes_in_source(head_class: type) -> str | None:
+    """A statement of the causal LM's forward that assigns the logits again after the head, outside an `if` on a
+    config attribute already checked (_LOGIT_CHANGES): a family not listed there that scales its logits is refused
+    rather than trained on another loss."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(head_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return "its forward's source cannot be read"
+    guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and any(name in ast.unparse(node.test) for name in _LOGIT_CHANGES) for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and id(node) not in guarded \
+                and any(isinstance(t, ast.Name) and t.id == "logits" for t in node.targets):
+            code = ast.unparse(node)
+            if not re.fullmatch(r"logits = self\.\w+\(hidden_states(\[.*\])?\)", code):
+                return code
+    return None
+
+
+def loss_of(loss: Loss, model: Any, batch: dict) -> Any:
+    """The mean cross-entropy of `batch` by `loss` (not `ce`: the step calls the model itself)."""
+    import torch
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its own model
+    head = inner.get_output_embeddings()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = inner.base_model(**inputs).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # (batch x seq, hidden): the model's output is contiguous
+    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous().view(-1)
+    if loss.name == "chunked":
+        return chunked_cross_entropy(hidden, head, labels, loss.chunks)
+    return fused_linear_cross_entropy(hidden, head, labels)
+
+
+def chunked_cross_entropy(hidden: Any, head: Any, labels: Any, chunks: int) -> Any:
+    """ForCausalLMLoss's mean of `head(hidden)` against the shifted `labels`, over `chunks` row chunks, each
+    checkpointed (non-reentrant): its logits exist only inside the chunk, in forward and again in backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    count = (labels != IGNORE_INDEX).sum()  # the mean's denominator: every predicted token
+    total = None
+    for h, y in zip(hidden.tensor_split(chunks), labels.tensor_split(chunks)):
+        part = checkpoint(_chunk_loss, h, y, head, use_reentrant=False)
+        total = part if total is None else total + part
+    return total / count
+
+
+def _chunk_loss(hidden: Any, labels: Any, head: Any) -> Any:
+    """The summed cross-entropy of one chunk: the head, the logits upcast to fp32 (as ForCausalLMLoss), the loss."""
+    import torch
+
+    logits = head(hidden).float()
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def fused_linear_cross_entropy(hidden: Any, head: Any, labels: Any) -> Any:
+    """liger-kernel's fused linear cross-entropy (mean over non-ignored tokens, as ForCausalLMLoss); on fake
+    tensors, what it allocates on CUDA (liger_model.py)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if type(head) is not torch.nn.Linear:  # an adapter on the head: liger would see its base weight alone
+        raise GcbenchError(f"--loss fused-linear needs a plain linear LM head, not {type(head).__name__}")
+    if isinstance(hidden, FakeTensor):
+        from gcbench.liger_model import LigerAllocations
+
+        return LigerAllocations.apply(hidden, head.weight, labels, head.bias)
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(head.weight, hidden, labels, head.bias)
+
+
+def liger_missing() -> str | None:
+    """Why liger-kernel cannot be used here (not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return f"--loss fused-linear needs liger-kernel ({LIGER_HINT}; it needs CUDA and Triton)"
+    return None
+
+
+CPU_REFUSAL = "--loss fused-linear needs CUDA (liger-kernel's Triton kernel); on CPU use --loss chunked"
+CPU_TARGET = ("--loss fused-linear runs on CUDA only (liger-kernel's Triton kernel): it is predicted for --device "
+              "cuda, not cpu")

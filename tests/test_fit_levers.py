@@ -1,0 +1,230 @@
+"""`gcbench fit --levers` / `estimate --fit --levers`: the plan's candidates from the one table, the ranking by
+predicted tokens/s (on fake predictions, exactly), the level-by-level search within a class, an end-to-end CPU plan
+verified by a real run, bad input, and tables that fit 80 columns."""
+
+from dataclasses import dataclass
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.errors import GcbenchError
+from gcbench.fits import levers
+from gcbench.fits.lever_command import make_plan
+from gcbench.fits.levers import ADAPTERS, FULL, NOT_NEEDED, Row, lever_space, predict_plan, ranked
+from gcbench.fits.lever_table import lever_tables
+
+runner = CliRunner()
+TINY = {"model": ("tiny-llama",), "seq_len": (64,)}
+
+
+# ----------------------------------------------------------------------------------------------- the space
+
+def test_auto_searches_the_tables_values_less_what_is_fixed():
+    searched, fixed = lever_space("auto", {"optimizer": ("adafactor",)}, "cpu")
+    assert fixed == {"optimizer": "adafactor"} and "optimizer" not in searched
+    assert searched["policy"] == ("none", "full", "sac")
+    assert searched["adapter"] == ("none", "lora")  # qlora needs CUDA: not for a CPU target
+    assert searched["loss"] == ("ce", "chunked") and searched["compile"] == ("none", "blocks")
+    cuda, _ = lever_space("auto", {}, "cuda")
+    assert "qlora" in cuda["adapter"] and "paged_adamw8bit" in cuda["optimizer"]
+    assert "paged_adamw8bit" not in lever_space("auto", {}, "cpu")[0]["optimizer"]
+    # values given several times are the candidates of a lever searched
+    assert lever_space("policy,optimizer", {"policy": ("none", "full")}, "cpu")[0]["policy"] == ("none", "full")
+
+
+def test_candidates_are_the_product_less_fixed_and_adapters_keep_the_optimizer():
+    plan = make_plan({**TINY, "optimizer": ("adafactor",)}, "policy,adapter,loss", 12 * 2**20, "cpu", None)
+    assert {r.spec_fields["optimizer"] for r in plan.rows} == {"adafactor"}
+    assert len(plan.rows) == 3 * 2 * 2  # policy x adapter x loss
+    assert {(r.levers["policy"], r.levers["adapter"], r.levers["loss"]) for r in plan.rows} == {
+        (p, a, l) for p in ("none", "full", "sac") for a in ("none", "lora") for l in ("ce", "chunked")}
+    with_optimizer = make_plan(TINY, "adapter,optimizer", 12 * 2**20, "cpu", None)
+    # with an adapter the optimizer is not searched: one adapter row, the optimizer's default
+    lora = [r for r in with_optimizer.rows if r.levers["adapter"] != "none"]
+    assert len(lora) == 1 and lora[0].spec_fields["optimizer"] == "adamw"
+    assert len(with_optimizer.rows) == 1 + len(levers.lever_space("optimizer", {}, "cpu")[0]["optimizer"])
+
+
+# ----------------------------------------------------------------------------------------------- the ranking
+
+def _row(policy="none", optimizer="adamw", loss="ce", adapter="none", batch=4, peak=100, fpt=10.0) -> Row:
+    lev = {"policy": policy, "optimizer": optimizer, "loss": loss, "adapter": adapter}
+    row = Row(lev, {"model": "tiny-llama", "seq_len": 64, **lev}, "cuda", micro_batch=batch, peak=peak)
+    row.flops_per_token = fpt
+    return row
+
+
+def test_ranked_by_speed_then_fewer_changes_then_batch_then_peak():
+    slow = _row("full", fpt=13.0, batch=20)
+    fast = _row("none", batch=3)  # no change from the defaults
+    fast_big = _row("sac", batch=8)  # one change, the largest micro-batch of those
+    small_peak = _row("none", "adafactor", batch=5, peak=90)
+    large_peak = _row("none", "adamw8bit", batch=5, peak=95)
+    two_changes = _row("sac", "adafactor", batch=20)
+    adapter = _row("none", adapter="lora", fpt=7.0)
+    out = _row("none", loss="chunked", fpt=1.0)
+    out.reason = "batch 1 does not fit"
+    order = ranked([slow, out, adapter, large_peak, two_changes, fast_big, fast, small_peak])
+    assert order == [fast, fast_big, small_peak, large_peak, two_changes, slow, adapter, out]
+    assert [r.group for r in order[:7]] == [FULL] * 6 + [ADAPTERS]
+
+
+@dataclass
+class _Found:
+    value: int | None
+    estimate: object
+    next_peak: int | None
+
+
+@dataclass
+class _Est:
+    peak_bytes: int
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+
+
+# A fake model of memory (bytes) and FLOPs: state by optimizer, activations per sample by policy and loss.
+STATE = {"adamw": 80, "adafactor": 40, "adamw8bit": 60}
+PER_SAMPLE = {("none", "ce"): 30, ("none", "chunked"): 20, ("full", "ce"): 5, ("full", "chunked"): 4,
+              ("sac", "ce"): 12, ("sac", "chunked"): 10}
+FLOPS = {("none", "ce"): 300, ("none", "chunked"): 310, ("full", "ce"): 400, ("full", "chunked"): 410,
+         ("sac", "ce"): 350, ("sac", "chunked"): 360}
+
+
+def _fake(monkeypatch, budget):
+    predicted = []
+
+    def fake_fit(fields, policy, vary, search, target, tried=None, method=None, prior=None):
+        optimizer, loss = fields.get("optimizer", "adamw"), fields.get("loss", "ce")
+        predicted.append((policy, optimizer, loss))
+        per, state = PER_SAMPLE[(policy, loss)], STATE[optimizer]
+        best = min((budget - state) // per, search.hi) if budget - state >= per else None
+        return _Found(best, _Est(state + per * best) if best else None, state + per * ((best or 0) + 1))
+
+    monkeypatch.setattr(levers, "predict_fit", fake_fit)
+    monkeypatch.setattr(levers, "estimate", lambda spec, method, target: _Est(0, STATE[spec.optimizer]))
+    monkeypatch.setattr(levers, "step_flops", lambda spec, target: FLOPS[(spec.policy.name, spec.loss)] * 64)
+    return predicted
+
+
+def test_plan_ranks_fitting_candidates_by_predicted_tokens_per_s(monkeypatch):
+    budget = 110  # adamw: 30 bytes of room; adafactor: 70; adamw8bit: 50
+    predicted = _fake(monkeypatch, budget)
+    plan = make_plan({**TINY, "optimizer": ("adamw", "adafactor", "adamw8bit")}, "policy,optimizer,loss", budget,
+                     "cuda", None)
+    told = []
+    rows = predict_plan(plan, peak_flops=1000.0, efficiency=0.5, progress=lambda d, t, w: told.append((d, t)), top=1)
+    # the progress bar's total is the plan's bound, known up front; it falls to the predictions made
+    assert told[0][1] >= told[-1][1] and told[-1][0] == told[-1][1] and all(d <= t for d, t in told)
+    best = [r for r in rows if r.fits]
+    # none fits with adamw at batch 1 (30 <= 30): the fastest class, no memory lever needed
+    assert (best[0].levers["policy"], best[0].levers["optimizer"], best[0].micro_batch) == ("none", "adamw", 1)
+    assert best[0].tokens_per_s == pytest.approx(1000.0 * 0.5 / 300)
+    assert [r.tokens_per_s for r in best] == sorted((r.tokens_per_s for r in best), reverse=True)
+    # within a class, adding a lever to one that fits is never predicted: it would rank below
+    skipped = [r for r in rows if r.reason == NOT_NEEDED]
+    assert skipped and all(r.levers["optimizer"] != "adamw" or r.levers["loss"] != "ce" for r in skipped)
+    assert ("none", "adafactor", "ce") not in predicted and ("none", "adamw", "chunked") not in predicted
+
+
+def test_memory_levers_are_tried_where_the_class_does_not_fit_without_them(monkeypatch):
+    budget = 95  # adamw: 15 of room (none and sac do not fit), adafactor: 55, adamw8bit: 35
+    _fake(monkeypatch, budget)
+    plan = make_plan({**TINY, "optimizer": ("adamw", "adafactor", "adamw8bit")}, "policy,optimizer,loss", budget,
+                     "cuda", None)
+    best = [r for r in predict_plan(plan, None, 0.4, top=1) if r.fits]
+    top = best[0]
+    # none needs a memory lever: adafactor (55 // 30 = 1) and adamw8bit (35 // 30 = 1) tie in speed, changes and
+    # micro-batch; the smaller peak wins: adafactor's 40 + 30 against adamw8bit's 60 + 30
+    assert top.levers["policy"] == "none" and top.levers["loss"] == "ce"
+    assert top.levers["optimizer"] == "adafactor" and top.peak == 70
+    full = next(r for r in best if r.levers["policy"] == "full")
+    assert full.levers["optimizer"] == "adamw" and full.micro_batch == 3  # fits without a lever
+
+
+def test_a_global_batch_is_the_largest_dividing_micro_batch_times_accumulation(monkeypatch):
+    budget = 110  # none: (110 - 80) // 30 = 1; sac: 30 // 12 = 2; full: 30 // 5 = 6
+    _fake(monkeypatch, budget)
+    plan = make_plan(TINY, "policy,grad_accum", budget, "cuda", 16)
+    rows = {r.levers["policy"]: r for r in predict_plan(plan, None, 0.4)}
+    assert [(rows[p].micro_batch, rows[p].accum) for p in ("none", "sac", "full")] == [(1, 16), (2, 8), (4, 4)]
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+def test_fit_levers_on_cpu_prints_a_ranked_plan_and_verifies_the_winner(tmp_path):
+    out = tmp_path / "levers.jsonl"
+    result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--memory", "12MiB", "--device",
+                                 "cpu", "--levers", "policy,optimizer,loss", "--isolation", "none", "--warmup",
+                                 "1", "--steps", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "plan across levers · full fine-tune" in text and "x best" in text
+    assert " 1  none " in text  # the fastest class fits 12 MiB without a lever
+    assert "winner run for real (none, batch 3 x 1): ok" in text
+    measured = next(line for line in text.splitlines() if line.startswith("peak: measured"))
+    assert "(+0.0% predicted vs measured)" in measured  # the CPU simulation and analytic model are exact here
+    table = text[:text.index("winner run for real")]  # then plain lines with the results file's path
+    assert all(len(line) <= 80 for line in table.splitlines())
+    assert out.exists()
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("args, message", [
+    (["--levers", "policy,colour", "--memory", "12MiB"], "unknown lever 'colour'"),
+    (["--levers", "policy", "--policy", "full", "--memory", "12MiB"], "--levers names policy and --policy fixes"),
+    (["--levers", "auto"], "give --memory"),
+    (["--levers", "policy", "--batch", "8", "--memory", "12MiB"], "add grad_accum to --levers"),
+    (["--levers", "auto", "--grad-accum", "2", "--memory", "12MiB", "--batch", "8"], "give one of them"),
+])
+def test_bad_levers_input_is_one_line_and_exit_2(tmp_path, args, message):
+    out = tmp_path / "f.jsonl"
+    result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--device", "cpu", "--out",
+                                 str(out), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_estimate_levers_goes_with_fit_and_a_gpu():
+    bad = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--levers", "auto"])
+    assert bad.exit_code == 2 and "--levers goes with --fit" in bad.stderr
+    bad = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--fit", "--levers", "auto"])
+    assert bad.exit_code == 2 and "--gpu NAME or --gpu-memory" in bad.stderr
+
+
+def test_estimate_levers_for_a_gpu_by_name():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu",
+                                 "rtx4090-24gb", "--levers", "policy"])
+    assert result.exit_code == 0, result.output
+    assert "tokens/s" in result.stdout and "rtx4090-24gb" in result.stdout
+    assert all(len(line) <= 80 for line in result.stdout.splitlines())
+
+
+def test_a_plan_needs_the_sequence_length():
+    with pytest.raises(GcbenchError, match="--seq"):
+        make_plan({"model": ("tiny-llama",)}, "auto", 2**20, "cpu", None)
+
+
+# ----------------------------------------------------------------------------------------------- the table
+
+def test_tables_fit_80_columns_piped():
+    plan = make_plan(TINY, "auto", 12 * 2**20, "cpu", None)
+    rows = []
+    for i, row in enumerate(plan.rows):
+        row.micro_batch, row.peak, row.flops_per_token, row.method = 1 + i, 11 * 2**20 + i, 10.0 + i, "simulate"
+        if i % 3 == 0:
+            row.reason = "not predicted: " + "a long reason " * 8
+        rows.append(row)
+    tables = lever_tables(plan, ranked(rows), ["budget 12.00 MiB (--memory 12MiB)"], "cpu", 0.4)
+    assert len(tables) == 2
+    for table in tables:
+        console = Console(width=80, record=True)
+        console.print(table)
+        text = console.export_text()
+        assert all(len(line) <= 80 for line in text.splitlines())
+        assert " 1  " in text and "not ranked" in text  # the rows and the reasons are there, wrapped
