@@ -21,6 +21,7 @@ from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption,
                                  print_warnings, step_progress, warm_children, with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
+from gcbench.gpus import memory_to_fit
 from gcbench.grid import one_value_each
 from gcbench.results.schema import Status
 from gcbench.spec import RunSpec
@@ -333,8 +334,8 @@ def estimate(
                                                                 "method, one per line)")] = "table",
     fit_: Annotated[bool, typer.Option("--fit", help="per policy, the largest batch (--vary) predicted to fit "
                                                      "--gpu or --gpu-memory, and its predicted step time")] = False,
-    gpu: Annotated[str | None, typer.Option(help="with --fit: a GPU by name (h100-80gb, h200-141gb, a100-80gb, "
-                                                 "a100-40gb, l4-24gb, rtx4090-24gb, ...; docs/fit.md)",
+    gpu: Annotated[str | None, typer.Option(help="a GPU by name (h100-80gb, a100-40gb, rtx4090-24gb, ...; "
+                                                 "docs/fit.md): the memory to fit in (less its context)",
                                             metavar="<name>")] = None,
     vary: Annotated[str, typer.Option(help="with --fit: batch | seq")] = "batch",
     headroom: Annotated[str, typer.Option(help="with --fit: part of the memory kept free, e.g. 5%",
@@ -360,15 +361,13 @@ def estimate(
         methods = [m.strip() for m in method.split(",") if m.strip()]
         if not methods or len(set(methods)) < len(methods):
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
-        if levers is not None and fit_:  # a plan across levers (fits/lever_command.py)
+        if levers is not None:  # a plan across levers (fits/lever_command.py), with --fit only
             from gcbench.fits.lever_command import estimate_levers
             return estimate_levers(grid, levers, memory, gpu, headroom, efficiency, device, console,
-                                   PredictionBar(err_console, "predicting"))
+                                   PredictionBar(err_console, "predicting"), fit_)
         if fit_:
             return _estimate_fit(grid, memory, gpu, vary, headroom, efficiency, device, output_format, methods)
-        if gpu is not None or levers is not None:
-            raise GcbenchError(f"{'--gpu' if gpu is not None else '--levers'} goes with --fit (without it, "
-                               "--gpu-memory adds a fits column)")
+        memory = memory_to_fit(gpu, memory)  # --gpu NAME: a fits column against what that card leaves usable
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
         with PredictionBar(err_console, "estimating") as bar:

@@ -98,6 +98,16 @@ def gpu(name: str) -> Gpu:
     raise GcbenchError(f"unknown --gpu {name!r}; known: {', '.join(g.name for g in known)} (or give --gpu-memory)")
 
 
+def memory_to_fit(gpu_name: str | None, memory: int | None) -> int | None:
+    """What `estimate`'s fits column holds a peak against: --gpu-memory as given, or --gpu NAME's usable bytes
+    (its total less the CUDA context and cuBLAS workspaces, as --fit budgets it); one of them at most."""
+    if gpu_name is None:
+        return memory
+    if memory is not None:
+        raise GcbenchError("--gpu and --gpu-memory both name the memory to fit in: give one of them")
+    return gpu(gpu_name).usable_bytes
+
+
 def matching(device_name: str) -> Gpu | None:
     """The table's entry of the card torch.cuda.get_device_name() names (it may have no memory size), or None."""
     return next((g for g in GPUS if g.match in device_name), None)

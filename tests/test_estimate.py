@@ -202,3 +202,18 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert result.stdout == ""
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("gcbench: error:") and message in line
+
+
+def test_a_gpu_by_name_without_fit_is_the_memory_the_fits_column_holds_a_peak_against():
+    from gcbench.gpus import gpu
+
+    runner = CliRunner()
+    args = ["estimate", "--model", "tiny-llama", "--seq", "64", "--policy", "none", "--method", "analytic",
+            "--format", "json"]
+    result = runner.invoke(app, [*args, "--gpu", "rtx4090-24gb"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout.splitlines()[0])
+    card = gpu("rtx4090-24gb")
+    assert row["memory_bytes"] == card.usable_bytes < card.memory_bytes and row["fits"] is True
+    both = runner.invoke(app, [*args, "--gpu", "rtx4090-24gb", "--gpu-memory", "1GiB"])
+    assert both.exit_code == 2 and "give one of them" in both.stderr and len(both.stderr.splitlines()) == 1

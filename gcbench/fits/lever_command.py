@@ -86,9 +86,11 @@ def fit_levers(spec_values: dict[str, Any], levers: str, memory: str | None, hea
 
 
 def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu_name: str | None, headroom: str,
-                    efficiency: float, target: str, console: Console, bar: Any) -> None:
+                    efficiency: float, target: str, console: Console, bar: Any, fit: bool = True) -> None:
     """`gcbench estimate --fit --levers`: the plan for a GPU by name (or --gpu-memory), nothing run. `bar`: as
-    fit_levers'."""
+    fit_levers'. `fit`: whether --fit was given (--levers plans a fit: without it, one line and nothing else)."""
+    if not fit:
+        raise GcbenchError("--levers goes with --fit: a plan of the fastest configuration that fits")
     if (memory is None) == (gpu_name is None):
         raise GcbenchError("--levers needs the memory to fit: --gpu NAME or --gpu-memory SIZE (one of them)")
     if not 0 < efficiency <= 1:
