@@ -94,15 +94,22 @@ class Adapter:
         options = [o for o in options if o]
         return f"{self.name}:{','.join(options)}" if options and self.active else self.name
 
+    def build_device(self, device: str) -> str:
+        """Where the run builds its base before apply_adapter: a qlora base for CUDA on the host, quantised onto
+        the GPU a layer at a time, so that the unquantised base never takes GPU memory (as loading a 4-bit
+        checkpoint never does, and as check_fits and the estimate count it); any other where it runs."""
+        return "cpu" if self.quantised and str(device).split(":")[0] == "cuda" else device
+
     def check_installed(self) -> None:
         """GcbenchError in one line when a package this adapter needs cannot be imported."""
         needs = [("peft", "peft")] if self.active else []
         if self.quantised:
             needs.append(("bitsandbytes", "bnb"))
-        for module, extra in needs:
-            if importlib.util.find_spec(module) is None:
-                raise GcbenchError(f"--adapter {self.name} needs {module}, which is not installed: "
-                                   f"pip install 'gcbench[{extra}]'")
+        missing = [(module, extra) for module, extra in needs if importlib.util.find_spec(module) is None]
+        if missing:  # every missing package at once: one install, not one refusal after another
+            raise GcbenchError(f"--adapter {self.name} needs {' and '.join(m for m, _ in missing)}, which "
+                               f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                               f"pip install 'gcbench[{','.join(e for _, e in missing)}]'")
 
     def lora_config(self) -> Any:
         from peft import LoraConfig
@@ -161,7 +168,7 @@ def _option(name: str, key: str, value: str) -> Any:
         want = {"r": "an integer from 1 to 4096", "alpha": "a number above 0", "dropout": "a number in [0, 1)"}[key]
         raise GcbenchError(f"--adapter {name}: {key} must be {want}, got {shown!r}") from None
     if key == "targets":
-        targets = tuple(t.strip() for t in value.split("+"))
+        targets = tuple(sorted({t.strip() for t in value.split("+")}))  # one spelling: q+v, v+q, q+q+v alike
         if targets != (ALL_LINEAR,) and not all(_MODULE_NAME.fullmatch(t) for t in targets):
             raise GcbenchError(f"--adapter {name}: targets must be all-linear or module names joined by '+' "
                                f"(q_proj+v_proj), got {shown!r}")
@@ -220,6 +227,7 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
     with quiet_logger("bitsandbytes"):  # peft imports it where installed: its CPU backend warns of optional kernels
         from peft import get_peft_model
     if adapter.quantised:
+        count_gemm_4bit_flops()
         _quantise_targets(model, adapter, compute_dtype, device)
         model.is_loaded_in_4bit = True  # what transformers sets on a 4-bit model: peft then wraps Linear4bit as such
 
@@ -231,7 +239,34 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
         except ValueError as e:  # a target that names no module
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise GcbenchError(f"--adapter {adapter.name}: {plain(first)}") from None
-    return wrapped.base_model.model
+    model = wrapped.base_model.model
+    if adapter.build_device(device) != device:  # the rest of a host-built qlora model: norms, embeddings, adapters
+        model.to(device)
+    return model
+
+
+_GEMM_4BIT_COUNTED = False
+
+
+def count_gemm_4bit_flops() -> None:
+    """Teach torch's FLOP counter (torch/utils/flop_counter.py: flop_registry, read by FlopCounterMode and by
+    estimators/shortcuts.FlopTally) the forward matmul of a 4-bit layer: bitsandbytes' `gemm_4bit` op is one custom
+    op the counter cannot see into, so a qlora step counted only the backward's matmuls (aten.mm on the dequantised
+    weight). 2 x rows x out x in FLOPs, as aten.mm's formula counts the same product; once per process."""
+    global _GEMM_4BIT_COUNTED
+    if _GEMM_4BIT_COUNTED:
+        return
+    import torch
+    from torch.utils.flop_counter import register_flop_formula
+
+    with quiet_logger("bitsandbytes"):
+        import bitsandbytes  # noqa: F401 - defines torch.ops.bitsandbytes
+
+    @register_flop_formula(torch.ops.bitsandbytes.gemm_4bit)
+    def gemm_4bit_flops(a_shape, b_shape, shape_b, *args, **kwargs) -> int:
+        return 2 * math.prod(a_shape[:-1]) * shape_b[0] * shape_b[1]
+
+    _GEMM_4BIT_COUNTED = True
 
 
 def _quantise_targets(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype, device: str) -> None:
@@ -244,7 +279,8 @@ def _quantise_targets(model: nn.Module, adapter: Adapter, compute_dtype: torch.d
     if not targets:
         raise GcbenchError(f"--adapter qlora: no linear layer of {type(model).__name__} matches targets "
                            f"{'+'.join(adapter.targets)}")
-    for parent, attr, linear in targets:
+    while targets:  # each original dropped as soon as its 4-bit layer is in place: one unquantised weight at a time
+        parent, attr, linear = targets.pop(0)
         if not isinstance(linear, nn.Linear):
             raise GcbenchError(f"--adapter qlora quantises nn.Linear layers; {type(model).__name__}'s {attr} is a "
                                f"{type(linear).__name__}: use lora")
@@ -261,6 +297,7 @@ def _quantise_targets(model: nn.Module, adapter: Adapter, compute_dtype: torch.d
                                   module=layer)
         # .to quantises it there (Params4bit._quantize); on the meta device it stays a meta weight: quantise_fakes
         setattr(parent, attr, layer.to(device))
+        del linear, weight, layer
 
 
 def quantise_fakes(model: nn.Module) -> None:

@@ -8,6 +8,7 @@ Imports nothing heavy: resolve() checks a spec's combination here before anythin
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from gcbench.errors import GcbenchError
@@ -51,8 +52,10 @@ def check_compile(spec: Any, policy: Any, device: str) -> None:
         raise GcbenchError("--compile blocks with --shard fsdp2 is not supported (compiled blocks inside FSDP2 "
                            "units are untested: their gradients are not known to equal none's)")
     if DeviceKind.of(device) is DeviceKind.CPU and spec.memory_cap_bytes is not None:
-        raise GcbenchError("--compile blocks with --memory-cap on CPU: the cap's live-tensor tracker would make "
-                           "torch.compile run the blocks uncompiled in every step; leave out --memory-cap")
+        raise GcbenchError("--compile blocks under a memory cap on CPU (--memory-cap, or gcbench fit's budget, "
+                           "which caps every trial): the cap's live-tensor tracker would make torch.compile run the "
+                           "blocks uncompiled in every step; on CPU measure compiled blocks with run or sweep and "
+                           "no cap")
 
 
 def compile_blocks(blocks: nn.ModuleList) -> None:
@@ -70,6 +73,11 @@ def compile_blocks(blocks: nn.ModuleList) -> None:
 
     from gcbench.policies.base import GroupArguments
 
+    # The FLOP counter's module tracker (torch.utils.module_tracker) registers global module hooks while the runner
+    # counts saved bytes; torch.compile then warns that they may fire twice. That count of a compiled block is
+    # reported as unknown anyway (see above): the warning says nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"Using torch\.compile\(module\) when there are global hooks",
+                            category=UserWarning)
     torch._dynamo.reset()  # a compile in this process before (another run) would make compile_ms a cache hit
     for name, block in blocks.named_children():
         if not isinstance(block, GroupArguments):

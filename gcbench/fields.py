@@ -191,7 +191,7 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("compile", "compile", Choice(COMPILES, "compile mode"), "none | blocks (torch.compile each block after "
           "the policy wraps it, as torchtitan and torchtune do)", "none", role=Role.LEVER, axis=True,
           added=(4, "none"), words=lambda value, record: "" if value in (None, "none") else "compiled blocks",
-          plan=("none", "blocks")),
+          plan=("none", "blocks"), plan_role="named"),  # named only: not in auto while compile is not predicted
     Field("shard", "shard", Choice(SHARDS, "shard"), "none | fsdp2: parameters, gradients and optimizer state "
           "sharded over --nproc ranks (FSDP2 on each block and the root; --batch is per rank)", "none",
           role=Role.LEVER, axis=True, added=(3, "none"),

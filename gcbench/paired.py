@@ -62,9 +62,10 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
     with torch_threads(first.threads), instrument.session():
         progress("building model")
         torch.manual_seed(first.seed)
-        model = build_model(config, first.device, first.param_dtype)
+        adapter = parse_adapter(first.adapter)
+        model = build_model(config, adapter.build_device(first.device), first.param_dtype)
         # the specs differ in their policy and batch only: one adapter, applied before any policy (as runner.py)
-        model = apply_adapter(model, parse_adapter(first.adapter), compute_dtype(first), first.device)
+        model = apply_adapter(model, adapter, compute_dtype(first), first.device)
         blocks = find_blocks(model)
         optimizer = make_optimizer(first, model)
         steps = {label: TrainingStep(model, optimizer, make_batch(spec, spec.model_config()[0], first.device), spec)

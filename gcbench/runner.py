@@ -208,9 +208,10 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
 
     progress("building model")
     torch.manual_seed(spec.seed)
-    model = build_model(config, spec.device, spec.param_dtype)
+    adapter = parse_adapter(spec.adapter)
+    model = build_model(config, adapter.build_device(spec.device), spec.param_dtype)
     # the adapter before the policy: the policy wraps blocks that already hold the adapted layers
-    model = apply_adapter(model, parse_adapter(spec.adapter), compute_dtype(spec), spec.device)
+    model = apply_adapter(model, adapter, compute_dtype(spec), spec.device)
     blocks = find_blocks(model)  # the ModuleList: the policy puts its wrappers back into it
     undo_policy = spec.policy.apply(blocks)
     compiled = spec.compile == BLOCKS

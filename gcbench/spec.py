@@ -35,6 +35,9 @@ class _RunSpecMethods:
         if self.shard == "none" and self.nproc > 1:
             raise GcbenchError(f"--nproc {self.nproc} needs --shard fsdp2: gcbench measures sharded training "
                                "(per-rank memory), not plain data parallel")
+        if self.shard != "none" and optimizer_kind(self.optimizer).module == "bitsandbytes":
+            raise GcbenchError(f"--optimizer {self.optimizer} with --shard fsdp2 is not supported: bitsandbytes' "
+                               "optimizers step plain tensors, FSDP2's parameters are DTensors")
         if self.shard != "none" and self.optim_in_backward:
             raise GcbenchError("--optim-in-backward steps plain parameters inside backward; FSDP2's are sharded "
                                "(DTensors) and reduce-scattered after it: not with --shard fsdp2")
@@ -68,9 +71,14 @@ RunSpec.__doc__ = ("One configuration to measure, as given: one attribute per ru
 
 def crossed_out(fields: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) -> bool:
     """Whether a grid that crosses several values leaves this combination out: the optimizer in backward with
-    accumulation, or several ranks without sharding. Given alone, such a combination is an error (RunSpec says)."""
+    accumulation, several ranks without sharding, or a bitsandbytes optimizer with sharding. Given alone, such a
+    combination is an error (RunSpec says)."""
     varies = lambda *names: any(len(values.get(n, ())) > 1 for n in names)  # noqa: E731
     in_backward = fields.get("optim_in_backward") and fields.get("grad_accum", 1) > 1
     if varies("optim_in_backward", "grad_accum") and in_backward:
+        return True
+    bitsandbytes_sharded = fields.get("shard", "none") != "none" and \
+        optimizer_kind(fields.get("optimizer", "adamw")).module == "bitsandbytes"
+    if varies("shard", "optimizer") and bitsandbytes_sharded:
         return True
     return varies("shard", "nproc") and fields.get("shard", "none") == "none" and fields.get("nproc", 1) > 1

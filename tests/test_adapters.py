@@ -74,6 +74,11 @@ def test_a_missing_package_is_one_line_with_its_install_hint(monkeypatch):
     with pytest.raises(GcbenchError, match=r"--adapter lora needs peft, which is not installed: pip install "
                                            r"'gcbench\[peft\]'"):
         tiny_spec(adapter="lora").check_runnable()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("peft", "bitsandbytes")
+                        else find_spec(name, *a))
+    with pytest.raises(GcbenchError, match=r"--adapter qlora needs peft and bitsandbytes, which are not "
+                                           r"installed: pip install 'gcbench\[peft,bnb\]'"):  # both at once: one install
+        tiny_spec(adapter="qlora").check_runnable()
 
 
 def test_lora_run_counts_what_peft_counts_and_its_parts_add_up_to_the_static_baseline(records):
@@ -158,6 +163,34 @@ def test_dora_and_qlora_run_on_cpu_as_the_simulation_predicts(adapter):
         assert record["param_bytes"] == record["adapter_param_bytes"] + 4 * rest + sum(map(nf4_bytes, linears))
 
 
+def test_qlora_counts_the_flops_lora_counts_measured_and_simulated():
+    """A 4-bit layer's forward is one bitsandbytes op the FLOP counter cannot see into (adapters.count_gemm_4bit_flops
+    teaches it): the same matmuls as LoRA's base at the same rank, so the same FLOPs, measured and simulated."""
+    from gcbench.estimators import step_flops
+
+    lora, qlora = adapted_run("lora"), adapted_run("qlora")
+    assert lora["status"] == qlora["status"] == "ok" and qlora["flops"] == lora["flops"] > 0
+    spec = tiny_spec(policy="full", adapter="qlora", seq_len=SEQ, batch_size=BATCH)
+    assert step_flops(spec, "cpu") == qlora["flops"]
+
+
+def test_a_qlora_base_for_cuda_is_built_on_the_host_and_quantised_onto_the_gpu(fake_cuda, monkeypatch):
+    """The unquantised base never takes GPU memory (a 7B bf16 base would not fit a budget its 4-bit one fits):
+    runner builds it where Adapter.build_device says, then each 4-bit layer and the rest go to the GPU (here the
+    fake one, tests/fake_cuda.py: the run follows the CUDA path, paged optimizer state included)."""
+    import gcbench.runner as runner_module
+
+    assert parse_adapter("qlora").build_device("cuda:1") == "cpu" == parse_adapter("qlora").build_device("cpu")
+    assert parse_adapter("lora").build_device("cuda:1") == "cuda:1" == parse_adapter("none").build_device("cuda:1")
+    built, build_model = [], runner_module.build_model
+    monkeypatch.setattr(runner_module, "build_model", lambda config, device, dtype: built.append(str(device))
+                        or build_model(config, device, dtype))
+    record = run(tiny_spec(adapter="qlora", optimizer="paged_adamw8bit", device="cuda", seq_len=SEQ,
+                           batch_size=BATCH))
+    assert record["status"] == "ok", record.get("error")
+    assert built == ["cpu"] and record["peak_allocated_bytes"] > record["param_bytes"] > 0
+
+
 def test_a_7b_qlora_is_not_refused_as_if_it_kept_full_adamw_state():
     spec = tiny_spec("llama-7b", adapter="qlora", precision="bf16", seq_len=2048, batch_size=1)
     size = model_size(spec)
@@ -183,3 +216,19 @@ def test_the_analytic_model_says_why_not_and_the_simulation_stands_in():
     [(_, cell)] = estimate_grid({"model": ["tiny-llama"], "seq_len": [SEQ], "batch_size": [BATCH],
                                  "policy": ["full"], "adapter": ["lora"]}, ["analytic"], "cpu")
     assert cell.method == "simulate" and "--adapter lora" in cell.stands_in
+
+
+def test_an_estimate_without_peft_names_the_package_not_only_the_formulas_it_lacks(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    result = CliRunner().invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "32", "--adapter", "lora",
+                                      "--policy", "full"])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert "needs peft, which is not installed: pip install 'gcbench[peft]'" in result.stderr
+
+
+def test_targets_in_any_order_or_repeated_are_one_configuration():
+    one = parse_adapter("lora:targets=q_proj+v_proj")
+    assert parse_adapter("lora:targets=v_proj+q_proj") == one == parse_adapter("lora:targets=q_proj+q_proj+v_proj")

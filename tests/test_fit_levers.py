@@ -8,12 +8,14 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from gcbench.adapters import Adapter
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
-from gcbench.fits import levers
+from gcbench.fits import lever_command, levers
 from gcbench.fits.lever_command import make_plan
 from gcbench.fits.levers import ADAPTERS, FULL, NOT_NEEDED, Row, lever_space, predict_plan, ranked
 from gcbench.fits.lever_table import lever_tables
+from gcbench.optimizers import OptimizerKind
 
 runner = CliRunner()
 TINY = {"model": ("tiny-llama",), "seq_len": (64,)}
@@ -26,7 +28,9 @@ def test_auto_searches_the_tables_values_less_what_is_fixed():
     assert fixed == {"optimizer": "adafactor"} and "optimizer" not in searched
     assert searched["policy"] == ("none", "full", "sac")
     assert searched["adapter"] == ("none", "lora")  # qlora needs CUDA: not for a CPU target
-    assert searched["loss"] == ("ce", "chunked") and searched["compile"] == ("none", "blocks")
+    assert searched["loss"] == ("ce", "chunked")
+    assert "compile" not in searched  # compiled blocks are not predicted: searched only where --levers names it
+    assert lever_space("compile", {}, "cpu")[0]["compile"] == ("none", "blocks")
     cuda, _ = lever_space("auto", {}, "cuda")
     assert "qlora" in cuda["adapter"] and "paged_adamw8bit" in cuda["optimizer"]
     assert "paged_adamw8bit" not in lever_space("auto", {}, "cpu")[0]["optimizer"]
@@ -228,3 +232,122 @@ def test_tables_fit_80_columns_piped():
         text = console.export_text()
         assert all(len(line) <= 80 for line in text.splitlines())
         assert " 1  " in text and "not ranked" in text  # the rows and the reasons are there, wrapped
+
+
+# ----------------------------------------------------------------------------------------------- not installed
+
+def _no_8bit(monkeypatch):
+    """bitsandbytes counted as missing, whatever is installed: the 8-bit optimizers' check raises as the real one."""
+    def check(self):
+        if "8bit" in self.name:
+            raise GcbenchError(f"--optimizer {self.name} needs bitsandbytes, which is not installed: "
+                               "pip install 'gcbench[bnb]'")
+
+    monkeypatch.setattr(OptimizerKind, "check_installed", check)
+
+
+def _no_peft(monkeypatch):
+    def check(self):
+        if self.active:
+            raise GcbenchError(f"--adapter {self.name} needs peft, which is not installed: "
+                               "pip install 'gcbench[peft]'")
+
+    monkeypatch.setattr(Adapter, "check_installed", check)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_a_plan_run_here_ranks_only_what_this_machine_can_run(tmp_path, monkeypatch):
+    _no_8bit(monkeypatch)
+    out = tmp_path / "levers.jsonl"
+    result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--memory", "12MiB", "--device",
+                                 "cpu", "--levers", "optimizer", "--optimizer", "adamw,adamw8bit", "--isolation",
+                                 "none", "--warmup", "1", "--steps", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = _one_line(result.stdout)
+    # adamw8bit fits too (ranked second without the check): left out, and said once
+    assert "adamw8bit 3 x 1" not in text and " 1 defaults 3 x 1" in text
+    assert text.count("not ranked: --optimizer adamw8bit needs bitsandbytes (pip install 'gcbench[bnb]')") == 1
+    assert "winner run for real (defaults, batch 3 x 1): ok" in text
+
+
+def test_a_prediction_only_ranks_what_is_not_installed(tmp_path, monkeypatch):
+    _no_8bit(monkeypatch)
+    monkeypatch.setattr(lever_command, "_cuda_here", lambda: False)  # --device cuda: predicted on this CPU
+    result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--memory", "12MiB", "--device",
+                                 "cuda", "--levers", "optimizer", "--optimizer", "adamw,adamw8bit", "--out",
+                                 str(tmp_path / "f.jsonl")])
+    assert result.exit_code == 0, result.output
+    text = _one_line(result.stdout)
+    assert " 2 adamw8bit 9 x 1" in text and "needs bitsandbytes" not in text
+    assert "not verified: no GPU here" in text
+
+
+def test_a_failed_winner_run_exits_1_saying_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(lever_command, "verify", lambda *a: {"status": "error", "error": "boom\nTraceback ..."})
+    result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--memory", "12MiB", "--device",
+                                 "cpu", "--levers", "optimizer", "--optimizer", "adamw,adafactor", "--out",
+                                 str(tmp_path / "f.jsonl")])
+    assert result.exit_code == 1, result.output
+    failed = [line for line in result.stdout.splitlines() if "FAILED" in line]
+    assert failed == ["winner run for real (defaults, batch 3 x 1) FAILED: error: boom"]
+
+
+def test_nothing_runnable_is_one_line(monkeypatch):
+    _no_8bit(monkeypatch)
+    plan = make_plan({**TINY, "optimizer": ("adamw8bit", "paged_adamw8bit")}, "optimizer", 12 * 2**20, "cuda", None)
+    with pytest.raises(GcbenchError, match="no candidate this machine can run: --optimizer adamw8bit needs"):
+        lever_command.leave_out_unrunnable(plan)
+
+
+def _render(renderable) -> str:
+    console = Console(width=80, record=True)
+    console.print(renderable)
+    return console.export_text()
+
+
+def _predicted(rows):
+    for i, row in enumerate(rows):
+        row.micro_batch, row.peak, row.flops_per_token, row.method = 1 + i, 11 * 2**20 + i, 10.0 + i, "simulate"
+    return rows
+
+
+def test_a_group_with_nothing_ranked_is_one_line(monkeypatch):
+    _no_peft(monkeypatch)
+    plan = make_plan(TINY, "policy,adapter", 12 * 2**20, "cpu", None)
+    lever_command.leave_out_unrunnable(plan)
+    assert {r.group for r in plan.rows} == {FULL} and len(plan.unrunnable) == 3  # lora under each policy
+    shown = lever_tables(plan, ranked(_predicted(plan.rows)), ["budget 12.00 MiB"], "cpu", 0.4)
+    assert len(shown) == 2
+    assert _render(shown[1]).strip() == "adapters: not searched: --adapter lora needs peft (pip install " \
+                                        "'gcbench[peft]')"
+    # predicted, none fits: one line with the reasons, no empty table
+    for row in plan.rows:
+        row.reason = "batch 1 does not fit" if row.levers["policy"] == "none" else "model state 13.00 MiB > budget"
+    text = _render(lever_tables(plan, ranked(plan.rows), ["budget 12.00 MiB"], "cpu", 0.4)[0])
+    assert _one_line(text) == ("full fine-tune: none of 3 candidates ranked: batch 1 does not fit (1); model "
+                               "state 13.00 MiB > budget (2)")
+
+
+def test_the_caption_is_short_and_says_its_reasons():
+    plan = make_plan(TINY, "policy,optimizer,loss", 12 * 2**20, "cpu", None)
+    rows = _predicted(plan.rows)
+    for i, row in enumerate(rows[:5]):  # five reasons, one candidate each: four shown, one more on a line
+        row.reason = f"not predicted: reason number {i} " + "and a long tail of words " * 5
+    text = _render(lever_tables(plan, ranked(rows), ["budget 12.00 MiB"], "cpu", 0.4)[0])
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert "not ranked: 1 more candidate, 1 other reason: not predicted: reason number…" in text
+    assert "batch 6 x 1 = micro-batch x accumulation" in text  # said once what the batch column means (the top's)
+    assert text.count("micro-batch x accumulation") == 1
+    caption = lines[lines.index(next(line for line in lines if line.startswith("budget"))):]
+    assert len(caption) == 1 + 2 + 4 + 1  # the budget, what was predicted, four reasons, the rest
+
+
+@pytest.mark.parametrize("given", [{"loss": ("chunked:n=0", "ce")}, {"adapter": ("lora:r=0", "qlora:bogus=1")},
+                                   {"adapter": ("bogus",)}, {"policy": ("none", "every-k:k=x")}])
+def test_a_bad_value_is_one_line_not_a_refused_combination(given):
+    with pytest.raises(GcbenchError):
+        make_plan({**TINY, **given}, "auto", 12 * 2**20, "cpu", None)

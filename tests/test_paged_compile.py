@@ -179,9 +179,12 @@ def test_gcbench_run_says_before_it_compiles_what_it_will_not_measure_on_cpu():
     assert before_run_notes(tiny_spec()) == []
 
 
-def test_compiled_blocks_refuse_a_cpu_memory_cap():
-    with pytest.raises(GcbenchError, match="--memory-cap on CPU"):
+def test_compiled_blocks_refuse_a_cpu_memory_cap_naming_fits_budget_too():
+    with pytest.raises(GcbenchError, match=r"under a memory cap on CPU \(--memory-cap, or gcbench fit's budget"):
         tiny_spec(compile="blocks", memory_cap_bytes=2**30)
+    result = CliRunner().invoke(app, ["fit", "--model", "tiny-llama", "--seq", "32", "--memory", "64MiB", "--device",
+                                      "cpu", "--compile", "blocks", "--policy", "full"])
+    assert result.exit_code == 2 and "gcbench fit's budget" in result.stderr and len(result.stderr.splitlines()) == 1
 
 
 def test_estimate_refuses_compiled_blocks_rather_than_predict_the_eager_step():
@@ -292,3 +295,14 @@ def test_compiled_blocks_lower_the_cpu_peak_of_tiny_llama():
         eager()
     assert _profiled_peak(eager) == tracker.peak - start
     assert _profiled_peak(step_of(True)) < 0.9 * (tracker.peak - start)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "paged_adamw8bit", "paged_adamw32bit"])
+def test_a_bitsandbytes_optimizer_under_fsdp2_is_one_line_and_left_out_of_a_crossed_grid(optimizer):
+    from gcbench.spec import RunSpec, crossed_out
+
+    with pytest.raises(GcbenchError, match=f"--optimizer {optimizer} with --shard fsdp2 is not supported"):
+        RunSpec(model="tiny-llama", seq_len=32, batch_size=2, shard="fsdp2", nproc=2, optimizer=optimizer)
+    grid = {"shard": ("none", "fsdp2"), "optimizer": ("adamw", optimizer)}
+    assert crossed_out({"shard": "fsdp2", "optimizer": optimizer}, grid)
+    assert not crossed_out({"shard": "fsdp2", "optimizer": "adamw"}, grid)

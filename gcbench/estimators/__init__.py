@@ -109,7 +109,8 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
             if progress is not None:
                 progress(len(cells), len(jobs), f"{spec.policy} ({method})")
     if all(isinstance(cell, Unavailable) for _, cell in cells):
-        raise GcbenchError(f"nothing in this grid can be predicted: {cells[0][1].reason}")
+        reasons = dict.fromkeys(cell.reason for _, cell in cells)  # each method's own, once (a missing package)
+        raise GcbenchError(f"nothing in this grid can be predicted: {'; '.join(reasons)}")
     return cells
 
 

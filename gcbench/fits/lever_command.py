@@ -18,6 +18,7 @@ from gcbench.fits.levers import LEVERS, LeverPlan, Row, candidate_fields, candid
 from gcbench.fits.predict import DEFAULT_EFFICIENCY, spec_at
 from gcbench.gpus import gpu
 from gcbench.grid import one_value_each
+from gcbench.results.schema import Status
 from gcbench.units import fmt_bytes, parse_bytes
 
 
@@ -28,6 +29,7 @@ def make_plan(values: dict[str, tuple], levers: str, budget: int, target: str,
         raise GcbenchError("no --model given: which model to plan for (see `gcbench models`)")
     if "seq_len" not in values:
         raise GcbenchError("--levers needs the sequence length: give --seq")
+    _check_values(values)
     searched, fixed = lever_space(levers, {k: v for k, v in values.items() if k in LEVERS}, target)
     if global_batch is not None and "grad_accum" in fixed:
         raise GcbenchError(f"--batch {global_batch} (the global batch a plan reaches) and --grad-accum "
@@ -44,6 +46,19 @@ def make_plan(values: dict[str, tuple], levers: str, budget: int, target: str,
     if not plan.rows:
         raise GcbenchError("--levers: no candidate to predict")
     return plan
+
+
+def _check_values(values: dict[str, tuple]) -> None:
+    """Each value the user gave, read by its lever's own parser: a bad one is one line and exit 2 here, before it
+    could be taken for a combination the run refuses (candidates' `refused`)."""
+    from gcbench.adapters import parse_adapter
+    from gcbench.losses import parse_loss
+    from gcbench.policies import parse_policy
+
+    for name, parse in (("adapter", parse_adapter), ("loss", parse_loss), ("policy", parse_policy)):
+        for value in values.get(name, ()):
+            if isinstance(value, str):
+                parse(value)
 
 
 def fit_levers(spec_values: dict[str, Any], levers: str, memory: str | None, headroom: str, out: Path,
@@ -65,6 +80,8 @@ def fit_levers(spec_values: dict[str, Any], levers: str, memory: str | None, hea
     budget = math.floor(total * (1 - parse_fraction(headroom, "--headroom")))
     batch = values.pop("batch_size", None)
     plan = make_plan({**values, "device": ("cpu",)}, levers, budget, target, batch[0] if batch else None)
+    if target == DeviceKind.CPU or here:  # the plan's winner runs here: only what this machine can run is ranked
+        leave_out_unrunnable(plan)
     peak = _gpu_peak() if here else None
     with bar:
         ranked = predict_plan(plan, peak, DEFAULT_EFFICIENCY, bar)
@@ -83,6 +100,27 @@ def fit_levers(spec_values: dict[str, Any], levers: str, memory: str | None, hea
                     isolation)
     for line in verification_lines(winner, record, out):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if record.get("status") == Status.ERROR:  # a crash, not a result: as a sweep's, exit 1
+        import typer
+
+        raise typer.Exit(1)
+
+
+def leave_out_unrunnable(plan: LeverPlan) -> None:
+    """Move the candidates this machine cannot run (a package their optimizer or adapter needs is not installed:
+    RunSpec.check_runnable) from plan.rows to plan.unrunnable, each with why; none left is one GcbenchError."""
+    runnable = []
+    for row in plan.rows:
+        try:
+            spec_at(candidate_fields(plan, row), row.spec_fields["policy"], "batch_size", 1).check_runnable()
+        except GcbenchError as e:
+            row.reason = str(e)
+            plan.unrunnable.append(row)
+        else:
+            runnable.append(row)
+    if not runnable:
+        raise GcbenchError(f"--levers: no candidate this machine can run: {plan.unrunnable[0].reason}")
+    plan.rows = runnable
 
 
 def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu_name: str | None, headroom: str,
@@ -155,7 +193,8 @@ def verify(plan: LeverPlan, row: Row, device: str, out: Path, timeout: float, is
     from gcbench.results.store import append_record, check_appendable
 
     check_appendable(out)
-    spec = spec_at({**candidate_fields(plan, row), "device": device, "memory_cap_bytes": plan.budget, "grad_accum": row.accum},
+    spec = spec_at({**candidate_fields(plan, row), "device": device, "memory_cap_bytes": plan.budget,
+                    "grad_accum": row.accum},
                    row.spec_fields["policy"], "batch_size", row.micro_batch)
     record = launcher(isolation, timeout, models=[row.spec_fields["model"]])(spec, lambda phase: None)
     append_record(out, record)

@@ -1,81 +1,121 @@
 """The tables of a plan across levers (`gcbench fit --levers`, `gcbench estimate --fit --levers`): per group (full
-fine-tune, adapters) the top candidates by predicted tokens/s, and why the others are not ranked; and the lines
-that hold the winner's real run against its prediction. Plain values in, rich Tables and text out."""
+fine-tune, adapters) the top candidates by predicted tokens/s and a short caption (why the others are not ranked,
+each reason once, shortened); a group with nothing ranked is one line. And the lines that hold the winner's real
+run against its prediction. Plain values in, rich renderables and text out."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich import box
+from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from gcbench.fits.levers import ADAPTERS, DEFAULT_TOP, FULL, LeverPlan, Row
 from gcbench.results.schema import Status, peak_bytes
 from gcbench.text import markup, plain
-from gcbench.units import fmt_bytes
+from gcbench.units import fmt_bytes, plural
 
-REASONS_SHOWN = 6  # lines of "not ranked" reasons under a table; the rest counted
+REASONS_SHOWN = 4  # lines of "not ranked" reasons under a table; the rest on one line
+WIDTH = 80  # a caption line is shortened to this (piped output is 80 columns)
+# the install hint of an optimizer's or an adapter's check_installed
+_NOT_INSTALLED = re.compile(r", which (?:is|are) not installed: (pip install \S+)")
 
 
 def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], no_peak: str | None,
-                 efficiency: float, top: int = DEFAULT_TOP) -> list[Table]:
-    """A table per group with a candidate in it. `no_peak`: the target whose peak FLOP/s is unknown (the speed is
+                 efficiency: float, top: int = DEFAULT_TOP) -> list[RenderableType]:
+    """Per group with a candidate (or one left out as not runnable here: plan.unrunnable): its table and caption, or
+    one line when none of its candidates is ranked. `no_peak`: the target whose peak FLOP/s is unknown (the speed is
     then relative to the group's best: the same ranking)."""
     fields = plan.fields
-    tables = []
+    shown: list[RenderableType] = []
     for group in (FULL, ADAPTERS):
         rows = [r for r in ranked if r.group == group]
-        if not rows:
-            continue
+        missing = _by_reason([r for r in plan.unrunnable if r.group == group])
         fitting = [r for r in rows if r.fits]
+        name = group.split(" (")[0]
+        if not fitting:
+            if rows or missing:
+                reasons = _by_reason(rows)
+                why = [_short(reason, 72) + (f" ({len(rs)})" if len(reasons) > 1 else "")
+                       for reason, rs in reasons[:REASONS_SHOWN]]
+                why += [plural(len(reasons) - REASONS_SHOWN, "more reason")] if len(reasons) > REASONS_SHOWN else []
+                head = f"none of {plural(len(rows), 'candidate')} ranked" if rows else "not searched"
+                shown.append(Text(plain(f"{name}: {head}: " + "; ".join(why + [text for text, _ in missing]))))
+            continue
         speed = "x best" if no_peak else "tokens/s"
         table = Table(title=markup(f"{fields['model']} · seq {fields['seq_len']} · plan across levers · {group}"),
-                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, caption_justify="left")
+                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for col in ("#", "levers", "batch", "peak", speed, "by"):
             table.add_column(col, justify="left" if col == "levers" else "right", no_wrap=col != "levers",
                              overflow="fold")
-        best = fitting[0].flops_per_token if fitting else None
+        best = fitting[0].flops_per_token
         for i, r in enumerate(fitting[:top], 1):
-            shown = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else \
+            value = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else \
                 f"{best / r.flops_per_token:.3f}" if best and r.flops_per_token else "-"
-            table.add_row(str(i), markup(r.words()), f"{r.micro_batch} x {r.accum}", fmt_bytes(r.peak), shown,
+            table.add_row(str(i), markup(r.words()), f"{r.micro_batch} x {r.accum}", fmt_bytes(r.peak), value,
                           r.method)
-        lines = list(caption)
-        lines.append(f"{len(fitting)} of {len(rows)} candidates fit; PREDICTED, nothing ran: peak by the method in "
-                     "`by`; " + (f"tokens/s = peak FLOP/s x {efficiency:g} / FLOPs per token (recompute included)"
-                                 if not no_peak else f"x best: the best's FLOPs per token / the row's (no peak FLOP/s "
-                                 f"for {no_peak})"))
-        if group == ADAPTERS:
-            lines.append("adapters train a different thing (the base frozen): ranked apart from full fine-tuning")
+        lines = [*caption, f"PREDICTED, nothing ran; {len(fitting)} of {len(rows)} fit; batch {fitting[0].micro_batch} "
+                 f"x {fitting[0].accum} = micro-batch x accumulation",
+                 f"tokens/s = peak FLOP/s x {efficiency:g} / FLOPs per token (recompute included)" if not no_peak
+                 else f"x best = the best's FLOPs per token / the row's (no peak FLOP/s for {no_peak})"]
         lines += _reasons(rows)
+        lines += [f"not ranked: {text}" for text, _ in missing]  # whole: the line says what to install
         if plan.refused and group == FULL:
-            lines.append(f"not candidates ({len(plan.refused)}): combinations a run refuses, e.g. "
-                         f"{markup(plan.refused[0])}")
-        table.caption = "\n".join(lines)
-        tables.append(table)
-    return tables
+            lines.append(_line(f"not candidates ({len(plan.refused)}): a run refuses them, e.g. ", plan.refused[0],
+                               ""))
+        shown.append(Group(table, Text(plain("\n".join(lines), lines=True))))
+    return shown
 
 
-def _reasons(rows: Sequence[Row]) -> list[str]:
-    """The reasons of the rows not ranked, each once, with how many and one example."""
+def _by_reason(rows: Sequence[Row]) -> list[tuple[str, list[Row]]]:
     by_reason: dict[str, list[Row]] = {}
     for r in rows:
         if not r.fits:
-            by_reason.setdefault(r.reason or "does not fit", []).append(r)
-    lines = [f"not ranked ({len(rs)}): {markup(reason)} (e.g. {markup(rs[0].words())})"
-             for reason, rs in list(by_reason.items())[:REASONS_SHOWN]]
-    if len(by_reason) > REASONS_SHOWN:
-        lines.append(f"not ranked: {sum(len(rs) for rs in list(by_reason.values())[REASONS_SHOWN:])} more, "
-                     f"for {len(by_reason) - REASONS_SHOWN} other reasons")
+            by_reason.setdefault(_NOT_INSTALLED.sub(r" (\1)", r.reason or "does not fit"), []).append(r)
+    return list(by_reason.items())
+
+
+def _reasons(rows: Sequence[Row]) -> list[str]:
+    """The reasons of the rows not ranked, each once, shortened to a line, with how many and one example."""
+    reasons = _by_reason(rows)
+    lines = [_line(f"not ranked ({len(rs)}): ", reason, f" (e.g. {rs[0].words()})")
+             for reason, rs in reasons[:REASONS_SHOWN]]
+    if rest := reasons[REASONS_SHOWN:]:
+        head = (f"not ranked: {plural(sum(len(rs) for _, rs in rest), 'more candidate')}, "
+                f"{plural(len(rest), 'other reason')}: ")
+        lines.append(_line(head, "; ".join(_short(reason, 30) for reason, _ in rest), ""))
     return lines
 
 
+def _short(text: str, width: int) -> str:
+    """`text` cut at a word to at most `width` characters, an ellipsis where cut."""
+    text = " ".join(str(text).split())
+    if len(text) <= width:
+        return text
+    cut = text[:max(width - 1, 1)]
+    return (cut[:cut.rfind(" ")] if " " in cut[width // 2:] else cut).rstrip(" ,;:") + "…"
+
+
+def _line(head: str, reason: str, tail: str) -> str:
+    """head + reason + tail in one line of WIDTH, the reason shortened (the tail dropped where it leaves no room)."""
+    room = WIDTH - len(head) - len(tail)
+    if room < 50:
+        tail, room = "", WIDTH - len(head)
+    return head + _short(reason, room) + tail
+
+
 def verification_lines(row: Row, record: Mapping[str, Any], out: Any) -> list[str]:
-    """The winner's real run against its prediction, plain text."""
+    """The winner's real run against its prediction, plain text; a run that did not end ok is one line saying so
+    (its error's first line), then the records file."""
     head = f"winner run for real ({row.words()}, batch {row.micro_batch} x {row.accum})"
     if record.get("status") != Status.OK:
-        return [plain(f"{head}: {record.get('status')}: {record.get('error')}"), f"record in {plain(out)}"]
+        error = (str(record.get("error") or "").strip().splitlines() or [""])[0]
+        return [plain(f"{head} FAILED: {record.get('status')}" + (f": {error}" if error else "")),
+                f"record in {plain(out)}"]
     measured = peak_bytes(record)
     error = f" ({(row.peak - measured) / measured:+.1%} predicted vs measured)" if measured and row.peak else ""
     return [plain(f"{head}: ok"),

@@ -144,6 +144,7 @@ class LeverPlan:
     global_batch: int | None = None  # micro-batch x accumulation to reach; None: the largest micro-batch
     rows: list[Row] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # combinations the run refuses, and why
+    unrunnable: list[Row] = field(default_factory=list)  # left out: this machine cannot run them (reason: why)
 
     @property
     def hi(self) -> int:

@@ -57,7 +57,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
              "in": "in = the phase that reaches the peak (opt: the optimizer step, which checkpointing cannot lower)",
              "paged": "paged = optimizer state in CUDA managed memory (bitsandbytes), not in the peak",
              "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else "")}
-    notes = ["; ".join([unit, *(text for header, text in words.items() if header in shown)]
+    notes = ["; ".join([f"sizes in {unit}", *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
                        + ([f"fits = peak <= {fmt_bytes(memory_bytes)}"] if memory_bytes else []))]
     stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})

@@ -58,6 +58,9 @@ def run_table(record: dict[str, Any]) -> Table:
         error = record["predicted_peak_bytes"] / measured - 1
         table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
                       f"{record.get('prediction_method')} before the run, {error:+.1%} vs measured")
+    elif not record.get("predicted_peak_bytes") and not compiled:
+        table.add_row("predicted peak", "[dim]not predicted[/]", "the analytic formulas do not cover this "
+                      "setup; --predict simulates it before the run")
     if record.get("peak_phase"):
         table.add_row("peak reached in", f"[bold]{record['peak_phase']}[/]", _phase_text(record))
     if record.get("activation_peak_bytes") is not None:
@@ -128,11 +131,12 @@ def before_run_notes(spec: Any) -> list[str]:
     if not policy.compiles and not blocks:
         return []
     name = policy.name if policy.compiles else "--compile blocks"
-    notes = [f"{name} compiles every block with torch.compile before the first step: minutes on CPU while "
-             "inductor's on-disk cache is cold, never counted in the step time"]
+    notes = [f"{name} compiles every block with torch.compile before the first step: half a minute to minutes on "
+             "CPU while inductor's on-disk cache is cold, never counted in the step time"]
     if (policy.hidden_from_dispatch_modes or blocks) and spec.device_kind is DeviceKind.CPU:
         notes.append(f"{name} on CPU: peak memory and FLOPs are not measured (the live-tensor tracker and the "
-                     "FLOP counter would make torch.compile run the blocks uncompiled); its step time is")
+                     "FLOP counter would make torch.compile run the blocks uncompiled); its step time and the bytes it "
+                     "saves for backward are")
     return notes
 
 

@@ -324,8 +324,12 @@ def policy_label(record: Mapping[str, Any]) -> str:
 
 
 def config_label(record: Mapping[str, Any]) -> str:
-    """A configuration in a few words, for progress lines and errors."""
-    return f"{record['model']} seq {record['seq_len']} batch {record['batch_size']} {policy_label(record)}"
+    """A configuration in a few words, for progress lines and errors: model, shape, policy, and the levers set away
+    from their defaults ("lora:r=8 · loss chunked"), so that two configs of one sweep never read alike."""
+    levers = [w for f in RUN_FIELDS if f.role is Role.LEVER and f.default not in ("", None)
+              and record.get(f.name, f.default) != f.default and (w := f.text(record))]
+    return " · ".join([f"{record['model']} seq {record['seq_len']} batch {record['batch_size']} "
+                       f"{policy_label(record)}", *levers])
 
 
 def peak_bytes(record: Mapping[str, Any]) -> int | None:
