@@ -448,3 +448,22 @@ def test_compare_across_thread_counts_names_that_difference(tmp_path, records):
     result = runner.invoke(app, ["compare", str(a), str(b)])
     assert result.exit_code == 2
     assert "differ in torch threads (OLD 1, NEW 2)" in result.stderr and "--threads" in result.stderr
+
+
+def test_a_sweep_table_with_long_setups_wraps_the_setup_not_the_numbers():
+    """Levers set on some configs ("lora:r=8 · loss chunked") make a wide setup column: at 80 columns it wraps, and
+    every number keeps its column (rich would otherwise cut the last columns off with an ellipsis)."""
+    from rich.console import Console
+
+    from gcbench.report.sweep_tables import summary_table
+    from tests.test_compare import sweep
+
+    records = sweep(seed=1)
+    for i, r in enumerate(records):
+        r.update(adapter="lora:r=8,dropout=0.1" if i % 2 else "none", loss="chunked:n=4" if i % 4 > 1 else "ce")
+    console = Console(width=80, record=True)
+    console.print(summary_table(records, 80))
+    text = console.export_text()
+    assert "…" not in text and "peak" in text and max(map(len, text.splitlines())) <= 80
+    assert all(f"{r['step_ms_median']:.1f}" in text for r in records)
+    assert "lora:r=8,dropout" in text and "chunked:n=4" in text

@@ -123,25 +123,32 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
     setups = len(frame) > 0 and (frame["setup"] != "").any()
     dropped = {c for c, keep in (("model", len(models) > 1), ("setup", setups), ("time x", paired),
                                  ("note", bool(notes))) if not keep}
-    for optional in (None, "act. peak", "tokens/s"):
-        dropped |= {optional} - {None}
+    # last, a long setup ("lora:r=8 · loss chunked") wraps in its column rather than cut the numbers off
+    for optional in (None, "act. peak", "tokens/s", WRAP_SETUP):
+        dropped |= {optional} - {None, WRAP_SETUP}
         peaks = "peak: CUDA max_memory_allocated, or on CPU the live-tensor tracker's peak" + (
             "" if "act. peak" in dropped else "; act. peak: fwd+bwd peak above model state")
-        table = _summary(title, [peaks, *caption], [c for c in columns if c not in dropped], columns, rows)
+        table = _summary(title, [peaks, *caption], [c for c in columns if c not in dropped], columns, rows,
+                         wrap_setup=optional == WRAP_SETUP)
         if fits(table, width):
             break
     return table
 
 
-def _summary(title: str, caption: list[str], shown: list[str], columns: list[str], rows: list[list[str]]) -> Table:
+WRAP_SETUP = "wrap setup"
+
+
+def _summary(title: str, caption: list[str], shown: list[str], columns: list[str], rows: list[list[str]],
+             wrap_setup: bool = False) -> Table:
     # A light box (no vertical rules) so that the config and its numbers fit an 80-column terminal.
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                   caption="\n".join(caption), caption_justify="left")
     index = [columns.index(c) for c in shown]
     for col, i in zip(shown, index):
+        wraps = wrap_setup and col == "setup"
         table.add_column(col, justify="left" if col in ("model", "setup", "policy", "status") else "right",
-                         no_wrap=True,
-                         min_width=max(len(r[i]) for r in rows) if rows else None)
+                         no_wrap=not wraps, overflow="fold" if wraps else "ellipsis",
+                         min_width=max(len(r[i]) for r in rows) if rows and not wraps else None)
     for row in rows:
         cells = [row[i] for i in index]
         if "status" in shown:
