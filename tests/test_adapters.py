@@ -148,6 +148,7 @@ def test_adapter_gradients_equal_none_under_every_policy(policy):
         torch.testing.assert_close(g, r)
 
 
+@pytest.mark.slow  # seconds each on 2 cores: CI's slow set runs them
 @pytest.mark.parametrize("adapter", ["dora", "qlora"])
 def test_dora_and_qlora_run_on_cpu_as_the_simulation_predicts(adapter):
     record = adapted_run(adapter)
@@ -163,6 +164,7 @@ def test_dora_and_qlora_run_on_cpu_as_the_simulation_predicts(adapter):
         assert record["param_bytes"] == record["adapter_param_bytes"] + 4 * rest + sum(map(nf4_bytes, linears))
 
 
+@pytest.mark.slow  # seconds on 2 cores: CI's slow set runs it (the default suite stays under 5 minutes)
 def test_qlora_counts_the_flops_lora_counts_measured_and_simulated():
     """A 4-bit layer's forward is one bitsandbytes op the FLOP counter cannot see into (adapters.count_gemm_4bit_flops
     teaches it): the same matmuls as LoRA's base at the same rank, so the same FLOPs, measured and simulated."""
@@ -174,6 +176,7 @@ def test_qlora_counts_the_flops_lora_counts_measured_and_simulated():
     assert step_flops(spec, "cpu") == qlora["flops"]
 
 
+@pytest.mark.slow  # seconds on 2 cores: CI's slow set runs it (the default suite stays under 5 minutes)
 def test_a_qlora_base_for_cuda_is_built_on_the_host_and_quantised_onto_the_gpu(fake_cuda, monkeypatch):
     """The unquantised base never takes GPU memory (a 7B bf16 base would not fit a budget its 4-bit one fits):
     runner builds it where Adapter.build_device says, then each 4-bit layer and the rest go to the GPU (here the

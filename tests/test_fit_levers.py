@@ -159,6 +159,7 @@ def test_a_global_batch_is_the_largest_dividing_micro_batch_times_accumulation(m
 
 # ----------------------------------------------------------------------------------------------- end to end
 
+@pytest.mark.slow  # seconds on 2 cores: CI's slow set runs it (the default suite stays under 5 minutes)
 def test_fit_levers_on_cpu_prints_a_ranked_plan_and_verifies_the_winner(tmp_path):
     out = tmp_path / "levers.jsonl"
     result = runner.invoke(app, ["fit", "--model", "tiny-llama", "--seq", "64", "--memory", "12MiB", "--device",
@@ -201,6 +202,7 @@ def test_estimate_levers_goes_with_fit_and_a_gpu():
     assert bad.exit_code == 2 and "--gpu NAME or --gpu-memory" in bad.stderr
 
 
+@pytest.mark.slow  # seconds on 2 cores: CI's slow set runs it (the default suite stays under 5 minutes)
 def test_estimate_levers_for_a_gpu_by_name():
     result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu",
                                  "rtx4090-24gb", "--levers", "policy"])

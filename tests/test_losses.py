@@ -113,6 +113,7 @@ def big_vocab(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow  # seconds on 2 cores: CI's slow set runs it (the default suite stays under 5 minutes)
 def test_chunked_lowers_the_tracked_peak_by_the_logits_bytes_the_estimate_says(big_vocab):
     fields = dict(model=big_vocab, seq_len=128, batch_size=2, device="cpu", precision="fp32", optimizer="sgd",
                   warmup_steps=1, measure_steps=1)

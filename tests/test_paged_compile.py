@@ -111,7 +111,7 @@ def test_a_run_keeps_paged_state_apart_from_optimizer_bytes(monkeypatch):
     assert "paged optimizer state" in console.export_text()
 
 
-@pytest.mark.parametrize("name", PAGED)
+@pytest.mark.parametrize("name", [PAGED[0], *(pytest.param(n, marks=pytest.mark.slow) for n in PAGED[1:])])
 def test_a_cpu_run_pages_nothing_and_the_simulation_predicts_it_exactly(name):
     record = run(tiny_spec(optimizer=name, seq_len=32, predict=True))
     assert record["optimizer_paged_bytes"] == 0
@@ -119,7 +119,7 @@ def test_a_cpu_run_pages_nothing_and_the_simulation_predicts_it_exactly(name):
     assert record["predicted_peak_phase"] == record["peak_phase"]
 
 
-@pytest.mark.parametrize("method", ["simulate", "analytic"])
+@pytest.mark.parametrize("method", [pytest.param("simulate", marks=pytest.mark.slow), "analytic"])
 def test_a_cuda_prediction_leaves_paged_state_out_of_the_peak(method):
     """llama-7b's dimensions (one block, a short sequence: fake tensors cost nothing): paged_adamw8bit is adamw8bit
     with its large uint8 states in managed memory. On a CUDA target the peak and optimizer_bytes drop by exactly
