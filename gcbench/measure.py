@@ -33,6 +33,38 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def _count_kv_heads_as_query_heads() -> None:
+    """Grouped-query attention (Llama 3, Mistral, Qwen: fewer key/value heads than query heads) on CUDA: torch
+    before 2.13 asserts in `sdpa_flop_count` and `sdpa_backward_flop_count` when the heads differ, so FlopCounterMode
+    aborted the step of every such model on a GPU (measured on an H200 with torch 2.11: tiny-llama's `run` failed).
+    The kernels broadcast each key/value head over its query group, so the FLOPs are those with the key/value heads
+    repeated; torch 2.13 counts exactly that (torch/utils/flop_counter.py, "Supports GQA"). On a torch that refuses
+    the shapes, the two counters get the key/value shapes with the query's heads; a torch that accepts them is left
+    as it is."""
+    forward, backward = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+    try:
+        forward((1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))
+        return
+    except AssertionError:
+        pass
+
+    def as_query_heads(query_shape, *shapes):
+        heads = query_shape[1]
+        return [(s[0], heads, *s[2:]) if s[1] != heads and s[1] and heads % s[1] == 0 else s for s in shapes]
+
+    def gqa_forward(query_shape, key_shape, value_shape):
+        return forward(query_shape, *as_query_heads(query_shape, key_shape, value_shape))
+
+    def gqa_backward(grad_out_shape, query_shape, key_shape, value_shape):
+        return backward(grad_out_shape, query_shape, *as_query_heads(query_shape, key_shape, value_shape))
+
+    # The registered formulas (sdpa_flop, sdpa_backward_flop) look these names up in their module at each call.
+    flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count = gqa_forward, gqa_backward
+
+
+_count_kv_heads_as_query_heads()
+
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     """A tensor's storage. A DTensor (an FSDP2-sharded parameter, its gradient, its optimizer state) is a wrapper
     without storage of its own: its storage is this rank's shard's (`_local_tensor`, which FSDP2 reads too)."""

@@ -71,6 +71,41 @@ def test_cpu_attention_flops_are_counted():
     assert c.get_total_flops() > 0
 
 
+def _strict_heads(count):
+    """torch before 2.13: the SDPA FLOP counters assert when query and key/value heads differ."""
+    def strict(*shapes):
+        if len({shape[1] for shape in shapes}) != 1:
+            raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+        return count(*shapes)
+    return strict
+
+
+@pytest.mark.parametrize("torch_before_2_13", [False, True])
+def test_grouped_query_attention_on_the_cuda_kernels_counts_the_repeated_key_value_heads(monkeypatch,
+                                                                                          torch_before_2_13):
+    """An H200 run of tiny-llama (4 query heads, 2 key/value heads) failed in torch 2.11's FLOP counter."""
+    from torch.utils import flop_counter
+
+    from gcbench import measure
+
+    if torch_before_2_13:
+        for name in ("sdpa_flop_count", "sdpa_backward_flop_count"):
+            monkeypatch.setattr(flop_counter, name, _strict_heads(getattr(flop_counter, name)))
+        with pytest.raises(AssertionError):
+            flop_counter.sdpa_flop_count((2, 4, 256, 16), (2, 2, 256, 16), (2, 2, 256, 16))
+        measure._count_kv_heads_as_query_heads()
+    q, kv, kv_repeated = (torch.empty(shape, device="meta") for shape in
+                          ((2, 4, 256, 16), (2, 2, 256, 16), (2, 4, 256, 16)))
+    aten = torch.ops.aten
+    forward = flop_counter.flop_registry[aten._scaled_dot_product_efficient_attention]
+    backward = flop_counter.flop_registry[aten._scaled_dot_product_efficient_attention_backward]
+    two_bmms = 2 * (2 * 2 * 4 * 256 * 16 * 256)  # scores and output, each 2*b*h*s*d*s
+    assert forward(q, kv, kv, None, True, out_val=(q,)) == two_bmms
+    assert forward(q, kv, kv, None, True, out_val=(q,)) == forward(q, kv_repeated, kv_repeated, None, True,
+                                                                    out_val=(q,))
+    assert backward(q, q, kv, kv, out_val=(q, kv, kv)) == 5 * two_bmms // 2
+
+
 def test_peak_flops_table():
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops("NVIDIA H100 PCIe") == 756e12
