@@ -4,7 +4,7 @@ bytes, FLOPs with recompute, and the devices' peak FLOP/s. The CPU and CUDA inst
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -236,6 +236,48 @@ def note_saved(tensors: Iterable[torch.Tensor]) -> None:
 
 @contextmanager
 def counting_flops():
-    """FLOPs of everything run inside (forward, backward and any recompute); read `.get_total_flops()`."""
-    with FlopCounterMode(display=False) as counter:
+    """FLOPs of everything run inside (forward, backward and any recompute); read `.get_total_flops()`.
+
+    FlopCounterMode's own `with` also enters a ModuleTracker, whose hooks on every module's outputs keep tensors
+    alive that a checkpoint would have dropped: a checkpointed step counted that way needs about the memory of the
+    step without checkpoints (on a GPU, a config that fits only with its checkpoints runs out of memory there). So
+    only its dispatch mode is entered (torch/utils/flop_counter.py, _FlopCounterMode: the same formulas and
+    decompositions, the totals under "Global"); a torch without it (before 2.5) gets the whole counter."""
+    counter = FlopCounterMode(display=False)
+    mode = getattr(flop_counter, "_FlopCounterMode", None)
+    with mode(counter) if mode is not None else counter:
         yield counter
+
+
+class RecomputeFlops(TorchDispatchMode):
+    """The FLOPs a backward spends recomputing the forward (a checkpoint's recompute), told apart by grad mode:
+    torch.utils.checkpoint runs the recompute under torch.enable_grad() (_checkpoint_hook's unpack, non-reentrant),
+    while autograd runs the backward functions with grad mode off (unless create_graph). Counted only inside
+    `backward()`, where every op with grad mode on is recompute; so the step's FLOPs less these are the FLOPs
+    without the policy (the MFU numerator), with no second pass of the model without its checkpoints, which would
+    need the memory the policy saves (on a GPU, a config that fits only with checkpointing ran out of memory there).
+
+    Enter it before `counting_flops()`: FlopCounterMode then sits on top, decomposes what it decomposes, and this
+    mode sees the ops the counter counts, with the counter's formulas (flop_registry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self._on = False
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._on and torch.is_grad_enabled():
+            formula = flop_counter.flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.flops += formula(*args, **kwargs, out_val=out)
+        return out

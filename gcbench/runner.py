@@ -36,7 +36,7 @@ from gcbench.errors import GcbenchError, WontFit
 from gcbench.estimators import predict_for_run, resolve_plan
 from gcbench.estimators.stored import stored_prediction
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
-from gcbench.measure import SavedActivations, counting_flops, storage_bytes
+from gcbench.measure import RecomputeFlops, SavedActivations, counting_flops, storage_bytes
 from gcbench.optimizers import optimizer_kind
 from gcbench.models import build_meta_model, build_model, count_params, find_blocks
 from gcbench.policies import Plan
@@ -213,9 +213,9 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
     # the adapter before the policy: the policy wraps blocks that already hold the adapted layers
     model = apply_adapter(model, adapter, compute_dtype(spec), spec.device)
     blocks = find_blocks(model)  # the ModuleList: the policy puts its wrappers back into it
-    undo_policy = spec.policy.apply(blocks)
+    spec.policy.apply(blocks)
     compiled = spec.compile == BLOCKS
-    if compiled:  # after the policy, as torchtitan does (apply_ac, then apply_compile); undo_policy uncompiles them
+    if compiled:  # after the policy, as torchtitan does (apply_ac, then apply_compile)
         compile_blocks(blocks)
     sharded = spec.shard != "none"
     if sharded:  # after the policy, as torchtitan does: FSDP gathers a block, the checkpoint runs inside it
@@ -247,20 +247,16 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
         out.update(dict.fromkeys(TRACKED_PEAK_FIELDS, None))
 
     progress("counting saved bytes and FLOPs")
-    with counting_flops() as flops:
-        saved_bytes = _saved_bytes(step)
+    recompute = RecomputeFlops()
+    with recompute, counting_flops() as flops:
+        saved_bytes = _saved_bytes(step, recompute)
     offloaded = spec.policy.offloaded_bytes(step.model)  # what the policy's blocks moved in the forward just run
-    model_flops = None
-    if not sharded:  # a sharded block cannot lose its checkpoint wrapper: FSDP2 hooks the wrapper (no MFU then)
-        undo_policy()
-        progress("counting model FLOPs")
-        with counting_flops() as model_flops:
-            step.forward_backward()
 
     median_s = out["step_ms_median"] / 1e3
     out["saved_activation_bytes"] = hidden_saved_bytes if hidden else saved_bytes
     out["flops"] = None if hidden else flops.get_total_flops()
-    out["model_flops"] = model_flops.get_total_flops() if model_flops is not None else None
+    # Without the recompute: the FLOPs without the policy (a hidden policy's pass ran eagerly, recomputing nothing)
+    out["model_flops"] = flops.get_total_flops() - recompute.flops
     known = out["flops"] is not None and out["model_flops"]
     out["recompute_flops_ratio"] = out["flops"] / out["model_flops"] - 1 if known else None
     out["tokens_per_s"] = spec.batch_size * spec.grad_accum * spec.seq_len / median_s  # every micro-batch
@@ -284,15 +280,17 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _saved_bytes(step: TrainingStep) -> int:
+def _saved_bytes(step: TrainingStep, recompute: RecomputeFlops | None = None) -> int:
     """Bytes the first micro-batch's forward saves for backward (saved_tensors_hooks; parameters excluded), then a
-    whole step's forward and backward passes, so that FLOPs counted around it are the step's."""
+    whole step's forward and backward passes, so that FLOPs counted around it are the step's (`recompute` told
+    when each backward runs)."""
     # In a rank, FSDP2 gathers each block's parameters for its forward: what autograd saves of them is not activation.
     saved = SavedActivations(exclude=step.params(), exclude_now=step.model.parameters if in_rank() else None)
     for i, micro_batch in enumerate(step.micro_batches):
         with saved.recording() if i == 0 else nullcontext():
             loss = step.forward(micro_batch)
-        loss.backward()
+        with recompute.backward() if recompute is not None else nullcontext():
+            loss.backward()
     return saved.bytes
 
 

@@ -124,7 +124,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Es
         unproven = check is not None and not check.proven
         counted = tally.total if tally is not None and tally.exact else None
         if flops and counted is None and not unproven:
-            # Apart from the tracked step: FlopCounterMode's module hooks keep tensors alive, which would be counted
+            # Apart from the tracked step: the counter runs some ops as their decompositions (shortcuts.FlopTally)
             with counting_flops() as counter:
                 step.forward_backward()
             counted = counter.get_total_flops()
