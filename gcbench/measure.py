@@ -241,19 +241,44 @@ def counting_flops():
     FlopCounterMode's own `with` also enters a ModuleTracker, whose hooks on every module's outputs keep tensors
     alive that a checkpoint would have dropped: a checkpointed step counted that way needs about the memory of the
     step without checkpoints (on a GPU, a config that fits only with its checkpoints runs out of memory there). So
-    only its dispatch mode is entered (torch/utils/flop_counter.py, _FlopCounterMode: the same formulas and
-    decompositions, the totals under "Global"); a torch without it (before 2.5) gets the whole counter."""
+    only its dispatch mode is entered: torch/utils/flop_counter.py's _FlopCounterMode (torch 2.6 on: the same
+    formulas and decompositions, the totals under "Global"); before 2.6 the counter is that dispatch mode itself,
+    entered as one without its __enter__, which adds the tracker."""
     counter = FlopCounterMode(display=False)
     mode = getattr(flop_counter, "_FlopCounterMode", None)
-    with mode(counter) if mode is not None else counter:
+    if mode is not None:
+        with mode(counter):
+            yield counter
+        return
+    TorchDispatchMode.__enter__(counter)
+    try:
         yield counter
+    finally:
+        TorchDispatchMode.__exit__(counter, None, None, None)
+
+
+def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """torch.utils.checkpoint.checkpoint, with `function` telling a RecomputeFlops in use when it runs as the
+    recompute (every checkpoint gcbench makes goes through here)."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    def run(*inner: Any, **named: Any) -> Any:
+        counter = _RECOMPUTE[-1] if _RECOMPUTE else None
+        if counter is None or not counter.in_backward:
+            return function(*inner, **named)
+        counter.depth += 1
+        try:
+            return function(*inner, **named)
+        finally:
+            counter.depth -= 1
+
+    return torch_checkpoint(run, *args, **kwargs)
 
 
 class RecomputeFlops(TorchDispatchMode):
-    """The FLOPs a backward spends recomputing the forward (a checkpoint's recompute), told apart by grad mode:
-    torch.utils.checkpoint runs the recompute under torch.enable_grad() (_checkpoint_hook's unpack, non-reentrant),
-    while autograd runs the backward functions with grad mode off (unless create_graph). Counted only inside
-    `backward()`, where every op with grad mode on is recompute; so the step's FLOPs less these are the FLOPs
+    """The FLOPs a backward spends recomputing the forward: those of the ops a checkpointed function (`checkpoint`
+    above) runs inside `backward()`, whatever the grad mode (a custom autograd.Function's forward, such as
+    bitsandbytes' 4-bit matmul, runs with it off even when recomputed). The step's FLOPs less these are the FLOPs
     without the policy (the MFU numerator), with no second pass of the model without its checkpoints, which would
     need the memory the policy saves (on a GPU, a config that fits only with checkpointing ran out of memory there).
 
@@ -263,21 +288,33 @@ class RecomputeFlops(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
-        self._on = False
+        self.in_backward = False
+        self.depth = 0  # checkpointed functions running as their recompute
+
+    def __enter__(self):
+        _RECOMPUTE.append(self)  # a list, not a context variable: CUDA runs the backward on autograd's own thread
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _RECOMPUTE.remove(self)
+        return super().__exit__(*exc)
 
     @contextmanager
     def backward(self) -> Iterator[None]:
-        self._on = True
+        self.in_backward = True
         try:
             yield
         finally:
-            self._on = False
+            self.in_backward = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._on and torch.is_grad_enabled():
+        if self.depth:
             formula = flop_counter.flop_registry.get(func._overloadpacket)
             if formula is not None:
                 self.flops += formula(*args, **kwargs, out_val=out)
         return out
+
+
+_RECOMPUTE: list[RecomputeFlops] = []

@@ -255,7 +255,8 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
     median_s = out["step_ms_median"] / 1e3
     out["saved_activation_bytes"] = hidden_saved_bytes if hidden else saved_bytes
     out["flops"] = None if hidden else flops.get_total_flops()
-    # Without the recompute: the FLOPs without the policy (a hidden policy's pass ran eagerly, recomputing nothing)
+    # Without the recompute: the FLOPs without the policy (a hidden policy's pass ran eagerly: budget recomputes
+    # nothing there, compiled blocks recompute through their eager checkpoints)
     out["model_flops"] = flops.get_total_flops() - recompute.flops
     known = out["flops"] is not None and out["model_flops"]
     out["recompute_flops_ratio"] = out["flops"] / out["model_flops"] - 1 if known else None

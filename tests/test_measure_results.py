@@ -71,6 +71,43 @@ def test_cpu_attention_flops_are_counted():
     assert c.get_total_flops() > 0
 
 
+class _Matmul(torch.autograd.Function):
+    """A matmul inside a custom autograd.Function, whose forward runs with grad mode off even when a checkpoint
+    recomputes it (as bitsandbytes' 4-bit matmul)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+def test_the_recompute_is_told_apart_from_the_step_whatever_the_grad_mode():
+    from gcbench.measure import RecomputeFlops, checkpoint
+
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+
+    def block(x):
+        return _Matmul.apply(torch.relu(x @ w), w)
+
+    def count(checkpointed: bool) -> tuple[int, int]:
+        recompute = RecomputeFlops()
+        with recompute, counting_flops() as flops:
+            loss = (checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)).sum()
+            with recompute.backward():
+                loss.backward()
+        return flops.get_total_flops(), recompute.flops
+
+    plain, none_recomputed = count(False)
+    total, recomputed = count(True)
+    assert none_recomputed == 0 and recomputed == 2 * (2 * 8 * 16 * 16)  # both forward matmuls, run again
+    assert total - recomputed == plain
+
+
 def _strict_heads(count):
     """torch before 2.13: the SDPA FLOP counters assert when query and key/value heads differ."""
     def strict(*shapes):

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from gcbench.errors import GcbenchError
+from gcbench.measure import checkpoint
 from gcbench.policies.base import Policy, register
 
 # The checkpointed version of an implementation is registered in the attention interface under this prefix + the

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from gcbench.errors import GcbenchError
+from gcbench.measure import checkpoint
 
 if TYPE_CHECKING:
     from gcbench.step import TrainingStep

@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from gcbench.measure import moved_to_host
+from gcbench.measure import checkpoint, moved_to_host
 from gcbench.policies.base import Policy, StandsFor, option, register
 from gcbench.policies.classic import EveryK
 

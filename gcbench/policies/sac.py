@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from gcbench.measure import note_saved
+from gcbench.measure import checkpoint, note_saved
 from gcbench.policies.base import Policy, StandsFor, option, register
 from gcbench.policies.classic import Full
 
