@@ -109,11 +109,25 @@ class LiveTensorTracker(TorchDispatchMode):
         key, nbytes = id(storage), storage.nbytes()
         if nbytes == 0 or key in self._live:
             return
-        nbytes = round_up(nbytes, self.granularity_bytes)
-        self._live[key] = nbytes
-        self.current += nbytes
+        self._live[key] = 0
         # Storages keep their Python object while the storage lives, so this fires when the memory is freed.
         weakref.finalize(storage, self._release, key)
+        self._resize(key, nbytes)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """After `storage.resize_`: FSDP2 frees a gathered parameter by resizing its storage to 0 and gathers into
+        the same storage again by resizing it back (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+        free_storage / alloc_storage). Resizing a storage is no dispatched op, so `__enter__` wraps
+        UntypedStorage.resize_, as torch/distributed/_tools/mem_tracker.py (MemTracker._track_resize) does."""
+        if id(storage) in self._live:
+            self._resize(id(storage), storage.nbytes())
+        else:
+            self._add(storage)
+
+    def _resize(self, key: int, nbytes: int) -> None:
+        nbytes = round_up(nbytes, self.granularity_bytes)
+        self.current += nbytes - self._live[key]
+        self._live[key] = nbytes
         if self.current > self.peak:
             self.peak = self.current
             if self.cap_bytes is not None and self.current > self.cap_bytes:
@@ -123,6 +137,21 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
+
+    def __enter__(self):
+        unpatched = self._unpatched_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            out = unpatched(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._unpatched_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
