@@ -33,6 +33,8 @@ PRECISIONS = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),  # pure bf16: params, grads and optimizer state in bf16 (AdamW: 8 B/param)
     "amp-bf16": ("float32", "bfloat16"),  # fp32 master weights, grads and state, bf16 matmuls (AdamW: 16 B/param)
+    # as amp-bf16 with fp16 matmuls and a gradient scaler (torch.amp.GradScaler; step.TrainingStep)
+    "amp-fp16": ("float32", "float16"),
 }
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 
@@ -165,9 +167,9 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("layers", "layers", Int(1, 1_000), "keep only the first N blocks (activation memory is linear in N; "
           "default: all)", None, estimate=True, words=_counted("layer"), unset="all layers"),
     Field("precision", "precision", Choice(tuple(PRECISIONS), "precision"), "fp32 | bf16 (pure: weights, grads and "
-          "optimizer state in bf16) | amp-bf16 (fp32 weights, grads and state; bf16 autocast) (default: bf16 on "
-          "CUDA, fp32 on CPU)", "", role=Role.LEVER, axis=True, words=_as_is, plan=("bf16", "amp-bf16"),
-          plan_role="named"),
+          "optimizer state in bf16) | amp-bf16 (fp32 weights, grads and state; bf16 autocast) | amp-fp16 (the same "
+          "with fp16 autocast and a gradient scaler) (default: bf16 on CUDA, fp32 on CPU)", "", role=Role.LEVER,
+          axis=True, words=_as_is, plan=("bf16", "amp-bf16"), plan_role="named"),
     Field("optimizer", "optimizer", Choice(tuple(OPTIMIZERS), "optimizer"), f"{' | '.join(OPTIMIZERS)} "
           "(docs/levers.md; adamw8bit and the paged ones need bitsandbytes)", "adamw", role=Role.LEVER, axis=True,
           words=_as_is, plan=("adamw", "adamw8bit", "paged_adamw8bit", "adafactor")),

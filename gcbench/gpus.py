@@ -13,7 +13,9 @@ Where each number comes from:
   default 4096 KiB x 8 = 32 MiB on sm90 (Hopper) and 4096 KiB x 2 + 16 KiB x 8 elsewhere; handles are per thread,
   and a training step runs matmuls on two: the forward in the caller's, the backward in autograd's device thread.
 - `peak_flops`: dense bf16 tensor-core FLOP/s with FP32 accumulation, no sparsity, from NVIDIA's datasheets
-  (the URL beside each).
+  (the URL beside each). The MFU of an amp-fp16 run uses it too: each of these datasheets gives the same dense
+  FP16 rate as BF16 (e.g. H100 SXM 989 TFLOPS both, A100 312 both; GeForce RTX 4090: FP16 with FP32 accumulate
+  165.2, as BF16).
 """
 
 from __future__ import annotations

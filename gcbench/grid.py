@@ -170,7 +170,8 @@ class SweepSpec:
         if not n:
             return None
         return (f"{n} config{'s' if n != 1 else ''} left out: --optim-in-backward on cannot accumulate gradients "
-                f"(--grad-accum above 1), and --nproc above 1 is a sharded run (not --shard none)")
+                f"(--grad-accum above 1), --nproc above 1 is a sharded run (not --shard none), and --precision "
+                f"amp-fp16 runs neither with --optim-in-backward on nor sharded")
 
     def shared_options(self) -> str:
         """The options every config shares, as one line for tables."""

@@ -299,6 +299,7 @@ def _check_flash_attention(device: str, precision: str) -> None:
     if DeviceKind.of(device) is not DeviceKind.CUDA:
         raise GcbenchError("--attn flash_attention_2 needs a CUDA device (on CPU use --attn eager or sdpa)")
     if precision == "fp32":
-        raise GcbenchError("--attn flash_attention_2 needs 16-bit activations: use --precision bf16 or amp-bf16")
+        raise GcbenchError("--attn flash_attention_2 needs 16-bit activations: use --precision bf16, amp-bf16 or "
+                           "amp-fp16")
     if importlib.util.find_spec("flash_attn") is None:
         raise GcbenchError("--attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")

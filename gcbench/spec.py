@@ -38,6 +38,12 @@ class _RunSpecMethods:
         if self.shard != "none" and optimizer_kind(self.optimizer).module == "bitsandbytes":
             raise GcbenchError(f"--optimizer {self.optimizer} with --shard fsdp2 is not supported: bitsandbytes' "
                                "optimizers step plain tensors, FSDP2's parameters are DTensors")
+        if self.precision == "amp-fp16" and self.optim_in_backward:
+            raise GcbenchError("--optim-in-backward steps each parameter inside backward, before a gradient scaler "
+                               "could check every gradient for inf/NaN: not with --precision amp-fp16")
+        if self.precision == "amp-fp16" and self.shard != "none":
+            raise GcbenchError("--precision amp-fp16 with --shard fsdp2 is not supported: FSDP2 needs fp16 gathers "
+                               "and a ShardedGradScaler, which gcbench does not set up; use amp-bf16 or bf16")
         if self.shard != "none" and self.optim_in_backward:
             raise GcbenchError("--optim-in-backward steps plain parameters inside backward; FSDP2's are sharded "
                                "(DTensors) and reduce-scattered after it: not with --shard fsdp2")
@@ -71,8 +77,8 @@ RunSpec.__doc__ = ("One configuration to measure, as given: one attribute per ru
 
 def crossed_out(fields: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) -> bool:
     """Whether a grid that crosses several values leaves this combination out: the optimizer in backward with
-    accumulation, several ranks without sharding, or a bitsandbytes optimizer with sharding. Given alone, such a
-    combination is an error (RunSpec says)."""
+    accumulation, several ranks without sharding, a bitsandbytes optimizer with sharding, or amp-fp16 with either
+    the optimizer in backward or sharding. Given alone, such a combination is an error (RunSpec says)."""
     varies = lambda *names: any(len(values.get(n, ())) > 1 for n in names)  # noqa: E731
     in_backward = fields.get("optim_in_backward") and fields.get("grad_accum", 1) > 1
     if varies("optim_in_backward", "grad_accum") and in_backward:
@@ -80,5 +86,9 @@ def crossed_out(fields: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) 
     bitsandbytes_sharded = fields.get("shard", "none") != "none" and \
         optimizer_kind(fields.get("optimizer", "adamw")).module == "bitsandbytes"
     if varies("shard", "optimizer") and bitsandbytes_sharded:
+        return True
+    scaled = fields.get("precision") == "amp-fp16" and (fields.get("optim_in_backward")
+                                                        or fields.get("shard", "none") != "none")
+    if varies("precision", "optim_in_backward", "shard") and scaled:
         return True
     return varies("shard", "nproc") and fields.get("shard", "none") == "none" and fields.get("nproc", 1) > 1

@@ -5,7 +5,8 @@ wrap its model's blocks. It knows a RunSpec only by the few fields it reads (Ste
 gcbench above it and everything above can use it. Gradients are zeroed in place (set_to_none=False): they are
 static memory like parameters and optimizer state, so everything above the step's starting baseline is activations
 and temporaries. With the optimizer in backward there are no static gradients: each is stepped and dropped as soon
-as it is complete.
+as it is complete. Under fp16 autocast (--precision amp-fp16) a gradient scaler scales each micro-batch's loss
+before backward and unscales the gradients in place before the optimizer steps (torch.amp.GradScaler).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class TrainingStep:
         self.device = torch.device(spec.device)
         dtype, device_type = spec.autocast_dtype, self.device.type
         self._autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype else contextlib.nullcontext
+        self.scaler = _grad_scaler(self.device) if dtype == torch.float16 else None
         # micro-batches: views of rows of the one batch (the same storage), so accumulating N of them computes the
         # gradient of the whole batch, as one batch of N x --batch would (mean-reduced loss)
         n, rows = spec.grad_accum, spec.batch_size
@@ -106,11 +108,18 @@ class TrainingStep:
             mark("forward")
             loss = self.forward(micro_batch)
             mark("backward")
-            loss.backward()
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def optimizer_step(self) -> None:
-        if self.optimizer is not None:
+        if self.optimizer is None:
+            return
+        if self.scaler is None:
             self.optimizer.step()
+            return
+        # unscales the gradients in place (all micro-batches' were scaled alike: the scale changes in update()),
+        # then steps unless one is inf/NaN, then grows or backs off the scale
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     def __call__(self, mark: Mark = _no_mark) -> None:
         self.forward_backward(mark)
@@ -125,8 +134,8 @@ class TrainingStep:
         return self.optimizer is not None and not isinstance(self.optimizer, OptimizerInBackward)
 
     def static_tensors(self) -> list[torch.Tensor]:
-        """Parameters, gradients and optimizer state: the step's starting baseline."""
-        return self.params() + self.grads() + self.optimizer_state()
+        """Parameters, gradients, optimizer state and the gradient scaler's: the step's starting baseline."""
+        return self.params() + self.grads() + self.optimizer_state() + self.scaler_state()
 
     def params(self) -> list[torch.Tensor]:
         """Parameters, buffers and a 4-bit base's quantisation state (--adapter qlora: neither of the others)."""
@@ -136,10 +145,23 @@ class TrainingStep:
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
+    def scaler_state(self) -> list[torch.Tensor]:
+        """The gradient scaler's scale and growth tracker (0-dim fp32 and int32 on the step's device), or none."""
+        return [] if self.scaler is None else [self.scaler._scale, self.scaler._growth_tracker]
+
     def optimizer_state(self) -> list[torch.Tensor]:
         if self.optimizer is None:
             return []
         return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _grad_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """torch.amp.GradScaler on `device` (its defaults: initial scale 2**16, as transformers' Trainer with fp16=True
+    uses), its scale and growth tracker made now (else lazily by the first scale()): static memory from the start,
+    and a step made of state alone (estimators/shortcuts.prime) can unscale."""
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.scale(torch.zeros((), device=device))  # makes _scale and _growth_tracker; the product is dropped
+    return scaler
 
 
 def make_optimizer(spec: StepSpec, model: nn.Module, multi_tensor: bool | None = None

@@ -296,7 +296,14 @@ def analytic(spec: RunSpec | ResolvedRun, target: str = "cuda") -> Estimate:
     kind = optimizer_kind(spec.optimizer)
     optimizer_bytes = sum(size(b) for p in weights for b in kind.state(tuple(p.shape), sh.stream_bytes, cuda)) \
         + kind.shared_bytes([tuple(p.shape) for p in weights], spec.optim_in_backward)
+    # --precision amp-fp16, torch.amp.GradScaler (torch/amp/grad_scaler.py): its scale (fp32) and growth tracker
+    # (int32), 0-dim on the device from the start (step._grad_scaler); each backward holds the scaled loss (loss *
+    # scale, 0-dim fp32); unscale_ makes inv_scale (via fp64), found_inf and one copy of each per device
+    # (_MultiDeviceReplicator), unscales the gradients in place (_amp_foreach_non_finite_check_and_unscale_), and
+    # keeps the found_inf copy until update(), across the optimizer's step; update() changes the scale in place
+    scalar = size(4) if spec.precision == "amp-fp16" else 0
     static = param_bytes + grad_bytes + optimizer_bytes + size(8 * sh.tokens * spec.grad_accum)  # + the token ids
+    static += 2 * scalar
 
     sizes = [p.numel() * p.element_size() for p in weights]
     multi_tensor = cuda and kind.multi_tensor_on_cuda  # the path torch takes by default on the target
@@ -309,7 +316,8 @@ def analytic(spec: RunSpec | ResolvedRun, target: str = "cuda") -> Estimate:
         spec.policy, len(blocks), block, head, embedding_saved(sh, dev), sh.amp,
         in_backward(max(p.numel() * p.element_size() for p in blocks[0].parameters())), in_backward(max(sizes)))
     steps_after = kind.steps and not spec.optim_in_backward
-    phases["optimizer"] = kind.temporaries(sizes, multi_tensor) if steps_after else None
+    phases["optimizer"] = max(4 * scalar, scalar + kind.temporaries(sizes, multi_tensor)) if steps_after else None
+    phases["backward"] += scalar  # the scaled loss
     phase = peak_phase(phases)
     peak = static + phases[phase]
     above = lambda extra: None if extra is None else static + extra  # noqa: E731

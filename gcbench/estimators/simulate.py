@@ -30,6 +30,7 @@ from gcbench.adapters import apply_adapter, compute_dtype, gemm_4bit_workspace_b
 from gcbench.errors import GcbenchError, quiet_logger
 from gcbench.estimators.sharing import kept, shared
 from gcbench.estimators.estimates import Estimate
+from gcbench.estimators.scaled import scaler_finds_no_inf
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.losses import CPU_TARGET
@@ -117,7 +118,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Es
         paged = _paged_state(step, spec.optimizer, cuda)  # CUDA managed memory: outside max_memory_allocated
         state = [t for t in state if all(t is not q for q in paged)]
         tracker.outside(paged)
-        tracker.track(step.params() + step.grads() + state + [ids])
+        tracker.track(step.params() + step.grads() + state + step.scaler_state() + [ids])
         tally = FlopTally() if flops and shortcut else None
         with tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext():
             step(tally.marking(phases) if tally else phases)
@@ -182,6 +183,7 @@ def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, to
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
             ids = torch.empty((spec.batch_size * spec.grad_accum, spec.seq_len), dtype=torch.long)
             step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
+            scaler_finds_no_inf(step)  # --precision amp-fp16: its gradient scaler reads found_inf
             spec.policy.prepare(step)
             yield step, ids
     except GcbenchError:
