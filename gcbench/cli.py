@@ -371,7 +371,7 @@ def estimate(
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
         with PredictionBar(err_console, "estimating") as bar:
-            results = estimate_grid(axes, methods, device, bar, layers=one.get("layers"), attn=one.get("attn"))
+            results = estimate_grid(axes, methods, device, bar, memory, layers=one.get("layers"), attn=one.get("attn"))
     rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             for spec, e in results]
     _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)

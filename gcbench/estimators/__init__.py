@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gcbench.compiled import UNPREDICTED
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, per_rank, plan, sharing, simulate
+from gcbench.estimators.caching_allocator import OutOfMemory
 from gcbench.estimators.estimates import Estimate, Progress, Unavailable
 from gcbench.resolved import ResolvedRun, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
@@ -72,7 +73,7 @@ def _refuse_compiled(spec: RunSpec | ResolvedRun) -> None:
 
 
 def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",
-                  progress: Progress | None = None, **spec_fields: Any
+                  progress: Progress | None = None, capacity: int | None = None, **spec_fields: Any
                   ) -> list[tuple[ResolvedRun, Estimate | Unavailable]]:
     """Every combination of the `axes` (RunSpec field -> its values: model, seq_len, batch_size, policy, precision,
     optimizer, ...), by every method. All specs are validated before anything runs, so bad input fails at once and
@@ -81,7 +82,8 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     it stands in for (Estimate.stands_in). Only a grid of which nothing could be predicted is an error. No precision
     (or "") = bf16 for a CUDA target, fp32 for CPU, as `gcbench run` picks; spec_fields: the same for every config
     (layers, attn). The simulations run side by side where the machine has the cores (sharing.py); `progress` is
-    told of each cell predicted."""
+    told of each cell predicted. `capacity`: the bytes a card leaves to the caching allocator: each simulated
+    cell of a CUDA target then has the allocator replayed on that card (`with_reserved`)."""
     methods = list(methods)
     for method in methods:
         if method not in METHODS:
@@ -98,20 +100,46 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
                            if not crossed_out(fields, axes)), "predicted")
     jobs = [(spec, method) for spec in specs for method in methods]
     simulating = [spec for spec, method in jobs if _simulates(spec, method, methods)]
+    replays = sum(method == "simulate" for _, method in jobs) if capacity and target == "cuda" else 0
     cells = []
     with sharing.sharing_cores(len(simulating), at_once=True):
         if progress is not None:
-            progress(0, len(jobs), "")  # the workers are forked: a progress bar may start its thread now
+            progress(0, len(jobs) + replays, "")  # the workers are forked: a progress bar may start its thread now
         for spec in simulating:  # begun at once, side by side in the workers; each cell then finds its own kept
             _begin(spec, target)
         for spec, method in jobs:
             cells.append((spec, _predict_cell(spec, method, target, methods)))
             if progress is not None:
-                progress(len(cells), len(jobs), f"{spec.policy} ({method})")
+                progress(len(cells), len(jobs) + replays, f"{spec.policy} ({method})")
+    if replays:
+        cells = with_reserved(cells, capacity, lambda done, text: progress and progress(len(jobs) + done,
+                                                                                        len(jobs) + replays, text))
     if all(isinstance(cell, Unavailable) for _, cell in cells):
         reasons = dict.fromkeys(cell.reason for _, cell in cells)  # each method's own, once (a missing package)
         raise GcbenchError(f"nothing in this grid can be predicted: {'; '.join(reasons)}")
     return cells
+
+
+Cells = list[tuple[ResolvedRun, Estimate | Unavailable]]
+
+
+def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], Any] | None = None) -> Cells:
+    """The simulated cells with PyTorch's caching allocator replayed on a card that leaves it `capacity` bytes
+    (simulate.replay_allocator): `reserved_bytes` (max_memory_reserved) and `runs_out`. A sharded cell or one
+    whose simulation stood in for the analytic model keeps its allocated peak only."""
+    out, done = [], 0
+    for spec, cell in cells:
+        if isinstance(cell, Estimate) and cell.method == "simulate" and not cell.stands_in and spec.shard == "none":
+            done += 1
+            if progress is not None:
+                progress(done - 1, f"{spec.policy} (the allocator on the card)")
+            try:
+                _, allocator = simulate.replay_allocator(plan.with_mix(spec, "cuda"), capacity)
+                cell = dataclasses.replace(cell, reserved_bytes=allocator.peak_reserved, runs_out=False)
+            except OutOfMemory:
+                cell = dataclasses.replace(cell, runs_out=True)
+        out.append((spec, cell))
+    return out
 
 
 def _simulates(spec: ResolvedRun, method: str, methods: list[str]) -> bool:

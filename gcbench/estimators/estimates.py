@@ -45,10 +45,16 @@ class Estimate:
     # Optimizer state in CUDA managed memory (bitsandbytes' paged optimizers): outside torch's allocator, so neither
     # in optimizer_bytes nor in the peak; 0 on a CPU target. None: the optimizer pages nothing.
     optimizer_paged_bytes: int | None = None
+    # With a card's memory to fit (estimate --gpu/--gpu-memory, simulate on a CUDA target): PyTorch's caching
+    # allocator replayed on the step (caching_allocator.py): what max_memory_reserved would read, and whether
+    # cudaMalloc runs out on that card even after the cached segments go back. None: not replayed.
+    reserved_bytes: int | None = None
+    runs_out: bool | None = None
 
     def fits(self, memory_bytes: int) -> bool | None:
-        """Whether the predicted peak fits in `memory_bytes` (None where there is no prediction)."""
-        return self.peak_bytes <= memory_bytes
+        """Whether the step fits in `memory_bytes`: the replayed allocator's answer where it ran on that memory,
+        else the predicted peak against it (None where there is no prediction)."""
+        return not self.runs_out if self.runs_out is not None else self.peak_bytes <= memory_bytes
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -86,7 +92,8 @@ class Unavailable:
 
 def _paged_only(row: dict[str, Any]) -> dict[str, Any]:
     """A row without `optimizer_paged_bytes` where it is None (an optimizer that pages nothing, an unavailable
-    cell): the rows of every other optimizer keep the keys they had before the paged optimizers."""
-    if row.get("optimizer_paged_bytes") is None:
-        row.pop("optimizer_paged_bytes", None)
+    cell), nor the replayed allocator's fields where it did not run: other rows keep the keys they had before."""
+    for key in ("optimizer_paged_bytes", "reserved_bytes", "runs_out"):
+        if row.get(key) is None:
+            row.pop(key, None)
     return row

@@ -2,8 +2,9 @@
 backward, optimizer step) on fake tensors, where every op computes shapes only, and count what would be allocated.
 
 The fakes are CPU tensors even for a CUDA target, because a CPU-only torch build cannot run fake CUDA tensors
-through autograd; what CUDA does differently is put back here: the attention kernel CUDA would pick, its backward
-workspace, the multi-tensor optimizer path and the allocator's 512-byte blocks. See docs/methodology.md,
+through autograd; what CUDA does differently is put back (cuda_target.py): the attention kernel CUDA would pick,
+its backward workspace, the multi-tensor optimizer path and the allocator's 512-byte blocks; `replay_allocator`
+replays the caching allocator itself on the step (caching_allocator.py: reserved memory). See docs/methodology.md,
 "Predicting memory". Runs any policy that runs on fake tensors; takes about a second for tiny models, seconds for
 7B ones (each op costs the fake mode tens of microseconds whatever its size: the time is the number of ops). The
 warm-up's state is made directly and the FLOPs counted on the tracked step where that is exact (shortcuts.py);
@@ -16,7 +17,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -25,23 +25,23 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gcbench.adapters import apply_adapter, compute_dtype, gemm_4bit_workspace_bytes, param_count, parse_adapter, \
-    quantise_fakes
+from gcbench.adapters import apply_adapter, compute_dtype, param_count, parse_adapter, quantise_fakes
 from gcbench.errors import GcbenchError, quiet_logger
+from gcbench.estimators.caching_allocator import AllocationReplay, CachingAllocator, OutOfMemory
+from gcbench.estimators.cuda_target import AllocatorModel, cuda_kernels, kernel_workspace_bytes
 from gcbench.estimators.sharing import kept, shared
 from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.scaled import scaler_finds_no_inf
-from gcbench.estimators.shape import CUDA_BLOCK_BYTES, attention_kernel, cuda_kernel
+from gcbench.estimators.shape import attention_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.losses import CPU_TARGET
-from gcbench.measure import LiveTensorTracker, PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
+from gcbench.measure import PhasePeaks, counting_flops, storage_bytes
 from gcbench.models import build_model, find_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_optimizer
-from gcbench.units import round_up
 
 
 def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, *,
@@ -96,8 +96,19 @@ def _kept_as(spec: ResolvedRun, target: str) -> tuple:
     return same, type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy)), target
 
 
-def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Estimate:
-    """The simulation itself (simulate's docstring), in this process."""
+def replay_allocator(spec: RunSpec | ResolvedRun, capacity: int | None = None, warm_up: bool = True
+                     ) -> tuple[Estimate, CachingAllocator]:
+    """simulate's CUDA prediction of `spec`, with PyTorch's caching allocator replayed on the same allocations
+    (caching_allocator.py): the parameters and batch as the run allocates them, a warm-up step, then the tracked
+    one. The allocator's `peak_reserved` is what max_memory_reserved would read over the run; with `capacity` (the
+    bytes cudaMalloc can hand out), it raises caching_allocator.OutOfMemory where the run would run out."""
+    allocator = CachingAllocator(capacity)
+    return _simulate(resolve(spec), "cuda", False, not warm_up, allocator), allocator
+
+
+def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
+              allocator: CachingAllocator | None = None) -> Estimate:
+    """The simulation itself (simulate's docstring), in this process; `allocator`: replayed on it too."""
     start = time.perf_counter()
     # Reference cycles an earlier simulation left (SAC's caches make some) would otherwise be collected at a moment
     # of the garbage collector's choosing inside this one's tracked step: the same spec would give another peak.
@@ -112,15 +123,26 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool) -> Es
     phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
     with _fake_step(spec, cuda) as (step, ids):
         check = prime(step, spec.optimizer) if shortcut else None
+        replay = AllocationReplay(allocator, kernel_workspace_bytes) if allocator is not None else \
+            contextlib.nullcontext()
+        if allocator is not None:  # what the run has allocated before its first step: the model, then the batch
+            replay.track([*step.model.parameters(), *step.model.buffers(), ids, *step.scaler_state()])
         if check is None:
-            step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
+            with replay:
+                step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
         state = _device_state(step, cuda)
         paged = _paged_state(step, spec.optimizer, cuda)  # CUDA managed memory: outside max_memory_allocated
         state = [t for t in state if all(t is not q for q in paged)]
         tracker.outside(paged)
         tracker.track(step.params() + step.grads() + state + step.scaler_state() + [ids])
+        if allocator is not None and check is not None:  # primed: the state as the warm-up leaves it, at once
+            replay.track(step.grads() + state)
+        if allocator is not None:  # what the target keeps off the device (AdamW's step counts, paged state)
+            on_device = {id(t.untyped_storage()) for t in step.params() + step.grads() + state + [ids]}
+            replay.forget([t for t in step.optimizer_state() if id(t.untyped_storage()) not in on_device])
+            allocator.reset_peaks()  # as the run reads its peaks over the measured steps
         tally = FlopTally() if flops and shortcut else None
-        with tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext():
+        with replay, tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext():
             step(tally.marking(phases) if tally else phases)
         unproven = check is not None and not check.proven
         counted = tally.total if tally is not None and tally.exact else None
@@ -186,7 +208,7 @@ def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, to
             scaler_finds_no_inf(step)  # --precision amp-fp16: its gradient scaler reads found_inf
             spec.policy.prepare(step)
             yield step, ids
-    except GcbenchError:
+    except (GcbenchError, OutOfMemory):  # the replayed allocator's answer, not a failure of the simulation
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a policy on fake tensors is the user's answer
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -303,113 +325,3 @@ class GroupedMmShapes(TorchDispatchMode):
         low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
         out = func(*low, **{**kwargs, "out_dtype": None})
         return torch.empty_strided(out.shape, out.stride(), dtype=dtype)
-
-
-class AllocatorModel(LiveTensorTracker):
-    """The live-tensor tracker, counting as the target device would: on CUDA, 512-byte blocks plus the workspace
-    a kernel allocates internally (invisible to a dispatch mode, but part of max_memory_allocated)."""
-
-    def __init__(self, cuda: bool):
-        super().__init__(granularity_bytes=CUDA_BLOCK_BYTES if cuda else 1)
-        self.cuda = cuda
-        self._listening = contextlib.nullcontext()
-
-    def __enter__(self):
-        # a fresh listener per entry (a context manager from @contextmanager is good for one use)
-        self._listening = listening_to_host_moves(self._host_move) if self.cuda else contextlib.nullcontext()
-        self._listening.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._listening.__exit__(*exc)
-
-    def outside(self, tensors: list[torch.Tensor]) -> None:
-        """Storages that live outside the allocator (bitsandbytes' paged state, CUDA managed memory): known, so that
-        an op returning one does not count it, and never counted."""
-        for t in tensors:
-            self._live.setdefault(id(t.untyped_storage()), 0)
-
-    def _host_move(self, t: torch.Tensor, back: bool) -> None:
-        """An offloaded activation leaves the GPU (its bytes stop counting) or comes back (they count again): on
-        the CPU fakes the tensor itself stands for both copies."""
-        key = id(t.untyped_storage())
-        if key not in self._live:
-            return
-        nbytes = round_up(t.untyped_storage().nbytes(), self.granularity_bytes)
-        if back and self._live[key] == 0:
-            self._live[key] = nbytes
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        elif not back and self._live[key]:
-            self.current -= self._live[key]
-            self._live[key] = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.cuda and func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
-            self.peak = max(self.peak, self.current + flash_backward_workspace_bytes(args[1], args[2]))
-        elif self.cuda and func.namespace == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
-            self.peak = max(self.peak, self.current + gemm_4bit_workspace_bytes(self.granularity_bytes, *args,
-                                                                                  **(kwargs or {})))
-        return out
-
-
-def flash_backward_workspace_bytes(query: torch.Tensor, key: torch.Tensor) -> int:
-    """Scratch of FlashAttention-2's backward (flash_api.cpp, mha_bwd): softmax_d and the fp32 dq accumulator,
-    plus dk/dv at full head count when K/V have fewer heads (GQA). query/key: (batch, heads, seq, head_dim)."""
-    b, h, s, d = query.shape
-    s_rounded, d_rounded = round_up(s, 128), round_up(d, 32 if d <= 128 else 64)
-    softmax_d = round_up(b * h * s_rounded * 4, CUDA_BLOCK_BYTES)
-    dq_accumulator = round_up(b * s_rounded * h * d_rounded * 4, CUDA_BLOCK_BYTES)
-    total = softmax_d + dq_accumulator
-    if key.shape[1] != h:
-        total += 2 * round_up(b * key.shape[2] * h * d * key.element_size(), CUDA_BLOCK_BYTES)
-    return total
-
-
-@contextlib.contextmanager
-def cuda_kernels() -> Iterator[None]:
-    """Route attention and dropout to the aten kernels CUDA would run, on CPU fake tensors.
-
-    CPU and CUDA keep different tensors for backward. SDPA: CPU falls back to the math path (seq x seq
-    probabilities kept) whenever dropout is on, CUDA flash never keeps them; the CUDA kernels' meta functions give
-    their exact outputs and saved tensors without a GPU. Autocast lists SDPA as a lower-precision op on CUDA, so
-    under amp its inputs are cast first (calling the kernel directly would skip that). Dropout: CPU keeps a noise
-    tensor of the input's dtype, CUDA's fused kernel a bool mask."""
-    import torch.nn.functional as F
-
-    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-        kernel = cuda_kernel(query.dtype, attn_mask is not None, query.shape[-1])
-        if kernel == "flash":
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        if kernel == "efficient":
-            if key.shape[1] != query.shape[1]:  # the kernel wants equal head counts: repeat K/V as math does
-                repeat = query.shape[1] // key.shape[1]
-                key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:  # CUDA turns a bool mask into an additive one
-                bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill_(bias.logical_not(), -math.inf)
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
-
-    def dropout(input, p=0.5, training=True, inplace=False):
-        if not training or p == 0 or inplace:
-            return original_dropout(input, p, training, inplace)
-        return torch.ops.aten.native_dropout(input, p, True)[0]
-
-    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout

@@ -129,7 +129,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     lo, hi = fit_range(None, field_name, fixed)
     rows = []
     for policy, found in zip(policies, predict_each(fixed, policies, field_name, lo, hi, cap, device, progress,
-                                                    method)):
+                                                    method, replay=device == "cuda")):
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         step_s = found.step_seconds(card.peak_flops if card else None, efficiency)
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
@@ -137,6 +137,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
                      "predictions": found.predictions, "flops": found.flops, "budget_bytes": cap,
+                     "reserved": found.reserved, "allocated_only": found.allocated_only,
                      "gpu": card.name if card else None, "efficiency": efficiency if card else None})
     where = (f"{card.name}: {card.memory_mib:,} MiB (nvidia-smi's total) less {fmt_bytes(CUDA_CONTEXT_BYTES)} of "
              f"CUDA context (assumed) and {fmt_bytes(card.workspace_bytes)} of cuBLAS workspaces" if card

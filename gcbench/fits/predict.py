@@ -25,6 +25,7 @@ from gcbench.models import build_model
 from gcbench.policies import Plan, parse_policy
 from gcbench.spec import RunSpec
 
+_REPLAYING = threading.Lock()
 DEFAULT_EFFICIENCY = 0.4  # of the dense peak, recompute included (hardware FLOPs utilisation): an assumption
 
 
@@ -37,6 +38,10 @@ class PredictedFit:
     method: str
     predictions: int  # how many sizes were predicted
     flops: int | None = None  # of one step at `value`, recompute included
+    # where the caching allocator was replayed on the card (`replay`): its max_memory_reserved at `value`, and the
+    # largest size the allocated peak alone would have given
+    reserved: int | None = None
+    allocated_only: int | None = None
 
     def step_seconds(self, peak_flops: float | None, efficiency: float) -> float | None:
         if not self.flops or not peak_flops:
@@ -51,11 +56,13 @@ def spec_at(fields: Mapping[str, Any], policy: str, vary: str, value: int) -> Re
 
 def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Search, target: str,
                 flops: bool = False, tried: Callable[[int], None] | None = None,
-                method: str | None = None, prior: int | None = None) -> PredictedFit:
+                method: str | None = None, prior: int | None = None, replay: bool = False) -> PredictedFit:
     """The largest size of `search`'s range whose predicted peak on `target` is within `search.budget` (the search
     object is used up). `flops`: also count the step's FLOPs at that size. `tried`: told of each size predicted.
     `method`: analytic | simulate; None: the analytic model where it knows the policy and family, else simulate.
-    `prior`: the size tried first (None: the range's middle)."""
+    `prior`: the size tried first (None: the range's middle). `replay` (a CUDA target): then the largest size up
+    to that one on which PyTorch's caching allocator, replayed on a card that leaves it `search.budget` bytes,
+    does not run out (`replayed_maximum`): what decides whether a step runs."""
     # the target says what is predicted; its default precision is what a run there would take
     fields = {**fields, "device": "cpu", "memory_cap_bytes": None,
               "precision": fields.get("precision") or ("bf16" if target == "cuda" else "fp32")}
@@ -74,21 +81,65 @@ def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Searc
                      + e.optimizer_bytes)
 
     search.run(attempt, lambda s: extrapolate(s, prior))
-    best = search.maximum
+    best, next_up = search.maximum, search.next_up
+    allocated_only, reserved = best, None
+    if replay and target == "cuda" and best is not None:
+        best, reserved, replayed = replayed_maximum(fields, policy, vary, search, best, tried)
+        found.update(replayed)
+        next_up = best + search.multiple if best is not None and best < allocated_only else next_up
     counted = None
     if flops and best is not None:
         at = found[best]
         counted = at.flops if at.flops is not None else step_flops(spec_at(fields, policy, vary, best), target)
     return PredictedFit(policy, best, found.get(best) if best is not None else None,
-                        found[search.next_up].peak_bytes if search.next_up is not None else None,
-                        method, len(found), counted)
+                        found[next_up].peak_bytes if next_up in found else None, method, len(found), counted,
+                        reserved, allocated_only if replay and target == "cuda" else None)
+
+
+def replayed_maximum(fields: Mapping[str, Any], policy: str, vary: str, done: Search, best: int,
+                     tried: Callable[[int], None] | None = None) -> tuple[int | None, int | None, dict[int, Estimate]]:
+    """(the largest size up to `best` on which the caching allocator replayed on the card does not run out, its
+    max_memory_reserved, the simulations made): the same search, from `best` down, each trial a replay
+    (simulate.replay_allocator with the card's `done.budget` bytes). Reserved memory exceeds the allocated peak by
+    a few percent (the allocator's rounding and unused segments), so it starts at `best` and usually ends near."""
+    from gcbench.estimators import plan
+    from gcbench.estimators.caching_allocator import OutOfMemory
+    from gcbench.estimators.simulate import replay_allocator
+
+    search, made, reserved = Search(done.lo, best, done.budget, done.multiple), {}, {}
+
+    def replayed(value: int, capacity: int | None):
+        with _REPLAYING:  # in this process, one at a time: the simulation patches torch's functions while it runs
+            return replay_allocator(plan.with_mix(spec_at(fields, policy, vary, value), "cuda"), capacity)
+
+    def attempt(value: int) -> Trial:
+        # first without a limit: its reserved peak guides the search (a secant through two of them); past the
+        # budget, again on the card, where the allocator gives its cached segments back before it runs out
+        made[value], allocator = replayed(value, None)
+        reserved[value] = allocator.peak_reserved
+        fits = allocator.peak_reserved <= done.budget
+        if not fits:
+            try:
+                reserved[value] = replayed(value, done.budget)[1].peak_reserved
+                fits = True
+            except OutOfMemory:
+                pass
+        if tried is not None:
+            tried(value)
+        e = made[value]
+        return Trial(value, fits, allocator.peak_reserved, e.param_bytes + e.grad_bytes + e.optimizer_bytes)
+
+    search.run(attempt, lambda s: extrapolate(s, best))
+    return search.maximum, reserved.get(search.maximum), made
 
 
 def predict_each(fields: Mapping[str, Any], policies: list[str], vary: str, lo: int, hi: int, budget: int,
-                 target: str, progress: Progress | None = None, method: str | None = None) -> list[PredictedFit]:
+                 target: str, progress: Progress | None = None, method: str | None = None,
+                 replay: bool = False) -> list[PredictedFit]:
     """predict_fit of each policy over lo..hi within `budget`, FLOPs counted, in the policies' order; side by side
     where the machine has the cores (estimators/sharing.py: the policies' searches in threads, their simulations
-    in worker processes). `progress`: told of each size tried and each policy done; `method`: predict_fit's."""
+    in worker processes). `progress`: told of each size tried and each policy done; `method`, `replay`:
+    predict_fit's."""
     done: list[str] = []
     lock = threading.Lock()
 
@@ -99,7 +150,8 @@ def predict_each(fields: Mapping[str, Any], policies: list[str], vary: str, lo: 
 
     def one(policy: str) -> PredictedFit:
         found = predict_fit(fields, policy, vary, Search(lo, hi, budget), target, flops=True,
-                            tried=lambda value: tell(f"{policy}: {run_field(vary).flag} {value}"), method=method)
+                            tried=lambda value: tell(f"{policy}: {run_field(vary).flag} {value}"), method=method,
+                            replay=replay)
         with lock:
             done.append(policy)
         tell(f"{policy}: done")

@@ -59,7 +59,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
              "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else "")}
     notes = ["; ".join([f"sizes in {unit}", *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
-                       + ([f"fits = peak <= {fmt_bytes(memory_bytes)}"] if memory_bytes else []))]
+                       + ([_fits_note(rows, memory_bytes)] if memory_bytes else []))]
     stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
     notes += [f"† simulated instead: {markup(reason)}" for reason in stand_ins]
     notes += [f"n/a: {markup(reason)}" for reason in dict.fromkeys(r["not_available"] for r in rows
@@ -91,10 +91,31 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
     columns.append(_Column("in", True, [PHASE_SHORT.get(r["peak_phase"], "-") if r["peak_bytes"] is not None else na
                                         for r in rows]))
     columns.append(_Column("B/p", False, [_per_param(r) if r["peak_bytes"] is not None else na for r in rows]))
+    if any(r.get("runs_out") is not None for r in rows):  # the caching allocator replayed on the card
+        columns.append(_Column("reserved", False, [
+            "past" if r.get("runs_out") else f"{r['reserved_bytes'] / scale:.2f}" if r.get("reserved_bytes")
+            else "-" if r["peak_bytes"] is not None else na for r in rows]))
     if memory_bytes:
-        columns.append(_Column("fits", True, [na if r["peak_bytes"] is None else "[green]yes[/]"
-                                              if r["peak_bytes"] <= memory_bytes else "[red]no[/]" for r in rows]))
+        verdicts = [_fits(r, memory_bytes) for r in rows]
+        columns.append(_Column("fits", True, [na if fit is None else "[green]yes[/]" if fit else "[red]no[/]"
+                                              for fit in verdicts]))
     return columns
+
+
+def _fits(row: dict[str, Any], memory_bytes: int) -> bool | None:
+    """The row's own verdict (Estimate.fits: the replayed allocator's where it ran), else its peak against it."""
+    if "fits" in row:
+        return row["fits"]
+    return None if row["peak_bytes"] is None else row["peak_bytes"] <= memory_bytes
+
+
+def _fits_note(rows: list[dict[str, Any]], memory_bytes: int) -> str:
+    """What the fits column compares: the peak with the memory, or, where the caching allocator was replayed on
+    the card, whether cudaMalloc would run out (the reserved column: max_memory_reserved; past: it runs out)."""
+    if not any(r.get("runs_out") is not None for r in rows):
+        return f"fits = peak <= {fmt_bytes(memory_bytes)}"
+    return (f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the step (simulate rows); "
+            f"fits = the allocator stays within {fmt_bytes(memory_bytes)} (past: it runs out), else peak <= it")
 
 
 def _table(title: str, caption: str, columns: list[_Column]) -> Table:

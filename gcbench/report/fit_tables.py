@@ -69,12 +69,21 @@ def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, c
     """`gcbench estimate --fit`: one row per policy (rows: policy, value, peak, next_peak, step_s, tokens_per_s,
     method, predictions)."""
     word = SIZE_WORDS[vary]
-    table = _table(title, caption, ["policy", f"max {word}", "peak", f"{word} + 1", "step s", "tokens/s", "by"])
+    # replayed on the card (a CUDA target): what decides is the caching allocator, the next size runs out there
+    replayed = any(r.get("allocated_only") is not None for r in rows)
+    if replayed:
+        changed = [f"{r['policy']}: {r['allocated_only']}" for r in rows if r.get("allocated_only") != r["value"]]
+        caption = [*caption, f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the card: "
+                   f"{word} + 1 runs out there" + (f" (by the allocated peak alone: {', '.join(changed)})"
+                                                   if changed else "")]
+    table = _table(title, caption, ["policy", f"max {word}", "peak", "reserved" if replayed else f"{word} + 1",
+                                    "step s", "tokens/s", "by"])
     for r in rows:
         fits = r["value"] is not None
+        beside = r.get("reserved") if replayed else r["next_peak"]
         table.add_row(r["policy"] if not r["policy"].startswith("plan:") else "plan",
                       str(r["value"]) if fits else "-", fmt_bytes(r["peak"]) if fits else "-",
-                      fmt_bytes(r["next_peak"]) if r["next_peak"] else "-",
+                      fmt_bytes(beside) if beside else "-",
                       f"{r['step_s']:.2f}" if r.get("step_s") else "-",
                       f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-", r["method"])
     return table

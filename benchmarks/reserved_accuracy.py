@@ -1,0 +1,75 @@
+"""Predicted against measured GPU memory, from the records a GPU window brought home (results/gpu/<gpu>/): for
+each single-process config that ran, the simulation's max_memory_allocated and the caching allocator replayed on
+it (gcbench/estimators/caching_allocator.py) for max_memory_reserved, each with and without the cuBLAS workspaces
+of that card (gcbench.gpus: one per thread that runs matmuls, allocated through the caching allocator). Nothing
+here was fitted to these records: they are the test. Prints a Markdown table and the median and worst |error|.
+
+    python benchmarks/reserved_accuracy.py [results/gpu/nvidia-h200]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from gcbench.estimators.simulate import replay_allocator
+from gcbench.gpus import CUBLAS_THREADS, cublas_workspace_bytes, for_device
+from gcbench.results.schema import config_label, policy_label
+from gcbench.spec import RunSpec
+
+FIELDS = {f.name for f in dataclasses.fields(RunSpec)}
+
+
+def records(folder: Path) -> list[dict]:
+    """The ok single-process records of `folder`, one per config (the last)."""
+    found: dict[str, dict] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["status"] == "ok" and r.get("shard", "none") == "none" and r.get("compile", "none") == "none":
+                found[config_label(r)] = r
+    return list(found.values())
+
+
+def spec_of(record: dict) -> RunSpec:
+    fields = {k: record[k] for k in FIELDS if k in record}
+    return RunSpec(**{**fields, "policy": policy_label(record), "device": "cpu", "memory_cap_bytes": None})
+
+
+def rows(folder: Path) -> list[dict]:
+    out = []
+    for r in records(folder):
+        card = for_device(r["env"]["gpu_name"], r["env"].get("gpu_memory_bytes"))
+        workspaces = CUBLAS_THREADS * cublas_workspace_bytes(card.capability if card else None)
+        estimate, allocator = replay_allocator(spec_of(r))
+        allocated, reserved = r["peak_allocated_bytes"], r["peak_reserved_bytes"]
+        out.append({
+            "config": config_label(r), "allocated GiB": allocated / 2**30,
+            "alloc err %": 100 * (estimate.peak_bytes / allocated - 1),
+            "alloc+ws err %": 100 * ((estimate.peak_bytes + workspaces) / allocated - 1),
+            "reserved GiB": reserved / 2**30,
+            "reserved err %": 100 * (allocator.peak_reserved / reserved - 1),
+            "reserved+ws err %": 100 * ((allocator.peak_reserved + workspaces) / reserved - 1),
+        })
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
+
+
+def main(folder: Path) -> None:
+    table = rows(folder)
+    columns = list(table[0])
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for row in table:
+        print("| " + " | ".join(f"{v:+.2f}" if "%" in k else f"{v:.2f}" if isinstance(v, float) else str(v)
+                                for k, v in row.items()) + " |")
+    for column in (c for c in columns if "%" in c):
+        errors = [abs(row[column]) for row in table]
+        print(f"{column}: median |error| {statistics.median(errors):.2f}% max {max(errors):.2f}% over "
+              f"{len(errors)} configs")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu/nvidia-h200"))

@@ -1,0 +1,133 @@
+"""What a CUDA target does differently from the CPU fakes the simulation runs (simulate.py), put back: the
+allocator's 512-byte blocks and the workspaces kernels allocate inside their ops (AllocatorModel), and the
+attention kernel CUDA would pick, with its outputs' shapes (cuda_kernels)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+
+from gcbench.adapters import gemm_4bit_workspace_bytes
+from gcbench.estimators.shape import CUDA_BLOCK_BYTES, cuda_kernel
+from gcbench.measure import LiveTensorTracker, listening_to_host_moves
+from gcbench.units import round_up
+
+
+class AllocatorModel(LiveTensorTracker):
+    """The live-tensor tracker, counting as the target device would: on CUDA, 512-byte blocks plus the workspace
+    a kernel allocates internally (invisible to a dispatch mode, but part of max_memory_allocated)."""
+
+    def __init__(self, cuda: bool):
+        super().__init__(granularity_bytes=CUDA_BLOCK_BYTES if cuda else 1)
+        self.cuda = cuda
+        self._listening = contextlib.nullcontext()
+
+    def __enter__(self):
+        # a fresh listener per entry (a context manager from @contextmanager is good for one use)
+        self._listening = listening_to_host_moves(self._host_move) if self.cuda else contextlib.nullcontext()
+        self._listening.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._listening.__exit__(*exc)
+
+    def outside(self, tensors: list[torch.Tensor]) -> None:
+        """Storages that live outside the allocator (bitsandbytes' paged state, CUDA managed memory): known, so that
+        an op returning one does not count it, and never counted."""
+        for t in tensors:
+            self._live.setdefault(id(t.untyped_storage()), 0)
+
+    def _host_move(self, t: torch.Tensor, back: bool) -> None:
+        """An offloaded activation leaves the GPU (its bytes stop counting) or comes back (they count again): on
+        the CPU fakes the tensor itself stands for both copies."""
+        key = id(t.untyped_storage())
+        if key not in self._live:
+            return
+        nbytes = round_up(t.untyped_storage().nbytes(), self.granularity_bytes)
+        if back and self._live[key] == 0:
+            self._live[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        elif not back and self._live[key]:
+            self.current -= self._live[key]
+            self._live[key] = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.cuda:
+            self.peak = max(self.peak, self.current + kernel_workspace_bytes(func, args, kwargs))
+        return out
+
+
+def kernel_workspace_bytes(func, args, kwargs) -> int:
+    """What a CUDA kernel allocates inside the op `func`, where no dispatch mode sees it, freed when it returns:
+    FlashAttention's backward scratch and bitsandbytes' 4-bit matmul fallback; 0 for any other op."""
+    if func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
+        return flash_backward_workspace_bytes(args[1], args[2])
+    if func.namespace == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
+        return gemm_4bit_workspace_bytes(CUDA_BLOCK_BYTES, *args, **(kwargs or {}))
+    return 0
+
+
+def flash_backward_workspace_bytes(query: torch.Tensor, key: torch.Tensor) -> int:
+    """Scratch of FlashAttention-2's backward (flash_api.cpp, mha_bwd): softmax_d and the fp32 dq accumulator,
+    plus dk/dv at full head count when K/V have fewer heads (GQA). query/key: (batch, heads, seq, head_dim)."""
+    b, h, s, d = query.shape
+    s_rounded, d_rounded = round_up(s, 128), round_up(d, 32 if d <= 128 else 64)
+    softmax_d = round_up(b * h * s_rounded * 4, CUDA_BLOCK_BYTES)
+    dq_accumulator = round_up(b * s_rounded * h * d_rounded * 4, CUDA_BLOCK_BYTES)
+    total = softmax_d + dq_accumulator
+    if key.shape[1] != h:
+        total += 2 * round_up(b * key.shape[2] * h * d * key.element_size(), CUDA_BLOCK_BYTES)
+    return total
+
+
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """Route attention and dropout to the aten kernels CUDA would run, on CPU fake tensors.
+
+    CPU and CUDA keep different tensors for backward. SDPA: CPU falls back to the math path (seq x seq
+    probabilities kept) whenever dropout is on, CUDA flash never keeps them; the CUDA kernels' meta functions give
+    their exact outputs and saved tensors without a GPU. Autocast lists SDPA as a lower-precision op on CUDA, so
+    under amp its inputs are cast first (calling the kernel directly would skip that). Dropout: CPU keeps a noise
+    tensor of the input's dtype, CUDA's fused kernel a bool mask."""
+    import torch.nn.functional as F
+
+    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        kernel = cuda_kernel(query.dtype, attn_mask is not None, query.shape[-1])
+        if kernel == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if kernel == "efficient":
+            if key.shape[1] != query.shape[1]:  # the kernel wants equal head counts: repeat K/V as math does
+                repeat = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:  # CUDA turns a bool mask into an additive one
+                bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill_(bias.logical_not(), -math.inf)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0 or inplace:
+            return original_dropout(input, p, training, inplace)
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
