@@ -4,12 +4,13 @@ it (gcbench/estimators/caching_allocator.py) for max_memory_reserved, each with 
 of that card (gcbench.gpus: one per thread that runs matmuls, allocated through the caching allocator). Nothing
 here was fitted to these records: they are the test. Prints a Markdown table and the median and worst |error|.
 
-    python benchmarks/reserved_accuracy.py [results/gpu/nvidia-h200]
+    python benchmarks/reserved_accuracy.py [results/gpu/nvidia-h200]    # needs gcbench[peft]; ~3 min on 2 cores
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -54,7 +55,7 @@ def rows(folder: Path) -> list[dict]:
             "reserved err %": 100 * (allocator.peak_reserved / reserved - 1),
             "reserved+ws err %": 100 * ((allocator.peak_reserved + workspaces) / reserved - 1),
         })
-        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+        print(f"{len(out)}: {out[-1]['config']}", file=sys.stderr, flush=True)  # progress
     return out
 
 
@@ -72,4 +73,6 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
+    if importlib.util.find_spec("peft") is None:  # the H200 records include LoRA runs
+        sys.exit("reserved_accuracy.py: the LoRA records need peft: pip install -e '.[peft]'")
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu/nvidia-h200"))

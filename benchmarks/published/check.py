@@ -20,6 +20,7 @@ Exit status 0 when every row was either predicted or listed with its reason; 2 o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import tomllib
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the estimator (default simulate: the one every family has)")
     parser.add_argument("--rows", type=Path, default=HERE / "rows.toml", help="the rows file (default rows.toml)")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("peft") is None:  # most predicted rows are LoRA runs: not a modelling limit
+        print("check.py: the LoRA rows need peft: pip install -e '.[peft]'", file=sys.stderr)
+        return 2
     try:
         rows = load_rows(args.rows)
         outcomes = [predict(row, args.method, args.rows.resolve().parent) for row in rows]

@@ -100,7 +100,7 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
                            if not crossed_out(fields, axes)), "predicted")
     jobs = [(spec, method) for spec in specs for method in methods]
     simulating = [spec for spec, method in jobs if _simulates(spec, method, methods)]
-    replays = sum(method == "simulate" for _, method in jobs) if capacity and target == "cuda" else 0
+    replays = replays_for(jobs) if capacity and target == "cuda" else 0
     cells = []
     with sharing.sharing_cores(len(simulating), at_once=True):
         if progress is not None:
@@ -112,8 +112,11 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
             if progress is not None:
                 progress(len(cells), len(jobs) + replays, f"{spec.policy} ({method})")
     if replays:
-        cells = with_reserved(cells, capacity, lambda done, text: progress and progress(len(jobs) + done,
-                                                                                        len(jobs) + replays, text))
+        total = len(jobs) + replays
+        cells = with_reserved(cells, capacity, lambda done, text: progress and progress(len(jobs) + done, total,
+                                                                                        text))
+        if progress is not None:
+            progress(total, total, "")
     if all(isinstance(cell, Unavailable) for _, cell in cells):
         reasons = dict.fromkeys(cell.reason for _, cell in cells)  # each method's own, once (a missing package)
         raise GcbenchError(f"nothing in this grid can be predicted: {'; '.join(reasons)}")
@@ -124,22 +127,34 @@ Cells = list[tuple[ResolvedRun, Estimate | Unavailable]]
 
 
 def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], Any] | None = None) -> Cells:
-    """The simulated cells with PyTorch's caching allocator replayed on a card that leaves it `capacity` bytes
-    (simulate.replay_allocator): `reserved_bytes` (max_memory_reserved) and `runs_out`. A sharded cell or one
-    whose simulation stood in for the analytic model keeps its allocated peak only."""
-    out, done = [], 0
-    for spec, cell in cells:
-        if isinstance(cell, Estimate) and cell.method == "simulate" and not cell.stands_in and spec.shard == "none":
-            done += 1
-            if progress is not None:
-                progress(done - 1, f"{spec.policy} (the allocator on the card)")
-            try:
-                _, allocator = simulate.replay_allocator(plan.with_mix(spec, "cuda"), capacity)
-                cell = dataclasses.replace(cell, reserved_bytes=allocator.peak_reserved, runs_out=False)
-            except OutOfMemory:
-                cell = dataclasses.replace(cell, runs_out=True)
-        out.append((spec, cell))
-    return out
+    """The cells with PyTorch's caching allocator replayed on a card that leaves it `capacity` bytes
+    (simulate.replay_allocator), once per config that a cell simulated: its `reserved_bytes`
+    (max_memory_reserved), and `runs_out` on every cell of that config, whichever the method, so that a config
+    fits or not whatever the row. A config the replay does not take (sharded, a paged optimizer, a simulation
+    that stood in for the analytic model) keeps its peak against the memory."""
+    replayed: dict[ResolvedRun, tuple[int | None, bool]] = {}
+    for spec in dict.fromkeys(spec for spec, cell in cells if _replayable(spec, cell)):
+        if progress is not None:
+            progress(len(replayed), f"{spec.policy} (the allocator on the card)")
+        try:
+            _, allocator = simulate.replay_allocator(plan.with_mix(spec, "cuda"), capacity)
+            replayed[spec] = (allocator.peak_reserved, False)
+        except OutOfMemory:
+            replayed[spec] = (None, True)
+        except GcbenchError:
+            continue
+    return [(spec, dataclasses.replace(cell, reserved_bytes=replayed[spec][0] if cell.method == "simulate" else None,
+                                       runs_out=replayed[spec][1])
+             if spec in replayed and isinstance(cell, Estimate) else cell) for spec, cell in cells]
+
+
+def replays_for(jobs: Iterable[tuple[ResolvedRun, str]]) -> int:
+    """How many configs with_reserved will replay at most (the progress bar's share)."""
+    return len({spec for spec, method in jobs if method == "simulate" and spec.shard == "none"})
+
+
+def _replayable(spec: ResolvedRun, cell: Estimate | Unavailable) -> bool:
+    return isinstance(cell, Estimate) and cell.method == "simulate" and not cell.stands_in and spec.shard == "none"
 
 
 def _simulates(spec: ResolvedRun, method: str, methods: list[str]) -> bool:

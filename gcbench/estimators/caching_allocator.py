@@ -174,10 +174,24 @@ class AllocationReplay(TorchDispatchMode):
         self.allocator = allocator
         self.workspace = workspace  # (op, args, kwargs) -> bytes its kernel allocates and frees inside the op
         self._seen: set[int] = set()
+        self._away: set[int] = set()  # offloaded to the host: no block on the device until it comes back
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
             self._add(storage_of(t))
+
+    def host_move(self, t: torch.Tensor, back: bool) -> None:
+        """An offloaded activation leaves the device (its block is freed) or comes back (a block again): the
+        offloading policy's copy (measure.moved_to_host); on the CPU fakes the tensor stands for both copies."""
+        key = id(storage_of(t))
+        if key not in self._seen:
+            return
+        if back and key in self._away:
+            self._away.discard(key)
+            self.allocator.malloc(key, storage_of(t).nbytes())
+        elif not back and key not in self._away:
+            self._away.add(key)
+            self.allocator.free(key)
 
     def forget(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages the target keeps elsewhere (host memory, CUDA managed memory): out of the allocator."""
@@ -196,6 +210,7 @@ class AllocationReplay(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self._seen.discard(key)
+        self._away.discard(key)
         self.allocator.free(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

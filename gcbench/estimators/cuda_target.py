@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -24,6 +24,7 @@ class AllocatorModel(LiveTensorTracker):
         super().__init__(granularity_bytes=CUDA_BLOCK_BYTES if cuda else 1)
         self.cuda = cuda
         self._listening = contextlib.nullcontext()
+        self.also: Callable[[torch.Tensor, bool], None] | None = None  # told of each host move too (a replay)
 
     def __enter__(self):
         # a fresh listener per entry (a context manager from @contextmanager is good for one use)
@@ -46,6 +47,8 @@ class AllocatorModel(LiveTensorTracker):
     def _host_move(self, t: torch.Tensor, back: bool) -> None:
         """An offloaded activation leaves the GPU (its bytes stop counting) or comes back (they count again): on
         the CPU fakes the tensor itself stands for both copies."""
+        if self.also is not None:
+            self.also(t, back)
         key = id(t.untyped_storage())
         if key not in self._live:
             return

@@ -35,7 +35,7 @@ from gcbench.estimators.scaled import scaler_finds_no_inf
 from gcbench.estimators.shape import attention_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.losses import CPU_TARGET
-from gcbench.measure import PhasePeaks, counting_flops, storage_bytes
+from gcbench.measure import PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import build_model, find_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
@@ -102,8 +102,12 @@ def replay_allocator(spec: RunSpec | ResolvedRun, capacity: int | None = None, w
     (caching_allocator.py): the parameters and batch as the run allocates them, a warm-up step, then the tracked
     one. The allocator's `peak_reserved` is what max_memory_reserved would read over the run; with `capacity` (the
     bytes cudaMalloc can hand out), it raises caching_allocator.OutOfMemory where the run would run out."""
+    spec = resolve(spec)
+    if optimizer_kind(spec.optimizer).paged is not None:
+        raise GcbenchError(f"the caching allocator is not replayed with --optimizer {spec.optimizer}: its state "
+                           "lives in CUDA managed memory, which the warm-up step would take from the allocator")
     allocator = CachingAllocator(capacity)
-    return _simulate(resolve(spec), "cuda", False, not warm_up, allocator), allocator
+    return _simulate(spec, "cuda", False, not warm_up, allocator), allocator
 
 
 def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
@@ -127,8 +131,11 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
             contextlib.nullcontext()
         if allocator is not None:  # what the run has allocated before its first step: the model, then the batch
             replay.track([*step.model.parameters(), *step.model.buffers(), ids, *step.scaler_state()])
+        if allocator is not None:
+            tracker.also = replay.host_move  # the tracked step's host moves (the tracker listens then)
         if check is None:
-            with replay:
+            with replay, listening_to_host_moves(replay.host_move) if allocator is not None else \
+                    contextlib.nullcontext():
                 step()  # warm-up: gradients and optimizer state exist from here on, as in the measured steps
         state = _device_state(step, cuda)
         paged = _paged_state(step, spec.optimizer, cuda)  # CUDA managed memory: outside max_memory_allocated

@@ -129,7 +129,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     lo, hi = fit_range(None, field_name, fixed)
     rows = []
     for policy, found in zip(policies, predict_each(fixed, policies, field_name, lo, hi, cap, device, progress,
-                                                    method, replay=device == "cuda")):
+                                                    method, replay=device == "cuda" and method == "simulate")):
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         step_s = found.step_seconds(card.peak_flops if card else None, efficiency)
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
@@ -137,7 +137,9 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
                      "predictions": found.predictions, "flops": found.flops, "budget_bytes": cap,
-                     "reserved": found.reserved, "allocated_only": found.allocated_only,
+                     # the allocator replayed (--method simulate): its reserved peak, and the allocated peak's answer
+                     **({"reserved": found.reserved, "allocated_only": found.allocated_only}
+                        if found.allocated_only is not None else {}),
                      "gpu": card.name if card else None, "efficiency": efficiency if card else None})
     where = (f"{card.name}: {card.memory_mib:,} MiB (nvidia-smi's total) less {fmt_bytes(CUDA_CONTEXT_BYTES)} of "
              f"CUDA context (assumed) and {fmt_bytes(card.workspace_bytes)} of cuBLAS workspaces" if card
@@ -146,6 +148,9 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                "PREDICTED, nothing ran: peaks by the method in `by`; step s = FLOPs with recompute / (dense bf16 "
                f"peak x {efficiency:g})" if card else "PREDICTED, nothing ran: peaks by the method in `by`; step "
                "time needs --gpu (its peak FLOP/s)"]
+    if device == "cuda" and method != "simulate":
+        caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
+                       "replays it on the card, size by size (seconds to minutes per policy)")
     best = max((r for r in rows if r["tokens_per_s"]), key=lambda r: r["tokens_per_s"], default=None)
     if best is not None:
         caption.append(f"predicted fastest: {best['policy']} at {vary} {best['value']}; measure it on the card "

@@ -22,6 +22,7 @@ from gcbench.fits.search import Search, Trial, extrapolate
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.fields import run_field
 from gcbench.models import build_model
+from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, parse_policy
 from gcbench.spec import RunSpec
 
@@ -83,17 +84,22 @@ def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Searc
     search.run(attempt, lambda s: extrapolate(s, prior))
     best, next_up = search.maximum, search.next_up
     allocated_only, reserved = best, None
-    if replay and target == "cuda" and best is not None:
+    # a paged optimizer's state is outside the allocator (simulate.replay_allocator refuses it)
+    # a plan chooses its mix against the allocated peak: replaying it would need the plan to budget reserved memory
+    replayed_here = replay and target == "cuda" and best is not None and not policy.startswith("plan") and \
+        optimizer_kind(fields.get("optimizer", "adamw")).paged is None
+    if replayed_here:
         best, reserved, replayed = replayed_maximum(fields, policy, vary, search, best, tried)
         found.update(replayed)
-        next_up = best + search.multiple if best is not None and best < allocated_only else next_up
+        # the next size runs out in the allocator, not by its allocated peak (which is within the budget)
+        next_up = None if best != allocated_only else next_up
     counted = None
     if flops and best is not None:
         at = found[best]
         counted = at.flops if at.flops is not None else step_flops(spec_at(fields, policy, vary, best), target)
     return PredictedFit(policy, best, found.get(best) if best is not None else None,
                         found[next_up].peak_bytes if next_up in found else None, method, len(found), counted,
-                        reserved, allocated_only if replay and target == "cuda" else None)
+                        reserved, allocated_only if replayed_here else None)
 
 
 def replayed_maximum(fields: Mapping[str, Any], policy: str, vary: str, done: Search, best: int,

@@ -75,7 +75,8 @@ def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, c
         changed = [f"{r['policy']}: {r['allocated_only']}" for r in rows if r.get("allocated_only") != r["value"]]
         caption = [*caption, f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the card: "
                    f"{word} + 1 runs out there" + (f" (by the allocated peak alone: {', '.join(changed)})"
-                                                   if changed else "")]
+                                                   if changed else "") + f"; its segments make that not monotone "
+                   f"in the {word}: a smaller one can run out too (docs/methodology.md)"]
     table = _table(title, caption, ["policy", f"max {word}", "peak", "reserved" if replayed else f"{word} + 1",
                                     "step s", "tokens/s", "by"])
     for r in rows:

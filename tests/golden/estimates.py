@@ -52,8 +52,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
                                  gpu_name=None, vary="seq", headroom="5%", efficiency=0.4, device="cuda")),
 ]
 WRITTEN_AT = 3  # the schema version of the records these rows were written beside
-# the default suite's (a --fit case replays the caching allocator at each size: tens of seconds, in CI's slow set)
-QUICK = ("llama-all-policies-cuda", "layers-long")
+QUICK = ("llama-all-policies-cuda", "fit-tiny-batch", "layers-long")
 
 
 def compute(name: str) -> list[dict[str, Any]]:
