@@ -110,7 +110,7 @@ REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_s
              canonical_seq=512, small_seq=1024, small_batch=8, fit_range="1..128", cap=None, rounds=20,
              optimizers="adamw,adamw-fused,adafactor")
 SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, line_seq="64", line_batch="1,4,16",
-              canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..16", cap="16MiB", rounds=2,
+              canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..64", cap="16MiB", rounds=2,
               optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full",
               adapters="lora", losses="chunked")
 
