@@ -207,7 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--repeat", type=int, default=3, help="sweeps and estimates timed (their median)")
-    ap.add_argument("--fit", action="store_true", help="also time estimate --fit, once (about 40 s)")
+    ap.add_argument("--fit", action="store_true", help="also time estimate --fit, once (about 25 s)")
     ap.add_argument("--optimum-python", help="an interpreter with optimum-benchmark installed")
     ap.add_argument("--only", choices=("run", "sweep", "estimate", "optimum"), action="append")
     ap.add_argument("--root", type=Path, help="time the gcbench of this checkout (e.g. a `git worktree` of an "

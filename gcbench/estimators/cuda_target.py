@@ -25,6 +25,8 @@ class AllocatorModel(LiveTensorTracker):
         self.cuda = cuda
         self._listening = contextlib.nullcontext()
         self.also: Callable[[torch.Tensor, bool], None] | None = None  # told of each host move too (a replay)
+        # given a list: (op, its high-water mark) appended for each op that allocates (layer_scaling.py)
+        self.highs: list[tuple[str, int]] | None = None
 
     def __enter__(self):
         # a fresh listener per entry (a context manager from @contextmanager is good for one use)
@@ -62,9 +64,16 @@ class AllocatorModel(LiveTensorTracker):
             self._live[key] = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before, live = self.peak, self.current
+        if self.highs is not None:
+            self.peak = live  # this op's own high, then the running peak again
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.cuda:
             self.peak = max(self.peak, self.current + kernel_workspace_bytes(func, args, kwargs))
+        if self.highs is not None:
+            if self.peak > live:
+                self.highs.append((str(func), self.peak))
+            self.peak = max(before, self.peak)
         return out
 
 

@@ -31,6 +31,7 @@ from gcbench.estimators.caching_allocator import AllocationReplay, CachingAlloca
 from gcbench.estimators.cuda_target import AllocatorModel, cuda_kernels, kernel_workspace_bytes
 from gcbench.estimators.sharing import kept, shared
 from gcbench.estimators.estimates import Estimate
+from gcbench.estimators.layer_scaling import SHORT, StepTrace, blocks_to_scale, scaled, scaled_flops
 from gcbench.estimators.scaled import scaler_finds_no_inf
 from gcbench.estimators.shape import attention_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
@@ -111,8 +112,16 @@ def replay_allocator(spec: RunSpec | ResolvedRun, capacity: int | None = None, w
 
 
 def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
-              allocator: CachingAllocator | None = None) -> Estimate:
-    """The simulation itself (simulate's docstring), in this process; `allocator`: replayed on it too."""
+              allocator: CachingAllocator | None = None, trace: StepTrace | None = None) -> Estimate:
+    """The simulation itself (simulate's docstring), in this process; `allocator`: replayed on it too; `trace`:
+    filled with what layer_scaling.py needs besides the peaks. With `shortcut`, a model of many alike blocks is
+    simulated from two short ones where that is exact (layer_scaling.py)."""
+    if shortcut and allocator is None and trace is None and (n := blocks_to_scale(spec)) is not None:
+        traces = [StepTrace() for _ in SHORT]
+        short = [(_simulate(spec.replace(layers=k), target, flops, True, trace=t), t) for k, t in zip(SHORT, traces)]
+        found = scaled(n, short)
+        if found is not None:
+            return found
     start = time.perf_counter()
     # Reference cycles an earlier simulation left (SAC's caches make some) would otherwise be collected at a moment
     # of the garbage collector's choosing inside this one's tracked step: the same spec would give another peak.
@@ -125,6 +134,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     config, _ = spec.model_config()
     tracker = AllocatorModel(cuda)
     phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
+    mark = trace.marking(phases, tracker) if trace is not None else phases
     with _fake_step(spec, cuda) as (step, ids):
         check = prime(step, spec.optimizer) if shortcut else None
         replay = AllocationReplay(allocator, kernel_workspace_bytes) if allocator is not None else \
@@ -150,7 +160,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
             allocator.reset_peaks()  # as the run reads its peaks over the measured steps
         tally = FlopTally() if flops and shortcut else None
         with replay, tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext():
-            step(tally.marking(phases) if tally else phases)
+            step(tally.marking(mark) if tally else mark)
         unproven = check is not None and not check.proven
         counted = tally.total if tally is not None and tally.exact else None
         if flops and counted is None and not unproven:
@@ -162,7 +172,9 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         paged_bytes = storage_bytes(paged) if optimizer_kind(spec.optimizer).paged else None
         n_params = param_count(step.model)
     if unproven:  # a warm-up might have left other gradients than prime's: the full path, out of this fake mode
-        return _simulate(spec, target, flops, False)
+        if trace is not None:
+            trace.clear()
+        return _simulate(spec, target, flops, False, trace=trace)
     peaks, peak = phases.fields(), max(phases.peaks.values())
     return Estimate(
         method="simulate", target=target, peak_bytes=peak, param_bytes=parts[0], grad_bytes=parts[1],
@@ -174,6 +186,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
 
 
 def _count_flops(spec: ResolvedRun, target: str) -> int:
+    if (n := blocks_to_scale(spec)) is not None:  # the same ops in every block (layer_scaling.py)
+        return scaled_flops(n, [_count_flops(spec.replace(layers=k), target) for k in SHORT])
     spec = spec.replace(device="cpu", memory_cap_bytes=None)
     with _fake_step(spec, target == "cuda") as (step, _):
         with counting_flops() as counter:

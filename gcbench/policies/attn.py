@@ -56,6 +56,9 @@ class AttentionCore(Policy):
     summary = ("recompute only the attention core (QK^T, softmax, dropout, PV) of every block; projections and MLP "
                "keep their activations (Korthikanti et al. 2022, Megatron 'selective')")
 
+    def alike_blocks(self, n_blocks: int) -> bool:
+        return True  # the same attention core rerouted in every block
+
     def apply(self, blocks: nn.ModuleList) -> Callable[[], None]:
         interface = _attention_interface()
         rerouted: list[tuple[nn.Module, Any]] = []

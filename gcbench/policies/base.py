@@ -144,6 +144,13 @@ class Policy:
     # describe another model: the runner reports those fields as None and counts saved bytes before any such mode.
     hidden_from_dispatch_modes: ClassVar[bool] = False
 
+    def alike_blocks(self, n_blocks: int) -> bool:
+        """Whether every block of `n_blocks` is treated the same way (each its own checkpoint, or none), the same
+        at any number of blocks: then a simulation of a long model can be made from two short ones
+        (estimators/layer_scaling.py). A policy that wraps blocks otherwise than by `groups` says so itself."""
+        each = [range(i, i + 1) for i in range(n_blocks)]
+        return type(self).apply is Policy.apply and self.groups(n_blocks) in ([], each)
+
     def validate(self, n_blocks: int) -> None:
         """Raise GcbenchError when an option breaks its rule (see `option`) for a model of `n_blocks` blocks."""
         for f in option_fields(self):
