@@ -78,7 +78,13 @@ def blocks_to_scale(spec: ResolvedRun) -> int | None:
         return None
     if any(isinstance(v, list) and len(v) == n and len(set(map(repr, v))) > 1 for v in vars(config).values()):
         return None  # a per-block list that varies: Gemma's local/global layers, Qwen's sliding ones
-    return n if alike_blocks(build_model(config, "meta", spec.param_dtype)) else None
+    key = (config.to_json_string(use_diff=False), spec.param_dtype)
+    if key not in _ALIKE:  # a fit asks for every size it tries; the meta model is built once per config
+        _ALIKE[key] = alike_blocks(build_model(config, "meta", spec.param_dtype))
+    return n if _ALIKE[key] else None
+
+
+_ALIKE: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def alike_blocks(model: torch.nn.Module) -> bool:
