@@ -92,8 +92,12 @@ def test_policies_and_levers_scaled_exactly(tmp_path, levers, target):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fields", [dict(policy="sqrtn"), dict(policy="every-k:k=2"), dict(policy="segments:k=3"),
-                                    dict(grad_accum=2), dict(layers=7)])
+                                    dict(grad_accum=2), dict(layers=7), dict(precision="amp-bf16"),
+                                    dict(adapter="lora:targets=layers.6.self_attn.q_proj"),
+                                    dict(adapter="lora:targets=layers.1.self_attn.q_proj")])
 def test_not_scaled_where_blocks_are_treated_apart(tmp_path, fields):
+    if "adapter" in fields:
+        pytest.importorskip("peft")
     spec = resolve(RunSpec(**{"model": config_with_blocks(tmp_path, "llama"), "seq_len": 32, "batch_size": 2,
                               "policy": "full", **fields}))
     assert blocks_to_scale(spec) is None

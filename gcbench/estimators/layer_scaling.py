@@ -17,9 +17,14 @@ is one of each kind, so 3 and 4 blocks have the same set of lines.
 A multi-tensor optimizer step (one op over all parameters, the same ops allocating for any L) puts every block in
 the state of each op at once: there, each op's own high-water mark is a line, taken op by op. An optimizer that updates one tensor
 at a time goes through the two boundary states only.
+One state escapes the boundaries: under autocast, each block that ran keeps its low-precision weight copies in
+autocast's cache until the forward ends, and the cache is gone by the backward's boundary. A block that saves
+those copies for backward (no checkpoint, or only the attention core recomputed) still shows them there; under
+any other policy amp is simulated whole (a reviewer measured the forward climbing by one block's bf16 weights more
+than sigma).
 Anything else is simulated whole: blocks unlike (a local/global pattern, dense and MoE layers, per-layer router
-outputs), a policy that treats blocks differently (sqrtn, every-k, plan), micro-batches, too few blocks to gain,
-and any phase whose peak at 3 and 4 blocks is not on its steepest line. tests/test_layer_scaling.py holds the result
+outputs, adapter targets in some blocks only), a policy that treats blocks differently (sqrtn, every-k, plan),
+micro-batches, too few blocks to gain, and any phase whose peak at 3 and 4 blocks is not on its steepest line. tests/test_layer_scaling.py holds the result
 to a whole simulation, field by field.
 """
 
@@ -31,6 +36,8 @@ from typing import Any
 
 import torch
 
+from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
+from gcbench.errors import GcbenchError
 from gcbench.estimators.estimates import Estimate
 from gcbench.models import build_model, find_blocks
 from gcbench.resolved import ResolvedRun
@@ -72,19 +79,32 @@ def blocks_to_scale(spec: ResolvedRun) -> int | None:
     """The model's number of blocks where its simulation can be made from two short ones, else None."""
     config = spec.model_config()[0]
     n = config.num_hidden_layers
-    if n < FEWEST or spec.grad_accum != 1 or spec.shard != "none" or not spec.policy.alike_blocks(n):
+    if n < FEWEST or spec.grad_accum != 1 or spec.shard != "none":
+        return None
+    if not all(spec.policy.alike_blocks(k) for k in (*SHORT, n)):
+        return None
+    # autocast keeps each block's low-precision weight copies in its cast cache until the forward ends, and the
+    # backward's boundary comes after: a state no boundary reads, unless the block saves those copies itself, as
+    # it does without checkpointing (none) or recomputing only the attention core (attn), which holds no weights
+    if spec.autocast_dtype is not None and spec.policy.name not in ("none", "attn"):
         return None
     if any(getattr(config, key, None) for key in _UNLIKE_KEYS):
         return None
     if any(isinstance(v, list) and len(v) == n and len(set(map(repr, v))) > 1 for v in vars(config).values()):
         return None  # a per-block list that varies: Gemma's local/global layers, Qwen's sliding ones
-    key = (config.to_json_string(use_diff=False), spec.param_dtype)
+    key = (config.to_json_string(use_diff=False), spec.param_dtype, spec.adapter, compute_dtype(spec))
     if key not in _ALIKE:  # a fit asks for every size it tries; the meta model is built once per config
-        _ALIKE[key] = alike_blocks(build_model(config, "meta", spec.param_dtype))
+        # with the adapter: targets naming one block's modules make that block unlike the others
+        try:
+            model = apply_adapter(build_model(config, "meta", spec.param_dtype), parse_adapter(spec.adapter),
+                                  compute_dtype(spec), "meta")
+        except GcbenchError:  # the whole simulation meets it and says why
+            return None
+        _ALIKE[key] = alike_blocks(model)
     return n if _ALIKE[key] else None
 
 
-_ALIKE: dict[tuple[str, torch.dtype], bool] = {}
+_ALIKE: dict[tuple, bool] = {}
 
 
 def alike_blocks(model: torch.nn.Module) -> bool:
@@ -130,7 +150,7 @@ def scaled(n: int, short: list[tuple[Estimate, StepTrace]]) -> Estimate | None:
                       (t3.at[start], t4.at[start])]
             if max(a for a, _ in points) != p3 or max(b for _, b in points) != p4:
                 return None  # the trace does not account for the peak
-            peaks[phase] = max(a + (n - SHORT[0]) * (b - a) for a, b in points)
+            peaks[phase] = max(_line(n, a, b) for a, b in points)
             continue
         sigma = max(t4.at[start] - t3.at[start], t4.at[end] - t3.at[end])
         if p4 - p3 != sigma:
@@ -139,7 +159,7 @@ def scaled(n: int, short: list[tuple[Estimate, StepTrace]]) -> Estimate | None:
 
     def line(field: str) -> Any:
         a, b = getattr(e3, field), getattr(e4, field)
-        return None if a is None else a + (n - SHORT[0]) * (b - a)
+        return None if a is None or b is None else _line(n, a, b)
 
     peak = max(p for p in peaks.values() if p is not None)
     parts = [line(f) for f in ("param_bytes", "grad_bytes", "optimizer_bytes")]
@@ -152,4 +172,9 @@ def scaled(n: int, short: list[tuple[Estimate, StepTrace]]) -> Estimate | None:
 
 def scaled_flops(n: int, short: list[int]) -> int:
     """The FLOPs of `n` blocks from those of SHORT blocks: the same ops in every block."""
-    return short[0] + (n - SHORT[0]) * (short[1] - short[0])
+    return _line(n, *short)
+
+
+def _line(n: int, at_3: int, at_4: int) -> int:
+    """The value at `n` blocks of the line through its values at SHORT blocks."""
+    return at_3 + (n - SHORT[0]) * (at_4 - at_3)

@@ -117,9 +117,12 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     filled with what layer_scaling.py needs besides the peaks. With `shortcut`, a model of many alike blocks is
     simulated from two short ones where that is exact (layer_scaling.py)."""
     if shortcut and allocator is None and trace is None and (n := blocks_to_scale(spec)) is not None:
-        traces = [StepTrace() for _ in SHORT]
-        short = [(_simulate(spec.replace(layers=k), target, flops, True, trace=t), t) for k, t in zip(SHORT, traces)]
-        found = scaled(n, short)
+        try:
+            short = [(_simulate(spec.replace(layers=k), target, flops, True, trace=t), t)
+                     for k, t in zip(SHORT, (StepTrace(), StepTrace()))]
+        except GcbenchError:  # a short model this run cannot be: the whole one answers, or says why not
+            short = None
+        found = scaled(n, short) if short else None
         if found is not None:
             return found
     start = time.perf_counter()
@@ -187,7 +190,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
 
 def _count_flops(spec: ResolvedRun, target: str) -> int:
     if (n := blocks_to_scale(spec)) is not None:  # the same ops in every block (layer_scaling.py)
-        return scaled_flops(n, [_count_flops(spec.replace(layers=k), target) for k in SHORT])
+        with contextlib.suppress(GcbenchError):  # else counted whole, as _simulate does
+            return scaled_flops(n, [_count_flops(spec.replace(layers=k), target) for k in SHORT])
     spec = spec.replace(device="cpu", memory_cap_bytes=None)
     with _fake_step(spec, target == "cuda") as (step, _):
         with counting_flops() as counter:
