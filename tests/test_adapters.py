@@ -15,6 +15,7 @@ from gcbench.estimators import analytic, estimate, estimate_grid
 from gcbench.models import build_model, find_blocks
 from gcbench.runner import model_size, run
 from gcbench.step import make_batch, model_state_bytes
+from tests.families import FAMILIES, FAMILY_CONFIGS
 from tests.helpers import CLASSIC, tiny_spec
 
 pytest.importorskip("peft")
@@ -179,13 +180,15 @@ def test_qlora_counts_the_flops_lora_counts_measured_and_simulated():
 
 
 @pytest.mark.slow  # seconds on 2 cores: CI's slow set runs it (the default suite stays under 5 minutes)
-def test_a_qlora_base_for_cuda_is_built_on_the_host_and_quantised_onto_the_gpu(fake_cuda, monkeypatch):
-    """The unquantised base never takes GPU memory (a 7B bf16 base would not fit a budget its 4-bit one fits):
-    runner builds it where Adapter.build_device says, then each 4-bit layer and the rest go to the GPU (here the
-    fake one, tests/fake_cuda.py: the run follows the CUDA path, paged optimizer state included)."""
+def test_a_qlora_base_is_built_on_the_meta_device_and_each_layer_made_and_quantised_on_the_gpu(fake_cuda,
+                                                                                              monkeypatch):
+    """The unquantised base never takes GPU memory (a 7B bf16 base would not fit a budget its 4-bit one fits) nor
+    host time: runner builds it where Adapter.build_device says (meta), then each 4-bit layer is made on the GPU
+    and quantised there, and the rest made there (here the fake GPU, tests/fake_cuda.py: the run follows the CUDA
+    path, paged optimizer state included)."""
     import gcbench.runner as runner_module
 
-    assert parse_adapter("qlora").build_device("cuda:1") == "cpu" == parse_adapter("qlora").build_device("cpu")
+    assert parse_adapter("qlora").build_device("cuda:1") == "meta" == parse_adapter("qlora").build_device("cpu")
     assert parse_adapter("lora").build_device("cuda:1") == "cuda:1" == parse_adapter("none").build_device("cuda:1")
     built, build_model = [], runner_module.build_model
     monkeypatch.setattr(runner_module, "build_model", lambda config, device, dtype: built.append(str(device))
@@ -193,7 +196,36 @@ def test_a_qlora_base_for_cuda_is_built_on_the_host_and_quantised_onto_the_gpu(f
     record = run(tiny_spec(adapter="qlora", optimizer="paged_adamw8bit", device="cuda", seq_len=SEQ,
                            batch_size=BATCH))
     assert record["status"] == "ok", record.get("error")
-    assert built == ["cpu"] and record["peak_allocated_bytes"] > record["param_bytes"] > 0
+    assert built == ["meta"] and record["peak_allocated_bytes"] > record["param_bytes"] > 0
+
+
+@pytest.mark.slow  # a second or two per family on 2 cores
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("gpt2", "mixtral")])  # Conv1D; experts
+def test_a_meta_built_qlora_model_is_the_host_built_one_but_for_its_random_values(family):
+    """Made from the meta device (build_device), every buffer equals the host-built model's exactly (rotary
+    frequencies and position ids restored by transformers' initialize_weights), every parameter has its shape,
+    dtype and trainability, tied weights stay tied, and the values are drawn as transformers draws them."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(family, **FAMILY_CONFIGS[family])
+    built = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        model = apply_adapter(build_model(config, device, torch.float32), parse_adapter("qlora"), torch.float32,
+                              "cpu")
+        built[device] = model, dict(model.named_parameters()), dict(model.named_buffers())
+    (host, host_params, host_buffers), (meta, meta_params, meta_buffers) = built["cpu"], built["meta"]
+    assert meta_buffers.keys() == host_buffers.keys()
+    assert all(torch.equal(meta_buffers[k], b) for k, b in host_buffers.items())
+    assert [(k, p.shape, p.dtype, p.requires_grad, p.device) for k, p in meta_params.items()] == \
+        [(k, p.shape, p.dtype, p.requires_grad, p.device) for k, p in host_params.items()]
+    for name, p in host_params.items():  # norms are ones either way; linears and embeddings alike in spread
+        if p.is_floating_point() and p.numel() > 64:
+            q = meta_params[name]
+            assert q.float().std().item() == pytest.approx(p.float().std().item(), rel=0.25, abs=1e-6), name
+    tied = [m.get_output_embeddings() is not None and m.get_input_embeddings().weight is
+            m.get_output_embeddings().weight for m in (host, meta)]
+    assert tied[0] == tied[1]
 
 
 def test_a_7b_qlora_is_not_refused_as_if_it_kept_full_adamw_state():
