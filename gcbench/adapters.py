@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gcbench.errors import GcbenchError, quiet_logger
+from gcbench.meta_init import made_on, materialise
 from gcbench.text import plain
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
         count_gemm_4bit_flops()
         _quantise_targets(model, adapter, compute_dtype, device)
         if str(device) != "meta":
-            _materialise(model, device)
+            materialise(model, device)
         model.is_loaded_in_4bit = True  # what transformers sets on a 4-bit model: peft then wraps Linear4bit as such
 
     # peft warns about transformers' renamed attributes and about layers it cannot merge: nothing a run can act on
@@ -301,7 +302,7 @@ def _quantise_targets(model: nn.Module, adapter: Adapter, compute_dtype: torch.d
                                compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
                                device="meta")
         if linear.weight.is_meta and str(device) != "meta":  # a meta-built base (build_device): made here
-            linear = _made_on(model, linear, device)
+            linear = made_on(model, linear, device)
         # quantised from the compute dtype (as a checkpoint loaded in bnb_4bit_compute_dtype is), so that the
         # dequantised weight is made in the dtype the matmul uses
         weight = linear.weight.data.to(compute_dtype)
@@ -312,56 +313,6 @@ def _quantise_targets(model: nn.Module, adapter: Adapter, compute_dtype: torch.d
         # .to quantises it there (Params4bit._quantize); on the meta device it stays a meta weight: quantise_fakes
         setattr(parent, attr, layer.to(device))
         del linear, weight, layer
-
-
-def _made_on(model: nn.Module, linear: nn.Module, device: str) -> nn.Module:
-    """The meta nn.Linear `linear` made on `device` in its dtype, initialised as the model initialises a linear
-    layer (transformers' _init_weights: normal with the config's initializer_range, zero bias)."""
-    import torch
-    from torch import nn
-
-    made = torch.nn.utils.skip_init(nn.Linear, linear.in_features, linear.out_features,
-                                    bias=linear.bias is not None, device=device, dtype=linear.weight.dtype)
-    model._init_weights(made)
-    return made
-
-
-def _materialise(model: nn.Module, device: str) -> None:
-    """Every parameter and buffer still on the meta device made on `device` (one tensor per shared one, so tied
-    weights stay tied) and initialised by transformers' initialize_weights, which skips what is flagged
-    `_is_hf_initialized`: the 4-bit layers made already. Non-persistent buffers (rotary frequencies, position ids)
-    are restored by it as when transformers loads a checkpoint on the meta device."""
-    import torch
-    from torch import nn
-
-    made: dict[int, torch.Tensor] = {}
-    flagged: dict[int, Any] = {}  # by identity: a tied tensor appears twice
-    for module in model.modules():
-        fresh = False
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is None:
-                    continue
-                if not tensor.is_meta:
-                    flagged[id(tensor)] = tensor
-                    continue
-                if id(tensor) not in made:
-                    real = torch.empty_like(tensor, device=device)
-                    made[id(tensor)] = nn.Parameter(real, requires_grad=tensor.requires_grad) \
-                        if isinstance(tensor, nn.Parameter) else real
-                store[name] = made[id(tensor)]
-                fresh = True
-        if not fresh:
-            flagged[id(module)] = module
-    if not made:
-        return
-    for item in flagged.values():
-        item._is_hf_initialized = True
-    try:
-        model.initialize_weights()
-    finally:
-        for item in flagged.values():
-            del item._is_hf_initialized
 
 
 def quantise_fakes(model: nn.Module) -> None:
