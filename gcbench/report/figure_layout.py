@@ -4,6 +4,7 @@ the title, one legend under the panels, doubling (log2) axes, and the mark of a 
 from __future__ import annotations
 
 import math
+import textwrap
 
 import matplotlib as mpl
 from matplotlib.axes import Axes
@@ -19,6 +20,10 @@ MAX_PANELS = 12  # larger grids show their largest configs; the caption says so
 STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
          "axes.spines.right": False, "legend.fontsize": 8, "svg.fonttype": "none", "svg.hashsalt": "gcbench",
          "text.parse_math": False}  # a $ in a model's name is a dollar sign, not mathematics (nor a parse error)
+# characters in one line of a panel's title (9 pt, PANEL_IN wide: a 62-character setup ran off the figure's right
+# edge): longer setups wrap at their spaces rather than run into the next panel or off the figure
+TITLE_CHARS = 50
+CROWDED = 4  # more bars than this in a panel: policy names slanted, phase words short
 OOM_MARK = dict(marker="X", s=90, edgecolors="black", linewidths=0.8, zorder=6)
 
 
@@ -39,6 +44,26 @@ def panel_figure(n: int, title: str, device: str, legend_cols: int = 1) -> tuple
         ax.set_visible(False)
     fig.suptitle(f"{title}\n{device}", fontsize=11, fontweight="bold")
     return fig, axes[:n]
+
+
+def panel_title(ax: Axes, setup: str, detail: str) -> None:
+    """A panel's title: its model setup, wrapped between its parts (" · ") to the panel's width, then what the
+    panel holds (seq, batch)."""
+    lines: list[str] = []
+    for part in setup.split(" · "):
+        if lines and len(lines[-1]) + 3 + len(part) <= TITLE_CHARS:
+            lines[-1] += " · " + part
+        else:
+            lines.extend(textwrap.wrap(part, TITLE_CHARS, break_long_words=False) or [part])
+    ax.set_title("\n".join(lines + [detail]))
+
+
+def policy_ticks(ax: Axes, labels: list[str]) -> None:
+    """One tick per policy bar; slanted and right-aligned under their bars where many would run together."""
+    if len(labels) > CROWDED:
+        ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", rotation_mode="anchor")
+    else:
+        ax.set_xticks(range(len(labels)), labels, rotation=15)
 
 
 def figure_legend(fig: Figure, axes: list[Axes], extra: list[tuple[object, str]] = (), policies=(),

@@ -18,8 +18,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from gcbench.report.analysis import pareto_front
-from gcbench.report.figure_layout import (OOM_MARK, STYLE, Drawn, coincident, figure_legend, largest_panels, log2_axis,
-                                          oom_handle, panel_figure, policy_colors)
+from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, Drawn, coincident, figure_legend, largest_panels,
+                                          log2_axis, oom_handle, panel_figure, panel_title, policy_colors,
+                                          policy_ticks)
 from gcbench.report.fit_figures import fit_frontier
 from gcbench.report.prediction_figure import predicted_vs_measured
 from gcbench.results.frame import policy_rank, without_fit_trials
@@ -27,6 +28,7 @@ from gcbench.units import byte_unit, fmt_bytes
 
 PNG_DPI = 90  # modest: the figures are embedded in report.html
 PHASE_WORDS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}  # as the tables' "peak in" column
 STATE_COLORS = {"params": "#4c72b0", "grads": "#8fb0de", "optimizer state": "#dd8452", "activations": "#55a868"}
 
 
@@ -100,7 +102,7 @@ def peak_vs_seq(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                              else f"OOM: did not fit{where}"] = hollow
         log2_axis(ax, g["seq_len"])
         ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9) * 1.08)
-        ax.set_title(f"{setup}\nbatch {batch}")
+        panel_title(ax, setup, f"batch {batch}")
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(f"peak memory ({unit})\n{dev['peak_label'].iloc[0]}")
     extra = [(oom_handle(hollow), label) for label, hollow in sorted(legend_marks.items())]
@@ -138,7 +140,7 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                                    for t in trusted],
                        edgecolors=["black" if f else colors[policy] if not t or on else "none"
                                    for f, t in zip(on_front, trusted)])
-        ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
+        panel_title(ax, setup, f"seq {seq} x batch {batch}")
         ax.set_xlabel(f"peak memory ({unit}) — {dev['peak_label'].iloc[0]}")
         ax.set_ylabel("step time, median (ms)")
         ax.margins(0.15)
@@ -217,10 +219,10 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 ax.text(i, 0, FAILED_TEXT.get(r["status"], r["status"]), ha="center", va="bottom", color="#b00020",
                         fontweight="bold")
         ax.axhline(0, color="black", lw=0.8)
-        ax.set_xticks(range(len(policies)), policies, rotation=15)
+        policy_ticks(ax, policies)
         ax.set_xlabel("checkpoint policy")
         ax.set_ylabel("% of the value under policy none")
-        ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
+        panel_title(ax, setup, f"seq {seq} x batch {batch}")
         ax.margins(y=0.15)
     extra = [(Patch(facecolor="#dd8452", alpha=0.45, hatch="xx", edgecolor="white"),
               "~ timing not trusted (noisy steps or a busy machine)")] if untrusted_seen else []
@@ -258,9 +260,12 @@ def memory_breakdown(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     fig, axes = panel_figure(len(panels), "Memory breakdown per policy", dev["device_label"].iloc[0])
     parts = [("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer state", "optimizer_bytes"),
              ("activations", "activation_peak_bytes")]
+    shortened = False
     for ax, (setup, (seq, batch), g) in zip(axes, panels):
         g = g.assign(_rank=g["policy_label"].map(policy_rank)).sort_values("_rank")
         records = g.to_dict("records")
+        crowded = len(records) > CROWDED
+        shortened |= crowded
         bottom = [0.0] * len(records)
         for label, col in parts:
             heights = [r[col] / scale if r["status"] == "ok" else 0 for r in records]
@@ -271,22 +276,24 @@ def memory_breakdown(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 ax.scatter(i, r["peak_bytes"] / scale, marker="_", s=500, color="black", linewidths=2, zorder=5,
                            label="measured peak, whole step (incl. optimizer step)")
                 if isinstance(r.get("peak_phase"), str):
-                    ax.annotate(f"peak in\n{PHASE_WORDS[r['peak_phase']]}", (i, r["peak_bytes"] / scale),
-                                xytext=(0, 5), textcoords="offset points", ha="center", va="bottom", fontsize=8,
+                    words = PHASE_SHORT[r["peak_phase"]] if crowded else f"peak in\n{PHASE_WORDS[r['peak_phase']]}"
+                    ax.annotate(words, (i, r["peak_bytes"] / scale), xytext=(0, 5), textcoords="offset points",
+                                ha="center", va="bottom", fontsize=8,
                                 color="#b00020" if r["peak_phase"] == "optimizer" else "black")
             else:
                 ax.text(i, 0, FAILED_TEXT.get(r["status"], r["status"]), ha="center", va="bottom",
                         color="#b00020", fontweight="bold")
-        ax.set_xticks(range(len(records)), [r["policy_label"] for r in records], rotation=15)
+        policy_ticks(ax, [r["policy_label"] for r in records])
         ax.set_xlabel("checkpoint policy")
         ax.set_ylabel(f"memory ({unit})")
-        ax.set_title(f"{setup}\nseq {seq} x batch {batch}")
-        ax.margins(y=0.1)
+        panel_title(ax, setup, f"seq {seq} x batch {batch}")
+        ax.margins(y=0.12 if crowded else 0.22)  # room for the phase label above the tallest bar
     figure_legend(fig, axes, policies=colors)
     return fig, (f"Per model setup, the seq x batch where the most policies ran. Activations = forward+backward "
                  f"peak above model state ({dev['peak_label'].iloc[0]}); the black tick is the whole step's peak, "
                  f"labelled with the phase that reached it: a peak in the optimizer step (red) is one no "
-                 f"checkpointing policy can lower.")
+                 f"checkpointing policy can lower." + (" In panels of many policies the phase is fwd (forward), "
+                                                       "bwd (backward) or opt (optimizer step)." if shortened else ""))
 
 
 def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
@@ -325,7 +332,7 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                            **OOM_MARK)
         log2_axis(ax, g["batch_size"])
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{setup}\nseq {seq}")
+        panel_title(ax, setup, f"seq {seq}")
         ax.set_xlabel("batch size (samples per step)")
         ax.set_ylabel("throughput (tokens/s)")
     extra = [(oom_handle(), "OOM: did not fit (drawn at 0)")] if oom_seen else []

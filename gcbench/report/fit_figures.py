@@ -7,7 +7,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 
 from gcbench.report.figure_layout import (MAX_PANELS, OOM_MARK, Coincident, Drawn, figure_legend, oom_handle,
-                                          panel_figure)
+                                          panel_figure, panel_title)
 from gcbench.results.frame import SIZE_WORDS, as_int, fit_summary, policy_rank
 from gcbench.units import byte_unit
 
@@ -55,7 +55,7 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                     budgets[-1] + (0.25 if len(budgets) > 1 else 0.6) * (budgets[-1] - budgets[0] or budgets[0]))
         ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9) * 1.08)
         _placed_labels(ax, labels)
-        ax.set_title(f"{setup}\nlargest {word} (the numbers) at {fixed}")
+        panel_title(ax, setup, f"largest {word} (the numbers) at {fixed}")
         ax.set_xlabel(f"memory budget ({unit})")
         ax.set_ylabel("throughput (tokens/s)")
     extra = [(oom_handle(), "nothing fit (drawn at 0)")] if none_fit else []
