@@ -4,9 +4,14 @@ one does not have) and for MFU (the peak of the card a run is on). Importing thi
 Where each number comes from:
 - `memory_mib`: the total memory `nvidia-smi` reports for the board (MiB), as NVIDIA's board, which is what the
   driver exposes after ECC and its own reservations (a few hundred MiB below the marketing size).
+- `cuda_bytes`: where gcbench has measured the card, the total CUDA itself reports (cudaMemGetInfo, as
+  torch.cuda.mem_get_info()): the memory a process can have, below nvidia-smi's total by what the driver keeps
+  (615 MiB on the H200). benchmarks/gpu/cuda_context.py measures it (results/gpu/<gpu>/cuda-context.txt).
 - `CUDA_CONTEXT_BYTES`: what a PyTorch process's CUDA context takes before the first tensor (CUDA 12 with lazy
   module loading, the default). An assumption, not a measurement of gcbench's: `gcbench fit` on a GPU reads the
-  device's real free memory instead, and benchmarks/gpu/validate.sh records the context on the card it runs on.
+  device's real free memory instead, and benchmarks/gpu/cuda_context.py measures it on the card it runs on;
+  where it has (`context_bytes`), that reading is used: the memory outside the allocator once a bf16 matmul has
+  run (the context and cuBLAS's code, which every training step loads).
 - `cublas_workspace_bytes`: what cuBLAS takes inside the caching allocator (so max_memory_allocated counts it, the
   step's own tensors do not): PyTorch allocates one workspace per (cuBLAS handle, stream) through the caching
   allocator (aten/src/ATen/cuda/CublasHandlePool.cpp, getNewWorkspace), of CUBLAS_WORKSPACE_CONFIG's size, by
@@ -45,10 +50,27 @@ class Gpu:
     peak_flops: float
     source: str
     capability: tuple[int, int] | None = None  # CUDA compute capability (sm90: (9, 0))
+    cuda_bytes: int | None = None  # CUDA's total, where measured; else nvidia-smi's stands in
+    context_bytes: int | None = None  # outside the allocator after a bf16 matmul, where measured
 
     @property
     def memory_bytes(self) -> int | None:
         return None if self.memory_mib is None else self.memory_mib * 2**20
+
+    @property
+    def context(self) -> int:
+        return CUDA_CONTEXT_BYTES if self.context_bytes is None else self.context_bytes
+
+    def budget_words(self) -> str:
+        """Where usable_bytes comes from, for a caption."""
+        from gcbench.units import fmt_bytes
+
+        total = f"{self.memory_mib:,} MiB (nvidia-smi's total)" if self.cuda_bytes is None else \
+            f"{fmt_bytes(self.cuda_bytes)} (CUDA's total, measured)"
+        context = "CUDA context (assumed)" if self.context_bytes is None else \
+            "CUDA context and cuBLAS code (measured)"
+        return (f"{self.name}: {total} less {fmt_bytes(self.context)} of {context} and "
+                f"{fmt_bytes(self.workspace_bytes)} of cuBLAS workspaces")
 
     @property
     def workspace_bytes(self) -> int:
@@ -59,7 +81,9 @@ class Gpu:
     def usable_bytes(self) -> int | None:
         """Memory a training step's own tensors can take: the total minus the CUDA context and cuBLAS's
         workspaces (predictions count the step's tensors only)."""
-        return None if self.memory_mib is None else self.memory_bytes - CUDA_CONTEXT_BYTES - self.workspace_bytes
+        if self.memory_mib is None:
+            return None
+        return (self.cuda_bytes or self.memory_bytes) - self.context - self.workspace_bytes
 
 
 # Order matters for matching a device name: the more specific names first ("H100 PCIe" before "H100", "GH200"
@@ -67,8 +91,11 @@ class Gpu:
 GPUS: list[Gpu] = [
     Gpu("gh200", "NVIDIA GH200", "GH200", None, 989e12,
         "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/", (9, 0)),
+    # CUDA's total and the context measured on one (driver 580.159.04, torch 2.11.0+cu130, CUDA 13.0):
+    # results/gpu/nvidia-h200/cuda-context.txt
     Gpu("h200-141gb", "NVIDIA H200", "H200", 143_771, 989e12,
-        "https://www.nvidia.com/en-us/data-center/h200/", (9, 0)),
+        "https://www.nvidia.com/en-us/data-center/h200/", (9, 0), cuda_bytes=150_109_880_320,
+        context_bytes=623_706_112),
     Gpu("h100-pcie-80gb", "NVIDIA H100 PCIe", "H100 PCIe", 81_559, 756e12,
         "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
     Gpu("h100-nvl", "NVIDIA H100 NVL", "H100 NVL", None, 835e12,

@@ -7,8 +7,9 @@ for each row that gcbench can express, predicts the figure the source published:
 - allocated: torch.cuda.max_memory_allocated over the step = Estimate.peak_bytes;
 - reserved: torch.cuda.max_memory_reserved, the caching allocator replayed (simulate.replay_allocator)
   where one process runs;
-- device (nvidia-smi's used memory): reserved + the CUDA context + the cuBLAS workspaces, with the assumed context
-  (gpus.CUDA_CONTEXT_BYTES) and the per-card workspace size (gpus.Gpu.workspace_bytes, from
+- device (nvidia-smi's used memory): reserved + the CUDA context + the cuBLAS workspaces, with the card's context
+  (gpus.Gpu.context: measured where gcbench has run on the card, else gpus.CUDA_CONTEXT_BYTES assumed) and the
+  per-card workspace size (gpus.Gpu.workspace_bytes, from
   aten/src/ATen/cuda/CublasHandlePool.cpp), both cited in gcbench/gpus.py; not expressible where reserved is not
   predicted or the card is not in gpus.GPUS.
 It prints one line per predicted row (published, predicted, signed error), then
@@ -131,7 +132,7 @@ def _device(row: dict[str, Any], pub: float, reserved: int) -> Outcome:
     if card is None:
         return Outcome(row, "not_expressible", pub, reason=f"GPU {row['gpu']!r} is not in gcbench/gpus.py: its "
                                                            "cuBLAS workspace size is not known")
-    return Outcome(row, "predicted", pub, reserved + gpus.CUDA_CONTEXT_BYTES + card.workspace_bytes)
+    return Outcome(row, "predicted", pub, reserved + card.context + card.workspace_bytes)
 
 
 def summary(outcomes: list[Outcome]) -> str:

@@ -14,7 +14,7 @@ from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_
     canonical_policy
 from gcbench.estimators.estimates import Progress
 from gcbench.fits.predict import predict_each
-from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
+from gcbench.gpus import gpu
 from gcbench.grid import RUN_OPTIONS, one_value_each
 from gcbench.fields import run_field
 from gcbench.resolved import resolve
@@ -141,9 +141,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      **({"reserved": found.reserved, "allocated_only": found.allocated_only}
                         if found.allocated_only is not None else {}),
                      "gpu": card.name if card else None, "efficiency": efficiency if card else None})
-    where = (f"{card.name}: {card.memory_mib:,} MiB (nvidia-smi's total) less {fmt_bytes(CUDA_CONTEXT_BYTES)} of "
-             f"CUDA context (assumed) and {fmt_bytes(card.workspace_bytes)} of cuBLAS workspaces" if card
-             else f"--gpu-memory {fmt_bytes(memory)}")
+    where = card.budget_words() if card else f"--gpu-memory {fmt_bytes(memory)}"
     caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
                "PREDICTED, nothing ran: peaks by the method in `by`; step s = FLOPs with recompute / (dense bf16 "
                f"peak x {efficiency:g})" if card else "PREDICTED, nothing ran: peaks by the method in `by`; step "

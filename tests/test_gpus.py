@@ -1,0 +1,29 @@
+"""The cards gcbench knows by name: a budget is the card's memory less what a process holds beside the step's
+tensors, measured where gcbench has run on the card and assumed (and said so) elsewhere."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
+
+H200_CONTEXT = Path(__file__).resolve().parent.parent / "results" / "gpu" / "nvidia-h200" / "cuda-context.txt"
+
+
+def test_the_h200_budget_is_what_cuda_context_py_measured_on_one():
+    reading = json.loads(H200_CONTEXT.read_text().splitlines()[-2])  # the JSON line before "exit 0"
+    card = gpu("h200-141gb")
+    assert card.cuda_bytes == reading["total_bytes"] < card.memory_bytes  # the driver keeps some from CUDA
+    assert card.context == reading["after_matmul_bytes"] > CUDA_CONTEXT_BYTES
+    assert card.workspace_bytes == reading["forward_workspace_bytes"] + reading["backward_workspace_bytes"]
+    assert card.usable_bytes == reading["total_bytes"] - reading["after_matmul_bytes"] - card.workspace_bytes
+    assert "(CUDA's total, measured)" in card.budget_words() and "(measured)" in card.budget_words()
+
+
+def test_a_card_not_measured_takes_nvidia_smi_total_and_the_assumed_context_and_says_so():
+    card = gpu("h100-80gb")
+    assert card.cuda_bytes is None and card.context == CUDA_CONTEXT_BYTES
+    assert card.usable_bytes == card.memory_bytes - CUDA_CONTEXT_BYTES - card.workspace_bytes
+    words = card.budget_words()
+    assert words.startswith("h100-80gb: 81,559 MiB (nvidia-smi's total) less 512.00 MiB of CUDA context (assumed)")
