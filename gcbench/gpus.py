@@ -147,7 +147,10 @@ def for_device(device_name: str, total_bytes: int) -> Gpu | None:
     so that `estimate --fit --gpu` predicts for the same memory; None otherwise (an 80 GB PCIe A100 is not the
     40 GB entry "A100" matches)."""
     g = matching(device_name)
-    return g if g and g.memory_bytes and abs(g.memory_bytes - total_bytes) <= 0.01 * total_bytes else None
+    if g is None or g.memory_bytes is None:
+        return None
+    total = g.cuda_bytes or g.memory_bytes  # torch reports CUDA's total; nvidia-smi's stands in where unmeasured
+    return g if abs(total - total_bytes) <= 0.01 * total_bytes else None
 
 
 def peak_flops(device_name: str) -> float | None:

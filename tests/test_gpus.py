@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gcbench.gpus import CUDA_CONTEXT_BYTES, gpu
+from gcbench.gpus import CUDA_CONTEXT_BYTES, for_device, gpu
 
 H200_CONTEXT = Path(__file__).resolve().parent.parent / "results" / "gpu" / "nvidia-h200" / "cuda-context.txt"
 
@@ -27,3 +27,10 @@ def test_a_card_not_measured_takes_nvidia_smi_total_and_the_assumed_context_and_
     assert card.usable_bytes == card.memory_bytes - CUDA_CONTEXT_BYTES - card.workspace_bytes
     words = card.budget_words()
     assert words.startswith("h100-80gb: 81,559 MiB (nvidia-smi's total) less 512.00 MiB of CUDA context (assumed)")
+
+
+def test_a_device_at_hand_is_matched_by_the_total_torch_reports():
+    reading = json.loads(H200_CONTEXT.read_text().splitlines()[-2])
+    assert for_device("NVIDIA H200", reading["total_bytes"]) is gpu("h200-141gb")
+    assert for_device("NVIDIA H200", reading["total_bytes"] // 2) is None  # a slice of one is not the card
+    assert for_device("NVIDIA A100 80GB PCIe", 81_920 * 2**20) is None  # "A100" matches the 40 GB entry

@@ -1,8 +1,9 @@
 """The memory a PyTorch process takes on a GPU beside a step's own tensors: the CUDA context (outside the caching
 allocator), then what the first bf16 matmuls add: cuBLAS's code outside the allocator, and its workspaces inside it
 (one per thread that runs matmuls: the forward's, then autograd's device thread in the backward), which
-max_memory_allocated counts. `gcbench estimate --fit --gpu NAME` assumes gcbench.gpus.CUDA_CONTEXT_BYTES and
-Gpu.workspace_bytes; this measures both on the card at hand. Prints a line per reading and one JSON line.
+max_memory_allocated counts. `gcbench estimate --fit --gpu NAME` takes the context from gcbench.gpus (a card's
+measured `context_bytes` where this has run on it, else CUDA_CONTEXT_BYTES assumed) and Gpu.workspace_bytes; this
+measures both on the card at hand, and CUDA's total (`cuda_bytes`). Prints a line per reading and one JSON line.
 
     python benchmarks/gpu/cuda_context.py        # on a GPU nothing else uses
 """

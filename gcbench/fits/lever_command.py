@@ -142,7 +142,7 @@ def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu
     plan = make_plan(grid, levers, budget, target, batch[0] if len(batch) == 1 and batch[0] > 1 else None)
     with bar:
         ranked = predict_plan(plan, card.peak_flops if card else None, efficiency, bar)
-    where = f"{card.name} less CUDA context (assumed) and cuBLAS workspaces" if card else "--gpu-memory"
+    where = card.budget_words() if card else "--gpu-memory"
     _print(plan, ranked, console, [f"budget {fmt_bytes(budget)}: {where}" + (f", less {headroom}"
                                                                               if headroom != "0%" else "")],
            None if card else target, efficiency)

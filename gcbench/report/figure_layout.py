@@ -54,7 +54,7 @@ def panel_title(ax: Axes, setup: str, detail: str) -> None:
         if lines and len(lines[-1]) + 3 + len(part) <= TITLE_CHARS:
             lines[-1] += " · " + part
         else:
-            lines.extend(textwrap.wrap(part, TITLE_CHARS, break_long_words=False) or [part])
+            lines.extend(textwrap.wrap(part, TITLE_CHARS) or [part])  # a part longer than a line is cut
     ax.set_title("\n".join(lines + [detail]))
 
 
