@@ -49,6 +49,11 @@ class DeviceKind(enum.StrEnum):
     @classmethod
     def of(cls, device: Any) -> DeviceKind:
         return cls.CUDA if str(device).split(":")[0] == cls.CUDA else cls.CPU
+
+
+def default_precision(device: Any) -> str:
+    """--precision left unset: pure bf16 on a GPU, fp32 on a CPU."""
+    return "bf16" if DeviceKind.of(device) is DeviceKind.CUDA else "fp32"
 SHARDS = ("none", "fsdp2")
 COMPILES = ("none", "blocks")
 

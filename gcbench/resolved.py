@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from gcbench.compiled import check_compile
 from gcbench.errors import GcbenchError
-from gcbench.fields import POLICY_OPTIONS, PRECISIONS, DeviceKind, run_field
+from gcbench.fields import POLICY_OPTIONS, PRECISIONS, DeviceKind, default_precision, run_field
 from gcbench.results.schema import config_key
 from gcbench.spec import RunSpec
 from gcbench.timing import StepBudget, cores_available, default_threads
@@ -145,7 +145,7 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
     device = resolve_device(spec.device, devices_here)
     threads = spec.threads if spec.threads not in (None, AUTO) else \
         default_threads() if device == "cpu" else _torch_default_threads()
-    precision = spec.precision or ("bf16" if DeviceKind.of(device) is DeviceKind.CUDA else "fp32")
+    precision = spec.precision or default_precision(device)
     if spec.attn == "flash_attention_2":
         _check_flash_attention(device, precision)
     if spec.shard != "none":

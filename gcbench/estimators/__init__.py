@@ -18,6 +18,7 @@ from typing import Any
 
 from gcbench.compiled import UNPREDICTED
 from gcbench.errors import GcbenchError
+from gcbench.fields import default_precision
 from gcbench.estimators import analytic, per_rank, plan, sharing, simulate
 from gcbench.estimators.caching_allocator import OutOfMemory
 from gcbench.estimators.estimates import Estimate, Progress, Unavailable
@@ -90,9 +91,8 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
             raise GcbenchError(f"unknown estimate method {method!r} ({', '.join(METHODS)})")
     if target not in TARGETS:
         raise GcbenchError(f"unknown device {target!r} to predict for ({', '.join(TARGETS)})")
-    default_precision = "bf16" if target == "cuda" else "fp32"
     axes = {k: list(v) for k, v in axes.items()}
-    axes["precision"] = [p or default_precision for p in axes.get("precision", [""])]
+    axes["precision"] = [p or default_precision(target) for p in axes.get("precision", [""])]
     names = list(axes)
     # device="cpu": the spec must be valid on this machine; the target only tells what to predict
     combos = [dict(zip(names, values)) for values in itertools.product(*axes.values())]

@@ -37,7 +37,7 @@ from typing import Any
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, estimate, step_flops
 from gcbench.estimators.estimates import Progress
-from gcbench.fields import RUN_FIELDS, Role, run_field, setup_words
+from gcbench.fields import RUN_FIELDS, Role, default_precision, run_field, setup_words
 from gcbench.fits.fit import DEFAULT_BATCH_RANGE
 from gcbench.fits.predict import predict_fit, spec_at
 from gcbench.fits.search import Search
@@ -159,7 +159,7 @@ class LeverPlan:
 def _default(name: str, target: str) -> Any:
     """A lever's value where it is not given: its field's default; the precision `gcbench run` picks on `target`."""
     if name == "precision":
-        return "bf16" if target == "cuda" else "fp32"
+        return default_precision(target)
     return run_field(name).default
 
 

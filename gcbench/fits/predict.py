@@ -20,7 +20,7 @@ from gcbench.estimators.estimates import Estimate, Progress
 from gcbench.estimators.sharing import sharing_cores, side_by_side
 from gcbench.fits.search import Search, Trial, extrapolate
 from gcbench.resolved import ResolvedRun, resolve
-from gcbench.fields import run_field
+from gcbench.fields import default_precision, run_field
 from gcbench.models import build_model
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, parse_policy
@@ -66,7 +66,7 @@ def predict_fit(fields: Mapping[str, Any], policy: str, vary: str, search: Searc
     does not run out (`replayed_maximum`): what decides whether a step runs."""
     # the target says what is predicted; its default precision is what a run there would take
     fields = {**fields, "device": "cpu", "memory_cap_bytes": None,
-              "precision": fields.get("precision") or ("bf16" if target == "cuda" else "fp32")}
+              "precision": fields.get("precision") or default_precision(target)}
     if method is None:
         method = "analytic" if analytic.unavailable(spec_at(fields, policy, vary, search.lo)) is None else "simulate"
     found: dict[int, Estimate] = {}

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from gcbench.fields import RUN_FIELDS, Role, identity_columns, names, run_field, setup_words
+from gcbench.fields import RUN_FIELDS, Role, default_precision, identity_columns, names, run_field, setup_words
 from gcbench.units import parse_bytes
 
 # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
@@ -328,6 +328,9 @@ def config_label(record: Mapping[str, Any]) -> str:
     from their defaults ("lora:r=8 · loss chunked"), so that two configs of one sweep never read alike."""
     levers = [w for f in RUN_FIELDS if f.role is Role.LEVER and f.default not in ("", None)
               and record.get(f.name, f.default) != f.default and (w := f.text(record))]
+    precision = record.get("precision")  # its default is the device's: named where it is not that one
+    if precision and precision != default_precision(record.get("device", "cpu")):
+        levers.insert(0, precision)
     return " · ".join([f"{record['model']} seq {record['seq_len']} batch {record['batch_size']} "
                        f"{policy_label(record)}", *levers])
 

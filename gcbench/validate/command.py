@@ -168,12 +168,14 @@ def _check_folder(path: Path, option: str) -> None:
 def _tier_numbers(text: str | None) -> set[int] | None:
     if text is None:
         return None
+    known = [tier.number for tier in plan_tiers()]
+    words = f"--tiers {text!r}: give tier numbers {known[0]}-{known[-1]}, comma-separated (e.g. 1,2)"
     try:
         numbers = {int(part) for part in text.split(",") if part.strip()}
     except ValueError:
-        raise GcbenchError(f"--tiers {text!r}: give tier numbers 1-4, comma-separated (e.g. 1,2)") from None
-    if not numbers or not numbers <= {1, 2, 3, 4}:
-        raise GcbenchError(f"--tiers {text!r}: give tier numbers 1-4, comma-separated (e.g. 1,2)")
+        raise GcbenchError(words) from None
+    if not numbers or not numbers <= set(known):
+        raise GcbenchError(words)
     return numbers
 
 

@@ -4,7 +4,8 @@ configs, and where its records go.
 Tier 1 is what a first window must bring home: the GPU tests, the memory outside the allocator, and every policy at
 one llama-7b-sized config (8 of its 32 blocks, seq 2048, batch 1), each record with the prediction made beforehand
 beside the measurement. Later tiers: where memory runs out (the OOM line and `fit`), the levers beside
-checkpointing and FSDP2 at world size 1 and `--devices`, then timing (paired ratios, harness overhead, CV).
+checkpointing and FSDP2 at world size 1 and `--devices`, timing (paired ratios, harness overhead, CV), then
+breadth: fp32 and autocast, and three more families.
 
 `--smoke` is the same plan on tiny models with memory caps, for the fake GPU in CI and a quick look on a real one.
 Pure data and cheap: no torch here (configs are resolved on demand, by the callers).
@@ -104,6 +105,8 @@ class Sizes:
     fit_policies: str = "none,full"
     adapters: str = "none,lora"  # full fine-tuning beside LoRA (qlora joins where bitsandbytes is installed)
     losses: str = "ce,chunked"  # the model's own loss beside the chunked one (fused-linear needs liger-kernel)
+    precisions: str = "fp32,amp-bf16,amp-fp16"  # beside tier 1's bf16: fp32 weights, CUDA's autocast
+    families: str = "qwen2.5-7b,gemma-2-9b,phi-3-mini"  # beside llama and gpt2, `layers` blocks of each
 
 
 REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_seq="2048", line_batch="1,2,4,8",
@@ -112,7 +115,7 @@ REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_s
 SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, line_seq="64", line_batch="1,4,16",
               canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..64", cap="16MiB", rounds=2,
               optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full",
-              adapters="lora", losses="chunked")
+              adapters="lora", losses="chunked", precisions="fp32,amp-bf16", families="tiny-gpt2")
 
 
 def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
@@ -184,10 +187,21 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
         Step("timing-cv", StepKind.SCRIPT, "the step times' spread per config and the SM clocks at start and end",
              argv=("{python}", "benchmarks/gpu/timing_cv.py", "{dir}")),
     ]
+    breadth = [
+        Step(f"{s.large}-{s.layers}layers-precisions", StepKind.SWEEP, "fp32 weights, and CUDA's autocast (bf16; "
+             "fp16 with its gradient scaler) on them, under none and full: which ops autocast keeps in fp32 and the "
+             "low-precision weight copies it caches (docs/levers.md)",
+             {**per_layer, "batch": 1, "policy": "none,full", "precision": s.precisions, **short}),
+        Step(f"families-{s.layers}layers", StepKind.SWEEP, "other families' blocks under none and full: qwen2's "
+             "biased projections, gemma2's eager soft-capped attention and 256k vocabulary, phi3's fused ones",
+             {"model": s.families, "layers": s.layers, "seq": s.seq, "batch": 1, "policy": "none,full",
+              **short}),
+    ]
     return [Tier(1, "core: every policy at one llama-7b-sized config", tuple(core)),
             Tier(2, "limits: where memory runs out", tuple(limits)),
             Tier(3, "levers, FSDP2 and --devices", tuple(levers)),
-            Tier(4, "timing: paired ratios and harness overhead", tuple(timing))]
+            Tier(4, "timing: paired ratios and harness overhead", tuple(timing)),
+            Tier(5, "breadth: precisions and families", tuple(breadth))]
 
 
 def steps_of(plan: list[Tier]) -> list[tuple[Tier, Step]]:
