@@ -11,7 +11,7 @@ Where each number comes from:
   module loading, the default). An assumption, not a measurement of gcbench's: `gcbench fit` on a GPU reads the
   device's real free memory instead, and benchmarks/gpu/cuda_context.py measures it on the card it runs on;
   where it has (`context_bytes`), that reading is used: the memory outside the allocator once a bf16 matmul has
-  run (the context and cuBLAS's code, which every training step loads).
+  run forward and backward (the context and cuBLAS's code for both threads, which every training step loads).
 - `cublas_workspace_bytes`: what cuBLAS takes inside the caching allocator (so max_memory_allocated counts it, the
   step's own tensors do not): PyTorch allocates one workspace per (cuBLAS handle, stream) through the caching
   allocator (aten/src/ATen/cuda/CublasHandlePool.cpp, getNewWorkspace), of CUBLAS_WORKSPACE_CONFIG's size, by
@@ -51,7 +51,7 @@ class Gpu:
     source: str
     capability: tuple[int, int] | None = None  # CUDA compute capability (sm90: (9, 0))
     cuda_bytes: int | None = None  # CUDA's total, where measured; else nvidia-smi's stands in
-    context_bytes: int | None = None  # outside the allocator after a bf16 matmul, where measured
+    context_bytes: int | None = None  # outside the allocator after a matmul forward and backward, where measured
 
     @property
     def memory_bytes(self) -> int | None:
@@ -91,11 +91,14 @@ class Gpu:
 GPUS: list[Gpu] = [
     Gpu("gh200", "NVIDIA GH200", "GH200", None, 989e12,
         "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/", (9, 0)),
-    # CUDA's total and the context measured on one (driver 580.159.04, torch 2.11.0+cu130, CUDA 13.0):
-    # results/gpu/nvidia-h200/cuda-context.txt
+    # Measured on one (driver 580.159.04, torch 2.11.0+cu130, CUDA 13.0). CUDA's total: cuda-context.txt in
+    # results/gpu/nvidia-h200/. The context: what a process held outside the allocator once it had run a bf16
+    # matmul forward and backward, the fit's probe (instruments.free_after_context): CUDA's total less the
+    # fit_budget_bytes of fit.jsonl there. cuda_context.py read 594.81 MiB after the forward alone: autograd's
+    # thread, which runs the backward's matmuls, adds the other 154 MiB (its own cuBLAS handle, presumably).
     Gpu("h200-141gb", "NVIDIA H200", "H200", 143_771, 989e12,
         "https://www.nvidia.com/en-us/data-center/h200/", (9, 0), cuda_bytes=150_109_880_320,
-        context_bytes=623_706_112),
+        context_bytes=150_109_880_320 - 149_324_693_504),
     Gpu("h100-pcie-80gb", "NVIDIA H100 PCIe", "H100 PCIe", 81_559, 756e12,
         "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
     Gpu("h100-nvl", "NVIDIA H100 NVL", "H100 NVL", None, 835e12,

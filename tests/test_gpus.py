@@ -8,16 +8,21 @@ from pathlib import Path
 
 from gcbench.gpus import CUDA_CONTEXT_BYTES, for_device, gpu
 
-H200_CONTEXT = Path(__file__).resolve().parent.parent / "results" / "gpu" / "nvidia-h200" / "cuda-context.txt"
+H200 = Path(__file__).resolve().parent.parent / "results" / "gpu" / "nvidia-h200"
+H200_CONTEXT, H200_FIT = H200 / "cuda-context.txt", H200 / "fit.jsonl"
 
 
-def test_the_h200_budget_is_what_cuda_context_py_measured_on_one():
+def test_the_h200_budget_is_what_a_process_found_on_one():
+    """CUDA's total as cuda_context.py read it; outside the allocator what the fit's probe found there once a
+    matmul had run forward and backward: the budget is the fit's own, less the workspaces a step allocates."""
     reading = json.loads(H200_CONTEXT.read_text().splitlines()[-2])  # the JSON line before "exit 0"
+    fit_budget = {json.loads(line)["fit_budget_bytes"] for line in H200_FIT.read_text().splitlines()}
     card = gpu("h200-141gb")
     assert card.cuda_bytes == reading["total_bytes"] < card.memory_bytes  # the driver keeps some from CUDA
-    assert card.context == reading["after_matmul_bytes"] > CUDA_CONTEXT_BYTES
+    assert {card.cuda_bytes - card.context} == fit_budget
+    assert card.context > reading["after_matmul_bytes"] > CUDA_CONTEXT_BYTES  # the backward's thread adds more
     assert card.workspace_bytes == reading["forward_workspace_bytes"] + reading["backward_workspace_bytes"]
-    assert card.usable_bytes == reading["total_bytes"] - reading["after_matmul_bytes"] - card.workspace_bytes
+    assert card.usable_bytes == fit_budget.pop() - card.workspace_bytes
     assert "(CUDA's total, measured)" in card.budget_words() and "(measured)" in card.budget_words()
 
 

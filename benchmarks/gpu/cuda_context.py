@@ -37,17 +37,20 @@ def main() -> None:
     b.sum().backward()  # autograd's device thread runs the backward matmuls: a second handle, a second workspace
     torch.cuda.synchronize()
     backward_workspace = torch.cuda.memory_allocated() - tensors - a.grad.untyped_storage().nbytes()
+    after_backward = outside_allocator()  # autograd's thread loaded cuBLAS for itself too
     total = torch.cuda.mem_get_info()[1]
     capability = torch.cuda.get_device_capability()
     assumed_workspace = CUBLAS_THREADS * cublas_workspace_bytes(capability)
     print(f"device: {torch.cuda.get_device_name()} (sm{capability[0]}{capability[1]}), total {fmt_bytes(total)}")
     print(f"outside the allocator after the context: {fmt_bytes(context)}")
     print(f"outside the allocator after a bf16 matmul: {fmt_bytes(after_matmul)}")
+    print(f"outside the allocator after its backward: {fmt_bytes(after_backward)}")
     print(f"cuBLAS workspace allocated by the forward's matmul: {fmt_bytes(forward_workspace)}")
     print(f"cuBLAS workspace allocated by the backward's matmuls: {fmt_bytes(backward_workspace)}")
     print(f"gcbench.gpus assumes: context {fmt_bytes(CUDA_CONTEXT_BYTES)}, workspaces {fmt_bytes(assumed_workspace)}")
     print(json.dumps({"device": torch.cuda.get_device_name(), "total_bytes": total, "context_bytes": context,
-                      "after_matmul_bytes": after_matmul, "assumed_bytes": CUDA_CONTEXT_BYTES,
+                      "after_matmul_bytes": after_matmul, "after_backward_bytes": after_backward,
+                      "assumed_bytes": CUDA_CONTEXT_BYTES,
                       "forward_workspace_bytes": forward_workspace, "backward_workspace_bytes": backward_workspace,
                       "assumed_workspace_bytes": assumed_workspace}))
 
