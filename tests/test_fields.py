@@ -40,6 +40,7 @@ def _gcbench(root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gcbench", *args], capture_output=True, text=True, env=env, cwd=cwd)
 
 
+@pytest.mark.slow  # a new field through every command (~9 s): CI runs it, the default suite stays under 5 minutes
 def test_a_field_declared_once_reaches_every_place(tmp_path):
     root = _package_with_a_new_field(tmp_path)
     shown = _gcbench(root, "run", "--help", cwd=tmp_path)

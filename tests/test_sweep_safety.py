@@ -192,6 +192,7 @@ def test_a_plan_no_mix_of_which_fits_is_refused_by_run(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # plans by simulation in a sweep (~5 s); CI runs it
 def test_a_plan_no_mix_of_which_fits_is_recorded_as_not_run_in_a_sweep(tmp_path):
     out = tmp_path / "r.jsonl"
     none, plan = gcbench.sweep(out=out, **{**GRID, "policy": ["none", "plan:memory=1KiB"]})

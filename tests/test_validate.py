@@ -105,6 +105,7 @@ def test_fit_reads_its_budget_after_the_context_exists_and_nvml_sees_the_whole_c
     assert nvml == 80 * 2**30 and probed == 80 * 2**30 - context
 
 
+@pytest.mark.slow  # a fit in subprocesses on the fake GPU (~8 s): CI runs it
 def test_fit_on_a_gpu_without_memory_takes_the_free_memory_after_the_context_as_its_budget(tmp_path):
     """gcbench fit on the fake GPU (its context takes 512 MiB) with no --memory: the budget is 80 GiB less the
     context, and the winners are not timed paired in one process."""
