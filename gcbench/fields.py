@@ -54,6 +54,8 @@ class DeviceKind(enum.StrEnum):
 def default_precision(device: Any) -> str:
     """--precision left unset: pure bf16 on a GPU, fp32 on a CPU."""
     return "bf16" if DeviceKind.of(device) is DeviceKind.CUDA else "fp32"
+
+
 SHARDS = ("none", "fsdp2")
 COMPILES = ("none", "blocks")
 
