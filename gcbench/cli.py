@@ -347,6 +347,7 @@ def estimate(
     """Predict the peak memory of a training step without running it (no GPU needed): params, grads, optimizer
     state and activations per config, by formulas and by a fake-tensor simulation."""
     from gcbench.estimators import estimate_grid
+    from gcbench.estimators.bands import band_fields
     from gcbench.grid import parse_options
     from gcbench.report.estimate_table import estimate_table
     from gcbench.units import parse_bytes
@@ -373,7 +374,7 @@ def estimate(
         with PredictionBar(err_console, "estimating") as bar:
             results = estimate_grid(axes, methods, device, bar, memory, layers=one.get("layers"), attn=one.get("attn"))
     rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
-            for spec, e in results]
+            | band_fields(spec, e, device) for spec, e in results]
     _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)
 
 

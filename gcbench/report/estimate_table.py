@@ -56,7 +56,10 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     words = {"activ.": "activ. = everything else at the peak",
              "in": "in = the phase that reaches the peak (opt: the optimizer step, which checkpointing cannot lower)",
              "paged": "paged = optimizer state in CUDA managed memory (bitsandbytes), not in the peak",
-             "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else "")}
+             "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else ""),
+             "err": "err = the peak's lowest..highest error, by this method, against GPU measurements of "
+                    "configs of the same family, precision, adapter and sharding (results/gpu/, "
+                    "benchmarks/published/; -: none measured)"}
     notes = ["; ".join([f"sizes in {unit}", *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
                        + ([_fits_note(rows, memory_bytes)] if memory_bytes else []))]
@@ -95,11 +98,22 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
         columns.append(_Column("reserved", False, [
             "past" if r.get("runs_out") else f"{r['reserved_bytes'] / scale:.2f}" if r.get("reserved_bytes")
             else "-" if r["peak_bytes"] is not None else na for r in rows]))
+    if any("measured_configs" in r for r in rows):  # CUDA rows: the method's errors on configs like it
+        columns.append(_Column("err", False, [_band(r) if r["peak_bytes"] is not None else na for r in rows]))
     if memory_bytes:
         verdicts = [_fits(r, memory_bytes) for r in rows]
         columns.append(_Column("fits", True, [na if fit is None else "[green]yes[/]" if fit else "[red]no[/]"
                                               for fit in verdicts]))
     return columns
+
+
+def _band(row: dict[str, Any]) -> str:
+    """The row's measured error band (estimators/bands.py) as '-0.4..+0.6%' (one figure where all were the
+    same), or '-' where nothing like it was measured."""
+    if not row.get("measured_configs"):
+        return "-"
+    low, high = row["measured_error_low_pct"], row["measured_error_high_pct"]
+    return f"{low:+.1f}%" if low == high else f"{low:+.1f}..{high:+.1f}%"
 
 
 def _fits(row: dict[str, Any], memory_bytes: int) -> bool | None:

@@ -1,0 +1,92 @@
+"""Write gcbench/estimators/measured_bands.py: each method's prediction errors against every GPU measurement kept in
+the repository, grouped by class (gcbench/estimators/bands.py), for the error band `gcbench estimate` shows.
+
+The measurements: the ok single-process records under results/gpu/ (max_memory_allocated; FSDP2 on one rank
+included) and the published rows of benchmarks/published/rows.toml whose figure is max_memory_allocated. Each is
+predicted as `estimate` predicts it, with each method that can; a method that cannot express a config adds
+nothing to its class. Rerun after a GPU window or a change to the estimators; the bands are a record, not a
+tuning set.
+
+    python benchmarks/error_bands.py          # needs gcbench[peft]; about 4 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from gcbench.errors import GcbenchError
+from gcbench.estimators import estimate
+from gcbench.estimators.bands import Band, Class, bands, class_of
+from gcbench.resolved import resolve
+from gcbench.spec import RunSpec
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(HERE / "published")]
+import check  # noqa: E402  (benchmarks/published/check.py)
+from reserved_accuracy import gpu_folders, records, spec_of  # noqa: E402
+
+METHODS = ("simulate", "analytic")
+OUT = ROOT / "gcbench" / "estimators" / "measured_bands.py"
+
+
+def record_errors() -> list[tuple[Class, float, str]]:
+    """(class, signed error %, what was measured) of each GPU record and method."""
+    found = []
+    for folder in gpu_folders(ROOT):
+        for record in records(folder):
+            spec = resolve(spec_of(record))
+            for method in METHODS:
+                try:
+                    predicted = estimate(spec, method).peak_bytes
+                except GcbenchError:
+                    continue
+                measured = record["peak_allocated_bytes"]
+                found.append((class_of(spec, method), 100 * (predicted / measured - 1), folder.name))
+            print(f"{len(found)}: {folder.name}", file=sys.stderr, flush=True)
+    return found
+
+
+def published_errors() -> list[tuple[Class, float, str]]:
+    """(class, signed error %, source) of each published max_memory_allocated row and method."""
+    path = HERE / "published" / "rows.toml"
+    found = []
+    for row in check.load_rows(path):
+        if "spec" not in row or row["figure"] != "allocated":
+            continue
+        fields = dict(row["spec"])
+        fields["model"] = str((path.parent / fields["model"]).resolve())
+        spec = resolve(RunSpec(**fields, device="cpu"))
+        for method in METHODS:
+            outcome = check.predict(row, method, path.parent)
+            if outcome.status == "predicted":
+                found.append((class_of(spec, method), outcome.error_pct, "published"))
+        print(f"{len(found)}: {row['id']}", file=sys.stderr, flush=True)
+    return found
+
+
+def module_text(table: dict[Class, Band], sources: list[str]) -> str:
+    lines = ['"""Written by benchmarks/error_bands.py (do not edit by hand): the errors of `estimate` against the GPU',
+             "measurements kept in the repository, per class (gcbench/estimators/bands.py): configs, median |error| %,",
+             'lowest and highest signed error %. From ' + ", ".join(sources) + '."""',
+             "", "BANDS = {"]
+    lines += [f"    {key!r}: ({b.configs}, {b.median_abs_pct}, {b.low_pct}, {b.high_pct})," for key, b in table.items()]
+    return "\n".join(lines + ["}", ""])
+
+
+def main() -> None:
+    found = record_errors() + published_errors()
+    table = bands((key, error) for key, error, _ in found)
+    sources = sorted({f"results/gpu/{s}" if s != "published" else "benchmarks/published" for _, _, s in found})
+    OUT.write_text(module_text(table, sources))
+    for key, band in table.items():
+        print(" ".join(key), band)
+    print(f"{len(found)} predictions in {len(table)} classes -> {OUT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    if importlib.util.find_spec("peft") is None:
+        sys.exit("error_bands.py: the LoRA records and rows need peft: pip install -e '.[peft]'")
+    main()

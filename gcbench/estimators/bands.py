@@ -1,0 +1,78 @@
+"""How far `estimate` has been from GPU measurements of configs like the one asked about: the error band a CUDA
+prediction is shown with (issue 31, item 4).
+
+The measurements are of two kinds, both kept in the repository: gcbench's own runs on a lent GPU
+(results/gpu/<gpu>/, each record's max_memory_allocated) and the figures others published
+(benchmarks/published/rows.toml, the rows whose figure is max_memory_allocated). `benchmarks/error_bands.py`
+predicts each of them with each method, as `estimate` would, and writes the errors, grouped by `class_of`, into
+measured_bands.py beside this module. A band is a record of what happened, never a correction: no prediction is
+moved by it, and nothing is fitted to the measurements.
+
+A class is what the evidence says decides the error: the model's family (gpt2 misses a cuBLASLt workspace that
+llama does not take), the precision (autocast's casts), the adapter (peft's and bitsandbytes' tensors), sharding
+(the per-rank model) and the method. Policy, sizes and optimizer are not in it: within a class the measured
+errors do not follow them, and a band over all of them is the worst seen among them. A config whose class has no
+measurement has no band, and says so ("-"), rather than borrowing another's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gcbench.adapters import parse_adapter
+from gcbench.estimators.estimates import Estimate, Unavailable
+from gcbench.resolved import ResolvedRun
+
+Class = tuple[str, str, str, str, str]  # family, precision, adapter name, sharding, method
+
+
+@dataclass(frozen=True)
+class Band:
+    """The errors (signed, percent) of one method's predictions against the measurements of one class."""
+
+    configs: int
+    median_abs_pct: float
+    low_pct: float  # the most negative error (under-predicted)
+    high_pct: float  # the most positive (over-predicted)
+
+    @property
+    def worst_pct(self) -> float:
+        return max(abs(self.low_pct), abs(self.high_pct))
+
+    def as_record(self) -> dict[str, float | int]:
+        return {"measured_configs": self.configs, "measured_error_low_pct": self.low_pct,
+                "measured_error_high_pct": self.high_pct}
+
+
+def class_of(spec: ResolvedRun, method: str) -> Class:
+    """The class a config's prediction by `method` belongs to (the module docstring)."""
+    return (spec.model_config()[1], spec.precision, parse_adapter(spec.adapter).name, spec.shard, method)
+
+
+def band_for(spec: ResolvedRun, method: str) -> Band | None:
+    """The measured error band of `method` on configs of `spec`'s class, or None where none was measured."""
+    from gcbench.estimators.measured_bands import BANDS
+
+    found = BANDS.get(class_of(spec, method))
+    return Band(*found) if found else None
+
+
+def bands(errors: Iterable[tuple[Class, float]]) -> dict[Class, Band]:
+    """Each class's band from (class, signed error in percent) pairs (benchmarks/error_bands.py)."""
+    grouped: dict[Class, list[float]] = {}
+    for key, error in errors:
+        grouped.setdefault(key, []).append(error)
+    return {key: Band(len(found), round(statistics.median(abs(e) for e in found), 2), round(min(found), 2),
+                      round(max(found), 2)) for key, found in sorted(grouped.items())}
+
+
+def band_fields(spec: ResolvedRun, found: Estimate | Unavailable, target: str) -> dict[str, float | int | None]:
+    """What an estimate row carries of its band: nothing for a CPU target (the CPU figures are exact, methodology.md)
+    or a cell with no prediction, else the band's fields, None (and 0 configs) where its class was never measured."""
+    if target != "cuda" or not isinstance(found, Estimate):
+        return {}
+    band = band_for(spec, found.method)
+    return band.as_record() if band else {"measured_configs": 0, "measured_error_low_pct": None,
+                                          "measured_error_high_pct": None}

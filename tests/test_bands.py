@@ -1,0 +1,102 @@
+"""The error band `estimate` shows beside a CUDA prediction (gcbench/estimators/bands.py): how it is computed from
+measured errors, that the written table covers every GPU record kept in the repository, and what the user sees."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.estimators import estimate
+from gcbench.estimators.estimates import Unavailable
+from gcbench.estimators.bands import Band, band_fields, band_for, bands, class_of
+from gcbench.estimators.measured_bands import BANDS
+from gcbench.resolved import resolve
+from gcbench.spec import RunSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("simulate", "analytic")
+
+
+def test_a_band_is_the_classes_lowest_and_highest_error_and_their_median():
+    a = ("llama", "bf16", "none", "none", "simulate")
+    b = ("gpt2", "bf16", "none", "none", "simulate")
+    found = bands([(a, -0.4), (b, -4.97), (a, 0.6), (a, 0.1)])
+    assert found == {a: Band(3, 0.4, -0.4, 0.6), b: Band(1, 4.97, -4.97, -4.97)}
+    assert found[b].worst_pct == 4.97
+    assert found[a].as_record() == {"measured_configs": 3, "measured_error_low_pct": -0.4,
+                                    "measured_error_high_pct": 0.6}
+
+
+def test_the_written_table_is_consistent():
+    assert BANDS
+    for (family, precision, adapter, shard, method), (n, median, low, high) in BANDS.items():
+        assert method in METHODS and shard in ("none", "fsdp2") and family and precision and adapter
+        assert n >= 1 and low <= high and 0 <= median <= max(abs(low), abs(high))
+
+
+def _reserved_accuracy():
+    spec = importlib.util.spec_from_file_location("reserved_accuracy", ROOT / "benchmarks" / "reserved_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_gpu_record_kept_is_in_the_table():
+    """benchmarks/error_bands.py was rerun after the last GPU window: each record's class has its band, with at
+    least as many configs as there are records of that class."""
+    accuracy = _reserved_accuracy()
+    counts: dict[tuple, int] = {}
+    for folder in accuracy.gpu_folders(ROOT):
+        for record in accuracy.records(folder):
+            key = class_of(resolve(accuracy.spec_of(record)), "simulate")
+            counts[key] = counts.get(key, 0) + 1
+    assert counts, "no GPU records found"
+    missing = [key for key in counts if key not in BANDS]
+    assert not missing, f"rerun benchmarks/error_bands.py: no band for {missing}"
+    assert all(BANDS[key][0] >= n for key, n in counts.items())
+
+
+def test_a_cuda_row_carries_its_band_and_a_cpu_row_none():
+    llama = resolve(RunSpec(model="llama-7b", seq_len=512, batch_size=1, policy="full", precision="bf16",
+                            device="cpu"))
+    band = band_for(llama, "simulate")
+    assert band is not None and band.configs >= 1
+    predicted = estimate(llama, "analytic")
+    assert band_fields(llama, predicted, "cuda") == band_for(llama, "analytic").as_record()
+    assert band_fields(llama, predicted, "cpu") == {}
+    assert band_fields(llama, Unavailable("analytic", "cuda", "why"), "cuda") == {}
+    bert = resolve(RunSpec(model="tiny-bert", seq_len=64, batch_size=1, policy="none", device="cpu"))
+    assert band_for(bert, "simulate") is None  # nothing like it measured: no borrowed band
+    assert band_fields(bert, estimate(bert, "analytic"), "cuda") == {
+        "measured_configs": 0, "measured_error_low_pct": None, "measured_error_high_pct": None}
+
+
+def _estimate(*args: str) -> str:
+    result = CliRunner().invoke(app, ["estimate", *args], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_estimate_shows_the_band_in_its_table_and_json():
+    table = _estimate("--model", "llama-7b", "--layers", "4", "--seq", "512", "--policy", "none,full",
+                      "--method", "analytic")
+    assert " err" in table and "err = the peak's lowest..highest error" in " ".join(table.split())
+    assert max(len(line) for line in table.splitlines()) <= 80
+    band = BANDS[("llama", "bf16", "none", "none", "analytic")]
+    shown = f"{band[2]:+.1f}..{band[3]:+.1f}%" if band[2] != band[3] else f"{band[2]:+.1f}%"
+    assert shown in table
+    row = json.loads(_estimate("--model", "tiny-bert", "--seq", "64", "--method", "analytic", "--format",
+                               "json").splitlines()[0])
+    assert row["measured_configs"] == 0 and row["measured_error_low_pct"] is None
+    bert = _estimate("--model", "tiny-bert", "--seq", "64", "--method", "analytic")
+    [row_line] = [line for line in bert.splitlines() if line.lstrip().startswith("64 ")]
+    assert row_line.split()[-1] == "-"  # nothing like it measured
+
+
+def test_a_cpu_estimate_has_no_band():
+    table = _estimate("--model", "tiny-llama", "--seq", "64", "--method", "analytic", "--device", "cpu")
+    assert " err" not in table and "err =" not in table
