@@ -4,7 +4,8 @@ same tracked step beside gcbench's LiveTensorTracker. Writes {model/policy: [tra
 to OUT-<rank>.json, keyed model/policy. With `--unfixed`, the tracker ignores storage resizes (as before issue 31): the comparison must
 then fail, which shows that the test can.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.fsdp_live_bytes OUT [--unfixed] POLICY...
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.fsdp_live_bytes OUT [--unfixed]
+        [--precision P] POLICY...
 """
 
 import json
@@ -43,12 +44,15 @@ def main(out: str, args: list[str]) -> None:
     if args[0] == "--unfixed":
         args = args[1:]
         LiveTensorTracker._resized = lambda self, storage: None
+    precision = "fp32"
+    if args[0] == "--precision":
+        precision, args = args[1], args[2:]
     CpuInstrument.peak_fields = _with_memtracker(CpuInstrument.peak_fields)
     dist.init_process_group("gloo")
     results = {}
     for model in MODELS:
         for policy in args:
-            spec = tiny_spec(model, policy=policy, seq_len=SEQ, batch_size=ROWS, precision="fp32", shard="fsdp2",
+            spec = tiny_spec(model, policy=policy, seq_len=SEQ, batch_size=ROWS, precision=precision, shard="fsdp2",
                              nproc=dist.get_world_size())
             record = run(spec)
             assert record["status"] == "ok", record

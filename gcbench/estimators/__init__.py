@@ -51,7 +51,11 @@ def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str 
     spec = plan.with_mix(resolve(spec), target)
     if spec.shard != "none":  # per rank: the unsharded step at the rank's batch, and FSDP2's terms
         one_process = spec.replace(shard="none", nproc=1)
-        return per_rank.shard_estimate(estimate(one_process, method, target, flops), spec)
+        unsharded = estimate(one_process, method, target, flops)
+        if spec.precision == "amp-bf16":  # FSDP2 computes on the bf16 parameters it gathers (per_rank.py)
+            computed = estimate(per_rank.compute_step(one_process), method, target, flops)
+            unsharded = per_rank.computed_in_bf16(unsharded, computed)
+        return per_rank.shard_estimate(unsharded, spec)
     return simulate.simulate(spec, target, flops=True) if method == "simulate" and flops else \
         _PREDICTORS[method](spec, target)
 

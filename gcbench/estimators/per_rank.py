@@ -32,8 +32,14 @@ max(f), which can only overestimate. What FSDP2 holds, from torch/distributed/fs
   input is kept until the next unit's post-backward (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers
   = 1). The root's inputs (token ids) need no gradient, so its gradients wait, unsharded, for the final callback.
 Bytes are not rounded to FSDP2's padding (a dimension not divisible by N is padded: at most N-1 rows per parameter).
-Under amp-bf16 the unsharded step's bf16 weight copies (autocast's) are kept, although FSDP2 gathers bf16
-parameters and autocast then copies nothing: likely an overestimate there. No fake process group runs FSDP2 here.
+Under amp-bf16, FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (fsdp.py) gathers bf16
+parameters and casts the root's floating-point inputs to bf16 (cast_forward_inputs), so the step computes on bf16
+weights: autocast finds nothing to copy and the hidden states are bf16, not the fp32 of an unsharded amp-bf16
+step. The activations are then those of the pure-bf16 step (`compute_step`); the model state, its fp32 shards and
+the optimizer step, stay amp-bf16's (`computed_in_bf16`). Autocast over bf16 weights differs from pure bf16 only
+in the ops it runs in fp32 (a layer norm's output, on CUDA): not modelled. Measured on CPU ranks (docs/scale.md),
+this is within -0.0..+1.3% where the unsharded amp-bf16 step gave +5.8..+12.3%. No fake process group runs FSDP2
+here.
 """
 
 from __future__ import annotations
@@ -60,6 +66,23 @@ class Sizes:
     units: list[int]  # blocks per FSDP unit, in forward order
     gathered: int  # compute dtype: gathered parameters and their unsharded gradients
     reduced: int  # reduce dtype: the reduce-scatter input
+
+
+def compute_step(one_process):
+    """The unsharded step whose activations an FSDP2 rank has: under amp-bf16, the pure-bf16 step (the module
+    docstring); else the step itself."""
+    return one_process.replace(precision="bf16") if one_process.precision == "amp-bf16" else one_process
+
+
+def computed_in_bf16(unsharded: Estimate, computed: Estimate) -> Estimate:
+    """`unsharded` (amp-bf16, one process) with the forward's and backward's activations of `computed` (the same
+    step on bf16 weights, compute_step): its model state and optimizer step are kept, fp32 as FSDP2 keeps them."""
+    state = unsharded.param_bytes + unsharded.grad_bytes + unsharded.optimizer_bytes
+    computed_state = computed.param_bytes + computed.grad_bytes + computed.optimizer_bytes
+    return dataclasses.replace(
+        unsharded, forward_peak_bytes=computed.forward_peak_bytes - computed_state + state,
+        backward_peak_bytes=computed.backward_peak_bytes - computed_state + state,
+        attention_kernel=computed.attention_kernel)
 
 
 def shard_estimate(unsharded: Estimate, spec) -> Estimate:
@@ -196,7 +219,7 @@ def _analytic_terms(spec, target: str, sizes: Sizes) -> Terms | None:
     from gcbench.estimators.shape import Shape, attention_kernel
     from gcbench.models import build_model, find_blocks
 
-    one = spec.replace(shard="none", nproc=1)
+    one = compute_step(spec.replace(shard="none", nproc=1))
     if unavailable(one) or (one.loss == "fused-linear" and target != "cuda"):
         return None
     try:
