@@ -2,10 +2,9 @@
 each single-process config that ran, the simulation's max_memory_allocated and the caching allocator replayed on
 it (gcbench/estimators/caching_allocator.py) for max_memory_reserved, each with and without the cuBLAS workspaces
 of that card (gcbench.gpus: one per thread that runs matmuls, allocated through the caching allocator). FSDP2 on
-one rank is a single process too: its allocated peak is the per-rank model's (estimators/per_rank.py); its
-reserved memory is not predicted (the allocator is replayed on unsharded steps only), so those columns are empty
-there. Nothing here was fitted to these records: they are the test. Prints a Markdown table and the median and
-worst |error| of each column, over the configs it has.
+one rank is a single process too: it is simulated as FSDP2 itself over a fake world (estimators/fake_ranks.py).
+Nothing here was fitted to these records: they are the test. Prints a Markdown table and the median and worst
+|error| of each column.
 
     python benchmarks/reserved_accuracy.py [results/gpu/nvidia-h200]    # needs gcbench[peft]; ~3 min on 2 cores
 """
@@ -19,7 +18,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from gcbench.estimators import estimate
 from gcbench.estimators.simulate import replay_allocator
 from gcbench.gpus import CUBLAS_THREADS, cublas_workspace_bytes, for_device
 from gcbench.results.schema import config_label, policy_label
@@ -55,19 +53,16 @@ def rows(folder: Path) -> list[dict]:
     for r in records(folder):
         card = for_device(r["env"]["gpu_name"], r["env"].get("gpu_memory_bytes"))
         workspaces = CUBLAS_THREADS * cublas_workspace_bytes(card.capability if card else None)
-        if r.get("shard", "none") == "none":
-            predicted, allocator = replay_allocator(spec_of(r))
-            replayed = allocator.peak_reserved
-        else:  # the per-rank model: allocated only
-            predicted, replayed = estimate(spec_of(r), "simulate"), None
+        predicted, allocator = replay_allocator(spec_of(r))
+        replayed = allocator.peak_reserved
         allocated, reserved = r["peak_allocated_bytes"], r["peak_reserved_bytes"]
         out.append({
             "config": config_label(r), "allocated GiB": allocated / 2**30,
             "alloc err %": 100 * (predicted.peak_bytes / allocated - 1),
             "alloc+ws err %": 100 * ((predicted.peak_bytes + workspaces) / allocated - 1),
             "reserved GiB": reserved / 2**30,
-            "reserved err %": None if replayed is None else 100 * (replayed / reserved - 1),
-            "reserved+ws err %": None if replayed is None else 100 * ((replayed + workspaces) / reserved - 1),
+            "reserved err %": 100 * (replayed / reserved - 1),
+            "reserved+ws err %": 100 * ((replayed + workspaces) / reserved - 1),
         })
         print(f"{len(out)}: {out[-1]['config']}", file=sys.stderr, flush=True)  # progress
     return out
@@ -78,10 +73,10 @@ def main(folder: Path) -> None:
     columns = list(table[0])
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in table:
-        print("| " + " | ".join("-" if v is None else f"{v:+.2f}" if "%" in k else f"{v:.2f}"
-                                if isinstance(v, float) else str(v) for k, v in row.items()) + " |")
+        print("| " + " | ".join(f"{v:+.2f}" if "%" in k else f"{v:.2f}" if isinstance(v, float) else str(v)
+                                for k, v in row.items()) + " |")
     for column in (c for c in columns if "%" in c):
-        errors = [abs(row[column]) for row in table if row[column] is not None]
+        errors = [abs(row[column]) for row in table]
         print(f"{column}: median |error| {statistics.median(errors):.2f}% max {max(errors):.2f}% over "
               f"{len(errors)} configs")
 

@@ -79,7 +79,30 @@ def storage_bytes(tensors: Iterable[torch.Tensor], granularity_bytes: int = 1) -
     return sum(round_up(s.nbytes(), granularity_bytes) for s in storages.values())
 
 
-class LiveTensorTracker(TorchDispatchMode):
+class FollowingResizes(TorchDispatchMode):
+    """A dispatch mode that also hears of every `UntypedStorage.resize_` inside it, through `_resized(storage)`: a
+    resize is no dispatched op (FSDP2 frees and gathers parameters that way: LiveTensorTracker._resized)."""
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        unpatched = self._unpatched_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            out = unpatched(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._unpatched_resize
+        return super().__exit__(*exc)
+
+
+class LiveTensorTracker(FollowingResizes):
     """Peak of live tensor bytes on CPU: each new storage adds its bytes, its release subtracts them.
 
     Storages that existed before (parameters, gradients, optimizer state) are added with `track`. A storage is
@@ -137,21 +160,6 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
-
-    def __enter__(self):
-        unpatched = self._unpatched_resize = torch.UntypedStorage.resize_
-
-        def resize_(storage: torch.UntypedStorage, size: int):
-            out = unpatched(storage, size)
-            self._resized(storage)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._unpatched_resize
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -338,8 +338,12 @@ def test_the_per_rank_estimate_shards_model_state_and_adds_fsdp_terms():
     one = resolve(RunSpec(model="tiny-llama", seq_len=64, batch_size=2, device="cpu", shard="fsdp2", nproc=1))
     unsharded = estimate(one.replace(shard="none"), "simulate", "cpu")
     ranks = {n: estimate(one.replace(nproc=n), "simulate", "cpu") for n in (1, 2, 4)}
-    assert ranks[2].param_bytes == pytest.approx(unsharded.param_bytes / 2, abs=1)
-    assert ranks[4].optimizer_bytes == pytest.approx(unsharded.optimizer_bytes / 4, abs=1)
+    # the simulation runs FSDP2 itself: each shard is 1/N, padded where a dimension does not divide by N (32 B here)
+    assert 0 <= ranks[2].param_bytes - unsharded.param_bytes / 2 <= 64
+    assert 0 <= ranks[4].optimizer_bytes - unsharded.optimizer_bytes / 4 <= 256
+    modelled = estimate(one.replace(nproc=4), "analytic", "cpu")  # the per-rank model: 1/N, unpadded
+    assert modelled.optimizer_bytes == pytest.approx(estimate(one.replace(shard="none"), "analytic", "cpu")
+                                                     .optimizer_bytes / 4, abs=1)
     # At one rank FSDP only adds (its gathered copies): never less than the unsharded step.
     assert ranks[1].backward_peak_bytes > unsharded.backward_peak_bytes
     assert ranks[1].peak_bytes > ranks[2].peak_bytes > ranks[4].peak_bytes

@@ -110,29 +110,28 @@ def predict(row: dict[str, Any], method: str, base: Path) -> Outcome:
         raise GcbenchError(f"{plain(row['id'])}: bad spec: {plain(e)}") from None
     if row["figure"] == "allocated":
         return Outcome(row, "predicted", pub, found.peak_bytes)
-    reserved = None
-    if fields.get("shard", "none") == "none":  # the caching allocator replayed on the step (one process)
-        from gcbench.estimators.simulate import replay_allocator
+    if method != "simulate":
+        return Outcome(row, "not_expressible", pub, reason="reserved memory is predicted by simulate only (the "
+                                                           "caching allocator replayed on the simulated step)")
+    from gcbench.estimators.simulate import replay_allocator
 
-        reserved = replay_allocator(RunSpec(**fields, device="cpu"))[1].peak_reserved
-    if reserved is None:  # the allocated peak shown for information only: not the published figure
-        return Outcome(row, "not_expressible", pub, reason=f"reserved not predicted for FSDP2 (the allocator is "
-                                                           f"replayed on one process); allocated: "
-                                                           f"{_amount(found.peak_bytes, row['unit'])}")
-    if row["figure"] == "reserved":
-        return Outcome(row, "predicted", pub, reserved)
-    return _device(row, pub, reserved)
+    # the caching allocator replayed on the step (a sharded row's: rank 0's, FSDP2 itself over a fake world)
+    reserved = replay_allocator(RunSpec(**fields, device="cpu"))[1].peak_reserved
+    return _on_card(row, pub, reserved)
 
 
-def _device(row: dict[str, Any], pub: float, reserved: int) -> Outcome:
-    """nvidia-smi's figure: reserved + CUDA context + cuBLAS workspaces (gcbench/gpus.py's constants)."""
+def _on_card(row: dict[str, Any], pub: float, reserved: int) -> Outcome:
+    """max_memory_reserved: the replayed allocator's, plus the card's cuBLAS workspaces (allocated through the
+    caching allocator, one per thread that runs matmuls: gcbench/gpus.py); nvidia-smi's figure adds the CUDA
+    context."""
     from gcbench import gpus
 
     card = gpus.matching(row["gpu"])
     if card is None:
         return Outcome(row, "not_expressible", pub, reason=f"GPU {row['gpu']!r} is not in gcbench/gpus.py: its "
                                                            "cuBLAS workspace size is not known")
-    return Outcome(row, "predicted", pub, reserved + card.context + card.workspace_bytes)
+    context = card.context if row["figure"] == "device" else 0
+    return Outcome(row, "predicted", pub, reserved + card.workspace_bytes + context)
 
 
 def summary(outcomes: list[Outcome]) -> str:

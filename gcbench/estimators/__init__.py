@@ -19,7 +19,7 @@ from typing import Any
 from gcbench.compiled import UNPREDICTED
 from gcbench.errors import GcbenchError
 from gcbench.fields import default_precision
-from gcbench.estimators import analytic, per_rank, plan, sharing, simulate
+from gcbench.estimators import analytic, fake_ranks, per_rank, plan, sharing, simulate
 from gcbench.estimators.caching_allocator import OutOfMemory
 from gcbench.estimators.estimates import Estimate, Progress, Unavailable
 from gcbench.resolved import ResolvedRun, distinct_runs, resolve
@@ -49,6 +49,9 @@ def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str 
         raise GcbenchError(f"unknown estimate target {target!r} ({', '.join(TARGETS)})")
     _refuse_compiled(spec)
     spec = plan.with_mix(resolve(spec), target)
+    if spec.shard != "none" and method == "simulate" and fake_ranks.available():  # FSDP2 itself, on fakes
+        found = simulate.simulate(spec, target)
+        return dataclasses.replace(found, flops=step_flops(spec, target)) if flops else found
     if spec.shard != "none":  # per rank: the unsharded step at the rank's batch, and FSDP2's terms
         one_process = spec.replace(shard="none", nproc=1)
         unsharded = estimate(one_process, method, target, flops)
@@ -134,8 +137,9 @@ def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], An
     """The cells with PyTorch's caching allocator replayed on a card that leaves it `capacity` bytes
     (simulate.replay_allocator), once per config that a cell simulated: its `reserved_bytes`
     (max_memory_reserved), and `runs_out` on every cell of that config, whichever the method, so that a config
-    fits or not whatever the row. A config the replay does not take (sharded, a paged optimizer, a simulation
-    that stood in for the analytic model) keeps its peak against the memory."""
+    fits or not whatever the row (a sharded config's: rank 0's, FSDP2 itself over a fake world). A config the
+    replay does not take (a paged optimizer, a simulation that stood in for the analytic model, a sharded one in a
+    process that holds a process group) keeps its peak against the memory."""
     replayed: dict[ResolvedRun, tuple[int | None, bool]] = {}
     for spec in dict.fromkeys(spec for spec, cell in cells if _replayable(spec, cell)):
         if progress is not None:
@@ -154,11 +158,17 @@ def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], An
 
 def replays_for(jobs: Iterable[tuple[ResolvedRun, str]]) -> int:
     """How many configs with_reserved will replay at most (the progress bar's share)."""
-    return len({spec for spec, method in jobs if method == "simulate" and spec.shard == "none"})
+    return len({spec for spec, method in jobs if method == "simulate" and _one_process_or_fake(spec)})
 
 
 def _replayable(spec: ResolvedRun, cell: Estimate | Unavailable) -> bool:
-    return isinstance(cell, Estimate) and cell.method == "simulate" and not cell.stands_in and spec.shard == "none"
+    return isinstance(cell, Estimate) and cell.method == "simulate" and not cell.stands_in and \
+        _one_process_or_fake(spec)
+
+
+def _one_process_or_fake(spec: ResolvedRun) -> bool:
+    """Whether the simulation runs the step itself: unsharded, or sharded over a fake world (fake_ranks.py)."""
+    return spec.shard == "none" or fake_ranks.available()
 
 
 def _simulates(spec: ResolvedRun, method: str, methods: list[str]) -> bool:
@@ -171,11 +181,11 @@ def _simulates(spec: ResolvedRun, method: str, methods: list[str]) -> bool:
 
 def _begin(spec: ResolvedRun, target: str) -> None:
     """Begin the simulations estimate(spec, "simulate", target) starts with: a plan's one per kind of block (its
-    mix follows from them), else the step's own (unsharded, as estimate asks for it)."""
+    mix follows from them), else the step's own (a sharded one's, over a fake world, as estimate asks for it)."""
     if isinstance(spec.policy, plan.Plan) and not spec.policy.chosen:
         plan.begin_choice(spec, target)
         return
-    simulate.begin(spec.replace(shard="none", nproc=1) if spec.shard != "none" else spec, target)
+    simulate.begin(spec if _one_process_or_fake(spec) else spec.replace(shard="none", nproc=1), target)
 
 
 def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str]) -> Estimate | Unavailable:

@@ -29,10 +29,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from gcbench.measure import storage_of
+from gcbench.measure import FollowingResizes, storage_of
 
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1 << 20  # kSmallSize: the largest request of the small pool
@@ -164,7 +163,7 @@ class CachingAllocator:
         del pool[i]
 
 
-class AllocationReplay(TorchDispatchMode):
+class AllocationReplay(FollowingResizes):
     """Hands every storage an op makes, and its release, to a CachingAllocator: entered around the steps to
     replay (the same way the live-tensor tracker watches them). Storages that exist already (parameters, the
     batch) are handed over with `track`, in the order the run allocates them."""
@@ -175,6 +174,7 @@ class AllocationReplay(TorchDispatchMode):
         self.workspace = workspace  # (op, args, kwargs) -> bytes its kernel allocates and frees inside the op
         self._seen: set[int] = set()
         self._away: set[int] = set()  # offloaded to the host: no block on the device until it comes back
+        self._empty: set[int] = set()  # resized to 0 bytes (FSDP2's freed unsharded parameters): no block
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
@@ -208,9 +208,28 @@ class AllocationReplay(TorchDispatchMode):
         self.allocator.malloc(key, nbytes)
         weakref.finalize(storage, self._release, key)
 
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """After `storage.resize_` (FSDP2 frees a gathered parameter by resizing its storage to 0 and gathers into
+        it again by resizing it back; measure.LiveTensorTracker._resized): its block freed, and a new one for the
+        new size."""
+        key, nbytes = id(storage), storage.nbytes()
+        if key not in self._seen:
+            self._add(storage)
+            return
+        if key not in self._empty and key not in self._away:
+            self.allocator.free(key)
+        self._empty.discard(key)
+        if nbytes:
+            self.allocator.malloc(key, nbytes)
+        else:
+            self._empty.add(key)
+
     def _release(self, key: int) -> None:
         self._seen.discard(key)
         self._away.discard(key)
+        if key in self._empty:
+            self._empty.discard(key)
+            return
         self.allocator.free(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

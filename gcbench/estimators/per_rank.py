@@ -1,6 +1,6 @@
 """Per-rank memory of an FSDP2 run (--shard fsdp2 --nproc N), from the prediction of the unsharded step at the
-same per-rank batch (either method) and what FSDP2 holds at each moment of the step (docs/scale.md, "The per-rank
-memory model").
+same per-rank batch (either method) and what FSDP2 holds at each moment of the step (docs/scale.md, "Predicting a
+rank").
 
 Model state is 1/N of the unsharded bytes each (parameters, gradients, optimizer state: DTensor shards). What FSDP2
 adds is not the same at every moment, so it is not added to the unsharded phase peaks as one sum: the step is
@@ -38,8 +38,10 @@ weights: autocast finds nothing to copy and the hidden states are bf16, not the 
 step. The activations are then those of the pure-bf16 step (`compute_step`); the model state, its fp32 shards and
 the optimizer step, stay amp-bf16's (`computed_in_bf16`). Autocast over bf16 weights differs from pure bf16 only
 in the ops it runs in fp32 (a layer norm's output, on CUDA): not modelled. Measured on CPU ranks (docs/scale.md),
-this is within -0.0..+1.3% where the unsharded amp-bf16 step gave +5.8..+12.3%. No fake process group runs FSDP2
-here.
+this is within -0.0..+1.3% where the unsharded amp-bf16 step gave +5.8..+12.3%.
+
+This model is what `--method analytic` predicts, and what `simulate` falls back to inside a rank of a real run;
+elsewhere `simulate` runs FSDP2 itself over a fake process group (fake_ranks.py), exact on CPU ranks.
 """
 
 from __future__ import annotations

@@ -68,9 +68,12 @@ def begin_choice(spec: ResolvedRun, target: str) -> None:
 
 
 def _choosing(spec: ResolvedRun) -> ResolvedRun:
-    # what the choice depends on: the shape, the levers, the plan; not how long a run measures, nor its cap
+    # what the choice depends on: the shape, the levers, the plan; not how long a run measures, nor its cap. A
+    # sharded run's mix is chosen on the unsharded step at the rank's batch (its whole model state: a cautious
+    # choice), as it always was: a rank cannot simulate FSDP2 over a fake world (fake_ranks.py), and the mix a
+    # rank runs must be the one `estimate` predicted
     return spec.replace(device="cpu", memory_cap_bytes=None, warmup_steps=1, measure_steps=1, max_steps=1,
-                        max_time_s=1.0, seed=0)
+                        max_time_s=1.0, seed=0, shard="none", nproc=1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -31,6 +31,7 @@ from gcbench.estimators.caching_allocator import AllocationReplay, CachingAlloca
 from gcbench.estimators.cuda_target import AllocatorModel, cuda_kernels, kernel_workspace_bytes
 from gcbench.estimators.sharing import kept, shared
 from gcbench.estimators.estimates import Estimate
+from gcbench.estimators.fake_ranks import fake_world, shard_as_fakes
 from gcbench.estimators.layer_scaling import SHORT, StepTrace, blocks_to_scale, scaled, scaled_flops
 from gcbench.estimators.scaled import scaler_finds_no_inf
 from gcbench.estimators.shape import attention_kernel
@@ -139,7 +140,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
     mark = trace.marking(phases, tracker) if trace is not None else phases
     with _fake_step(spec, cuda) as (step, ids):
-        check = prime(step, spec.optimizer) if shortcut else None
+        # the warm-up's state made directly (shortcuts.prime) knows no DTensor shards: a sharded rank warms up
+        check = prime(step, spec.optimizer) if shortcut and spec.shard == "none" else None
         replay = AllocationReplay(allocator, kernel_workspace_bytes) if allocator is not None else \
             contextlib.nullcontext()
         if allocator is not None:  # what the run has allocated before its first step: the model, then the batch
@@ -207,21 +209,28 @@ def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, to
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config, _ = spec.model_config()
+    sharded = spec.shard != "none"  # one rank of it, FSDP2 itself over a fake world (fake_ranks.py)
     # bitsandbytes keeps its quantisation maps as real tensors, made when the optimizer is
     adapter = parse_adapter(spec.adapter)
-    # and bitsandbytes' 4-bit quantisation (qlora) its 8-bit map of the absmax values
+    # and bitsandbytes' 4-bit quantisation (qlora) its 8-bit map of the absmax values; FSDP2's to_empty reads meta
     fake = FakeTensorMode(allow_non_fake_inputs=optimizer_kind(spec.optimizer).module is not None
-                          or adapter.quantised)
+                          or adapter.quantised or sharded)
     # peft on the meta model, so that the adapters' weights become fakes with the rest; a 4-bit base is quantised
     # once its weights are fakes
     model = apply_adapter(build_model(config, "meta", spec.param_dtype), adapter, compute_dtype(spec), "meta")
-    materialise_as_fakes(model, fake)
+    world = contextlib.ExitStack()
+    if not sharded:
+        materialise_as_fakes(model, fake)
     if adapter.quantised:
         with fake:
             quantise_fakes(model)
-    spec.policy.apply(find_blocks(model))
+    blocks = find_blocks(model)
+    spec.policy.apply(blocks)
     _refuse_compiled(model, spec.policy)
     try:
+        if sharded:  # as a rank does it: the policy first, then FSDP2 (runner._measure)
+            world.enter_context(fake_world(spec.nproc))
+            shard_as_fakes(model, blocks, spec.precision, fake)
         # made outside the fake mode: bitsandbytes computes its quantisation map from real values
         optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
                                    if cuda else None)
@@ -239,6 +248,8 @@ def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, to
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise GcbenchError(f"simulate cannot run {spec.model} with policy {spec.policy} on fake tensors: "
                            f"{first_line}") from None
+    finally:
+        world.close()
 
 
 def _device_state(step: TrainingStep, cuda: bool) -> list[torch.Tensor]:

@@ -98,11 +98,13 @@ class CheckpointedGroup(StandsFor):
 
 def _passed_on(first: Any, hidden_states: Any) -> bool:
     """Whether the group got the hidden states its first block was given: the same tensor, or (FSDP2 hooks a
-    sharded group's inputs through an autograd function) an alias of the same memory."""
+    sharded group's inputs through an autograd function) an alias of the same memory: the same storage at the
+    same offset (fake tensors, in the simulation, have no address to compare)."""
     if hidden_states is first:
         return True
     try:
-        return hidden_states.shape == first.shape and hidden_states.data_ptr() == first.data_ptr() != 0
+        return (hidden_states.shape == first.shape and hidden_states.storage_offset() == first.storage_offset()
+                and hidden_states.untyped_storage()._cdata == first.untyped_storage()._cdata)
     except (AttributeError, RuntimeError):
         return False
 
