@@ -7,7 +7,7 @@ predicted as `estimate` predicts it, with each method that can; a method that ca
 nothing to its class. Rerun after a GPU window or a change to the estimators; the bands are a record, not a
 tuning set.
 
-    python benchmarks/error_bands.py          # needs gcbench[peft]; about 4 minutes on 2 cores
+    python benchmarks/error_bands.py          # needs gcbench[peft]; about 2 minutes on 2 cores
 """
 
 from __future__ import annotations

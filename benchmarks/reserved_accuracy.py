@@ -39,7 +39,7 @@ def records(folder: Path) -> list[dict]:
             r = json.loads(line)
             one_process = r.get("shard", "none") == "none" or r.get("nproc", 1) == 1
             if r["status"] == "ok" and one_process and r.get("compile", "none") == "none":
-                found[config_label(r)] = r
+                found[f"{config_label(r)} · {r.get('layers')} layers · attn {r.get('attn')}"] = r
     return list(found.values())
 
 

@@ -25,7 +25,7 @@ from gcbench.adapters import parse_adapter
 from gcbench.estimators.estimates import Estimate, Unavailable
 from gcbench.resolved import ResolvedRun
 
-Class = tuple[str, str, str, str, str]  # family, precision, adapter name, sharding, method
+Class = tuple[str, str, str, str, str]  # family, precision, adapter name, sharding (_sharding), method
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,13 @@ class Band:
 
 def class_of(spec: ResolvedRun, method: str) -> Class:
     """The class a config's prediction by `method` belongs to (the module docstring)."""
-    return (spec.model_config()[1], spec.precision, parse_adapter(spec.adapter).name, spec.shard, method)
+    return (spec.model_config()[1], spec.precision, parse_adapter(spec.adapter).name, _sharding(spec), method)
+
+
+def _sharding(spec: ResolvedRun) -> str:
+    """none, or the sharding and whether over one rank or several: FSDP2 at one rank (its overhead alone) is no
+    evidence for the gathers and reductions of many."""
+    return spec.shard if spec.shard == "none" else f"{spec.shard}:{'1' if spec.nproc == 1 else 'n'}"
 
 
 def band_for(spec: ResolvedRun, method: str) -> Band | None:
@@ -69,10 +75,11 @@ def bands(errors: Iterable[tuple[Class, float]]) -> dict[Class, Band]:
 
 
 def band_fields(spec: ResolvedRun, found: Estimate | Unavailable, target: str) -> dict[str, float | int | None]:
-    """What an estimate row carries of its band: nothing for a CPU target (the CPU figures are exact, methodology.md)
-    or a cell with no prediction, else the band's fields, None (and 0 configs) where its class was never measured."""
-    if target != "cuda" or not isinstance(found, Estimate):
+    """What an estimate row carries of its band: nothing for a CPU target (the CPU figures are exact, methodology.md),
+    else the band's fields, None (and 0 configs) where its class was never measured or the cell has no prediction
+    (every CUDA row has the same keys)."""
+    if target != "cuda":
         return {}
-    band = band_for(spec, found.method)
+    band = band_for(spec, found.method) if isinstance(found, Estimate) else None
     return band.as_record() if band else {"measured_configs": 0, "measured_error_low_pct": None,
                                           "measured_error_high_pct": None}

@@ -24,31 +24,41 @@ chooses its mix on the unsharded step (plan._choosing), in every process alike.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 from gcbench.errors import GcbenchError
 
 
+_ONE_AT_A_TIME = threading.Lock()  # one process group per process: simulations in threads take turns
+_OURS = False  # the process group now held is a fake world of this module's
+
+
 def available() -> bool:
-    """Whether this process can run a fake world: it holds no process group of its own."""
+    """Whether this process can run a fake world: it holds no process group, or only a fake world another thread
+    of it is running (fake_world then waits its turn), never a real run's."""
     import torch.distributed as dist
 
-    return dist.is_available() and not dist.is_initialized()
+    return dist.is_available() and (_OURS or not dist.is_initialized())
 
 
 @contextlib.contextmanager
 def fake_world(world: int) -> Iterator[None]:
     """A fake process group of `world` ranks, this process rank 0, for the block inside; destroyed after it."""
+    global _OURS
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if not available():
-        raise GcbenchError("a fake process group cannot start in a process that holds one (a rank of a run)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    with _ONE_AT_A_TIME:
+        if dist.is_initialized():
+            raise GcbenchError("a fake process group cannot start in a process that holds one (a rank of a run)")
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        _OURS = True
+        try:
+            yield
+        finally:
+            _OURS = False
+            dist.destroy_process_group()
 
 
 def shard_as_fakes(model, blocks, precision: str, fake) -> None:

@@ -18,7 +18,7 @@ from gcbench.values import Switch
 
 LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> its column's heading
 # Left out first when the table is too wide: derivable from the others (B/p, grads ~ params), then the least asked.
-SPARE = ("B/p", "in", "grads", "method")
+SPARE = ("B/p", "in", "grads", "method", "err")
 
 
 @dataclass
