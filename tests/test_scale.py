@@ -334,6 +334,7 @@ def test_ranks_merge_into_one_record_with_each_rank_and_the_slowest_step():
     assert lost["status"] == "error" and "only 1 of 2 ranks" in lost["error"]
 
 
+@pytest.mark.slow  # about 6 s: keeps the default suite under 5 minutes (CI runs the slow set)
 def test_the_per_rank_estimate_shards_model_state_and_adds_fsdp_terms():
     one = resolve(RunSpec(model="tiny-llama", seq_len=64, batch_size=2, device="cpu", shard="fsdp2", nproc=1))
     unsharded = estimate(one.replace(shard="none"), "simulate", "cpu")

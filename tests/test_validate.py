@@ -92,6 +92,7 @@ def test_a_stored_prediction_is_what_the_run_would_predict(tmp_path, monkeypatch
     assert stored_prediction(elsewhere, "cpu") is None
 
 
+@pytest.mark.slow  # about 6 s: keeps the default suite under 5 minutes (CI runs the slow set)
 def test_fit_reads_its_budget_after_the_context_exists_and_nvml_sees_the_whole_card(tmp_path):
     """On a GPU without --memory, fit's budget is the free memory a trial finds once its CUDA context exists (a
     probe process), not NVML's free memory read from a parent without one."""
@@ -188,6 +189,7 @@ def test_tiers_1_and_2_rehearsed_on_the_fake_gpu_stop_at_a_deadline_resume_and_c
     assert "nothing yet" in (home / "README.md").read_text()  # fake-GPU numbers are never quoted
 
 
+@pytest.mark.slow  # about 6 s: keeps the default suite under 5 minutes (CI runs the slow set)
 def test_a_real_gpu_archive_is_merged_once_and_its_numbers_quoted_from_the_records(tmp_path):
     """An archive of results/gpu/<gpu>/ (here built from this project's CPU records of one config): imported, its
     records added once (a second import adds nothing), the report rendered into docs/gpu-report/, and the README's
