@@ -194,7 +194,9 @@ RUN_FIELDS: tuple[Field, ...] = (
           plan_role="class"),
     Field("loss", "loss", OptionText("a loss"), "ce (the model's own: full logits) | chunked[:n=8] (cross-entropy "
           "over n chunks of the sequence, each chunk's logits recomputed in backward: the full logits never exist) "
-          "| fused-linear (liger-kernel's fused linear cross-entropy; CUDA)", "ce", role=Role.LEVER, axis=True,
+          "| litgpt[:len=128] (LitGPT's fine-tuning scripts': the head on slices of len positions, every slice's "
+          "logits kept in fp32 through the backward) | fused-linear (liger-kernel's fused linear cross-entropy; "
+          "CUDA)", "ce", role=Role.LEVER, axis=True,
           added=(4, "ce"), words=lambda value, record: "" if value in (None, "ce") else f"loss {value}",
           plan=("ce", "chunked"), plan_role="flops"),
     Field("compile", "compile", Choice(COMPILES, "compile mode"), "none | blocks (torch.compile each block after "

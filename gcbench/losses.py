@@ -1,5 +1,5 @@
-"""The loss a training step computes (--loss): the model's own cross-entropy, a chunked one, or liger-kernel's fused
-linear cross-entropy.
+"""The loss a training step computes (--loss): the model's own cross-entropy, a chunked one, LitGPT's, or
+liger-kernel's fused linear cross-entropy.
 
 - `ce`: `model(**batch).loss`, the model's own head and loss (transformers' ForCausalLMLoss upcasts the full
   batch x seq x vocab logits to fp32, and log-softmax keeps another fp32 copy for backward).
@@ -9,6 +9,13 @@ linear cross-entropy.
   hidden states are kept, its logits are recomputed in backward, so the full logits never exist. The same loss as
   ForCausalLMLoss (transformers/loss/loss_utils.py): fp32 logits, labels shifted by one (position t predicts label
   t+1, the last position ignored), ignore_index -100, the mean over every predicted token.
+- `litgpt:len=L`: LitGPT's fine-tuning loss as its scripts run it under Lightning Fabric (lit-gpt 8641822,
+  finetune/lora.py and full.py): `model(input_ids, lm_head_chunk_size=128)` runs the head on slices of L positions
+  of the sequence and returns their logits as a list (GPT.forward); Fabric converts a module's floating outputs to
+  the default dtype, fp32 (HalfPrecision and MixedPrecision.convert_output), and the script holds that list until
+  its backward is done (its `logits`); utils.chunked_cross_entropy takes each slice's cross-entropy, the last
+  position's logits sliced off and the labels shifted by one. Under autocast the head's matmul casts its weight
+  for each slice: a frozen weight (an adapter run) is not in autocast's cache, so each slice keeps its own copy.
 - `fused-linear`: liger-kernel's LigerFusedLinearCrossEntropyLoss (a Triton kernel: CUDA only) on the same hidden
   states and shifted labels. On fake tensors (the simulation) liger_model.py stands in for it: what its code
   allocates on CUDA.
@@ -28,22 +35,29 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 
-LOSSES = ("ce", "chunked", "fused-linear")
+LOSSES = ("ce", "chunked", "litgpt", "fused-linear")
 DEFAULT_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss default (num_output_chunks = 8)
+DEFAULT_SLICE = 128  # LitGPT's finetune scripts: model(input_ids, lm_head_chunk_size=128)
+OPTION = {"chunked": "n", "litgpt": "len"}  # each loss's one option
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss and liger's default
 LIGER_HINT = "pip install 'gcbench[liger]'"
 
 
 @dataclass(frozen=True)
 class Loss:
-    """A parsed --loss: its name and, for `chunked`, the number of chunks."""
+    """A parsed --loss: its name; for `chunked` the number of chunks, for `litgpt` the positions per head slice."""
 
     name: str
     chunks: int = DEFAULT_CHUNKS
+    length: int = DEFAULT_SLICE
 
     def __str__(self) -> str:
-        """Written one way: the default chunk count left out (`chunked` and `chunked:n=8` are one config)."""
-        return f"chunked:n={self.chunks}" if self.name == "chunked" and self.chunks != DEFAULT_CHUNKS else self.name
+        """Written one way: the default left out (`chunked` and `chunked:n=8` are one config)."""
+        if self.name == "chunked" and self.chunks != DEFAULT_CHUNKS:
+            return f"chunked:n={self.chunks}"
+        if self.name == "litgpt" and self.length != DEFAULT_SLICE:
+            return f"litgpt:len={self.length}"
+        return self.name
 
     @property
     def own(self) -> bool:
@@ -52,28 +66,31 @@ class Loss:
 
 
 def parse_loss(text: str) -> Loss:
-    """`ce` | `chunked[:n=N]` | `fused-linear`; GcbenchError naming --loss for anything else."""
+    """`ce` | `chunked[:n=N]` | `litgpt[:len=L]` | `fused-linear`; GcbenchError naming --loss for anything else."""
     name, colon, options = str(text).strip().partition(":")
     if name not in LOSSES:
-        raise GcbenchError(f"--loss: unknown loss {name!r} ({', '.join(LOSSES)}; chunked takes n, e.g. chunked:n=8)")
+        raise GcbenchError(f"--loss: unknown loss {name!r} ({', '.join(LOSSES)}; chunked takes n, e.g. chunked:n=8, "
+                           "litgpt takes len, e.g. litgpt:len=128)")
+    option, what = OPTION.get(name), {"chunked": "chunks", "litgpt": "positions per slice"}.get(name)
     values: dict[str, str] = {}
     for item in filter(None, (o.strip() for o in options.split(","))) if options else ():
         key, eq, value = item.partition("=")
-        if not eq or name != "chunked" or key.strip() != "n":
-            takes = "takes one option, n (chunks)" if name == "chunked" else "takes no options"
+        if not eq or option is None or key.strip() != option:
+            takes = f"takes one option, {option} ({what})" if option else "takes no options"
             raise GcbenchError(f"--loss {name} {takes}, got {item!r}")
         values[key.strip()] = value.strip()
     if colon and not values:
-        raise GcbenchError(f"--loss {text}: nothing after ':' (chunked:n=8)")
-    if "n" not in values:
+        raise GcbenchError(f"--loss {text}: nothing after ':' (chunked:n=8, litgpt:len=128)")
+    if option not in values:
         return Loss(name)
     try:
-        chunks = int(values["n"])
+        number = int(values[option])
     except ValueError:
-        raise GcbenchError(f"--loss chunked: n must be a whole number of chunks, got {values['n']!r}") from None
-    if chunks < 1:
-        raise GcbenchError(f"--loss chunked: n must be at least 1, got {chunks}")
-    return Loss(name, chunks)
+        raise GcbenchError(f"--loss {name}: {option} must be a whole number of {what}, got {values[option]!r}") \
+            from None
+    if number < 1:
+        raise GcbenchError(f"--loss {name}: {option} must be at least 1, got {number}")
+    return Loss(name, chunks=number) if name == "chunked" else Loss(name, length=number)
 
 
 def check_loss(loss: Loss, config: Any, tokens: int) -> None:
@@ -145,14 +162,17 @@ def _logit_changes_in_source(head_class: type) -> str | None:
     return None
 
 
-def loss_of(loss: Loss, model: Any, batch: dict) -> Any:
-    """The mean cross-entropy of `batch` by `loss` (not `ce`: the step calls the model itself)."""
+def loss_of(loss: Loss, model: Any, batch: dict, held: list | None = None) -> Any:
+    """The mean cross-entropy of `batch` by `loss` (not `ce`: the step calls the model itself). `held`: where the
+    loss puts what its caller keeps until the backward is done (`litgpt`: the slices' logits)."""
     import torch
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its own model
     head = inner.get_output_embeddings()
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = inner.base_model(**inputs).last_hidden_state
+    if loss.name == "litgpt":
+        return litgpt_cross_entropy(hidden, head, batch["labels"], loss.length, held if held is not None else [])
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (batch x seq, hidden): the model's output is contiguous
     labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous().view(-1)
     if loss.name == "chunked":
@@ -171,6 +191,26 @@ def chunked_cross_entropy(hidden: Any, head: Any, labels: Any, chunks: int) -> A
         part = checkpoint(_chunk_loss, h, y, head, use_reentrant=False)
         total = part if total is None else total + part
     return total / count
+
+
+def litgpt_cross_entropy(hidden: Any, head: Any, labels: Any, length: int, held: list) -> Any:
+    """LitGPT's loss as its finetune scripts compute it under Fabric (lit-gpt 8641822: GPT.forward with
+    lm_head_chunk_size, Fabric's convert_output, finetune/lora.py's step, utils.chunked_cross_entropy): `head` on
+    slices of `length` positions of `hidden` (batch, seq, hidden), the whole list converted to fp32, the last
+    position's logits sliced off, each slice's cross-entropy against `labels` shifted by one, their mean over every
+    predicted token. The fp32 logits go into `held`."""
+    import torch
+
+    sliced = [head(h) for h in hidden.split(length, dim=1)]  # what the model returns
+    logits = [x.float() for x in sliced]  # what Fabric hands the script (a no-op in fp32)
+    del sliced
+    logits[-1] = logits[-1][..., :-1, :]
+    held.extend(logits)
+    targets = labels[..., 1:]
+    parts = [torch.nn.functional.cross_entropy(x.reshape(-1, x.size(-1)), y.reshape(-1), ignore_index=IGNORE_INDEX,
+                                               reduction="none")
+             for x, y in zip(logits, targets.split(length, dim=1))]
+    return torch.cat(parts).sum() / (targets != IGNORE_INDEX).sum()
 
 
 def _chunk_loss(hidden: Any, labels: Any, head: Any) -> Any:

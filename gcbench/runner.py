@@ -292,6 +292,7 @@ def _saved_bytes(step: TrainingStep, recompute: RecomputeFlops | None = None) ->
             loss = step.forward(micro_batch)
         with recompute.backward() if recompute is not None else nullcontext():
             loss.backward()
+        step.held = []  # what the loss kept until its backward (losses.loss_of), as forward_backward drops it
     return saved.bytes
 
 

@@ -40,7 +40,7 @@ class StepSpec(Protocol):
     optimizer: str
     grad_accum: int
     optim_in_backward: bool
-    loss: str  # --loss: ce | chunked[:n=N] | fused-linear (losses.py)
+    loss: str  # --loss: ce | chunked[:n=N] | litgpt[:len=L] | fused-linear (losses.py)
 
     @property
     def param_dtype(self) -> torch.dtype: ...
@@ -92,13 +92,15 @@ class TrainingStep:
         self.micro_batches = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(n)] \
             if n > 1 else [batch]
         self.loss = parse_loss(getattr(spec, "loss", "ce"))
+        self.held: list = []
 
     def forward(self, micro_batch: dict | None = None) -> torch.Tensor:
         """The loss of one micro-batch (the first by default), its share of the step's mean: loss / grad_accum."""
         with self._autocast():
             batch = micro_batch or self.micro_batches[0]
             # ce: the model's own loss, as always; else losses.py on its body's hidden states
-            loss = self.model(**batch).loss if self.loss.own else loss_of(self.loss, self.model, batch)
+            self.held = []  # what the loss keeps until its backward is done (losses.loss_of)
+            loss = self.model(**batch).loss if self.loss.own else loss_of(self.loss, self.model, batch, self.held)
         n = len(self.micro_batches)
         return loss / n if n > 1 else loss
 
@@ -109,6 +111,7 @@ class TrainingStep:
             loss = self.forward(micro_batch)
             mark("backward")
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            self.held = []
 
     def optimizer_step(self) -> None:
         if self.optimizer is None:

@@ -175,6 +175,7 @@ def test_exit_codes_reach_the_shell(tmp_path):
     assert oom.returncode == 1
 
 
+@pytest.mark.slow  # 5.4 s (a whole process): the default suite neared its 5 minutes; CI runs it
 def test_the_entry_point_leaves_its_heap_to_the_exit_not_to_a_last_collection():
     """The interpreter's last garbage collection would walk every object torch, transformers and the command
     made (about a second on 2 cores, after the record is written): the entry point freezes them, however the

@@ -11,7 +11,7 @@ from gcbench.errors import GcbenchError
 from tests.helpers import estimate_axes as grid
 from gcbench.estimators import estimate, estimate_grid
 from gcbench.estimators.analytic import analytic, understands
-from gcbench.estimators.shape import CUDA_BLOCK_BYTES
+from gcbench.estimators.shape import CUDA_BLOCK_BYTES, cuda_kernel
 from gcbench.estimators.simulate import simulate
 from gcbench.policies import POLICIES, Full, parse_policy
 from gcbench.results.schema import policy_label
@@ -88,6 +88,66 @@ def test_cuda_target_uses_cuda_kernels_and_allocator_blocks():
     assert cuda.activation_bytes < cpu.activation_bytes / 2
     for part in (cuda.peak_bytes, cuda.param_bytes, cuda.grad_bytes, cuda.optimizer_bytes):
         assert part % CUDA_BLOCK_BYTES == 0
+
+
+def test_cuda_kernel_follows_torchs_rules_for_head_counts():
+    """sdp_utils.cpp: flash takes fewer key/value heads only with enable_gqa, memory-efficient never; else math."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert cuda_kernel(bf16, False, 64, (32, 8), enable_gqa=True) == "flash"
+    assert cuda_kernel(bf16, False, 64, (71, 1)) == "math"  # Falcon's own call: one K/V head, no enable_gqa
+    assert cuda_kernel(fp32, False, 64, (32, 8), enable_gqa=True) == "math"  # no flash in fp32, no GQA in efficient
+    assert cuda_kernel(fp32, False, 64, (32, 32)) == "efficient"
+    assert cuda_kernel(bf16, True, 64, (32, 32)) == "efficient"
+    assert cuda_kernel(bf16, False, 64, (32, 32)) == "flash"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_the_math_kernel_keeps_what_torchs_does_but_cudas_dropout_mask(dtype, gqa):
+    """cuda_target.math_attention against aten's own math kernel on fakes: the same bytes kept and the same peak
+    through its backward without dropout; with dropout 3 bytes less per score (CUDA's bool mask for CPU's noise)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gcbench.estimators.cuda_target import AllocatorModel, math_attention
+
+    def aten(q, k, v, mask, p, causal):
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, None, enable_gqa=gqa)[0]
+
+    def ours(q, k, v, mask, p, causal):
+        return math_attention(q, k, v, mask, p, causal, None, gqa)
+
+    def kept_and_peak(kernel, p, causal):
+        with FakeTensorMode():
+            q, k, v = (torch.empty(2, heads, 64, 16, dtype=dtype, requires_grad=True)
+                       for heads in (4, 2 if gqa else 4, 2 if gqa else 4))
+            mask = None if causal else torch.ones(64, 64, dtype=torch.bool).tril()
+            tracker = AllocatorModel(cuda=False)
+            tracker.track([q, k, v] + ([mask] if mask is not None else []))
+            with tracker:
+                out = kernel(q, k, v, mask, p, causal)
+                kept = tracker.current
+                out.sum().backward()
+            return kept, tracker.peak
+
+    scores = 2 * 4 * 64 * 64
+    for causal in (True, False):
+        assert kept_and_peak(ours, 0.0, causal) == kept_and_peak(aten, 0.0, causal)
+        assert kept_and_peak(aten, 0.1, causal)[0] - kept_and_peak(ours, 0.1, causal)[0] == 3 * scores
+
+
+def test_the_kernel_a_prediction_names_is_the_one_its_attention_ran(tmp_path):
+    # tiny-llama (4 query, 2 key/value heads) in fp32: transformers passes enable_gqa, which only flash takes, and
+    # flash takes no fp32: math, in both predictors
+    spec = tiny_spec("tiny-llama", "none", seq_len=64, precision="fp32")
+    assert analytic(spec, "cuda").attention_kernel == simulate(spec, "cuda").attention_kernel == "math"
+    assert simulate(tiny_spec("tiny-llama", "none", seq_len=64, precision="bf16"), "cuda").attention_kernel == "flash"
+    # Falcon calls SDPA itself with one key/value head and no enable_gqa: math even in bf16
+    falcon = tmp_path / "falcon.json"
+    falcon.write_text(json.dumps(dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                      vocab_size=512, multi_query=True, new_decoder_architecture=False, alibi=False,
+                                      parallel_attn=True, bias=False, max_position_embeddings=256)))
+    spec = RunSpec(model=str(falcon), seq_len=64, batch_size=1, policy="none", device="cpu", precision="bf16")
+    assert simulate(spec, "cuda").attention_kernel == "math"
 
 
 def test_foreach_adamw_temporaries_can_be_the_peak_on_cuda():

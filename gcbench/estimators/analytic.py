@@ -263,6 +263,9 @@ def unavailable(spec: RunSpec | ResolvedRun) -> str | None:
     if family not in ARCHITECTURES:
         return (f"the analytic model has no formulas for {family} models (it has them for "
                 f"{', '.join(sorted(ARCHITECTURES))})")
+    if spec.loss.partition(":")[0] == "litgpt":
+        return ("the analytic model has no formulas for --loss litgpt (every slice's logits kept, and under autocast "
+                "a copy of the head's weight per slice)")
     if spec.adapter != "none":  # docs/levers.md, "Adapters": what a frozen base and its adapters keep, measured
         return (f"the analytic model has no formulas for --adapter {spec.adapter.partition(':')[0]} (a frozen base "
                 "keeps other tensors for backward, and its adapters their own)")

@@ -101,8 +101,9 @@ def flash_backward_workspace_bytes(query: torch.Tensor, key: torch.Tensor) -> in
 
 
 @contextlib.contextmanager
-def cuda_kernels() -> Iterator[None]:
-    """Route attention and dropout to the aten kernels CUDA would run, on CPU fake tensors.
+def cuda_kernels(ran: set[str] | None = None) -> Iterator[None]:
+    """Route attention and dropout to the aten kernels CUDA would run, on CPU fake tensors; `ran`, where given,
+    collects the names of the SDPA kernels chosen (what the prediction assumes, as the model's code called them).
 
     CPU and CUDA keep different tensors for backward. SDPA: CPU falls back to the math path (seq x seq
     probabilities kept) whenever dropout is on, CUDA flash never keeps them; the CUDA kernels' meta functions give
@@ -117,21 +118,20 @@ def cuda_kernels() -> Iterator[None]:
         if torch.is_autocast_enabled("cpu"):
             dtype = torch.get_autocast_dtype("cpu")
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-        kernel = cuda_kernel(query.dtype, attn_mask is not None, query.shape[-1])
+        kernel = cuda_kernel(query.dtype, attn_mask is not None, query.shape[-1], (query.shape[1], key.shape[1]),
+                             enable_gqa)
+        if ran is not None:
+            ran.add(kernel)
         if kernel == "flash":
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
         if kernel == "efficient":
-            if key.shape[1] != query.shape[1]:  # the kernel wants equal head counts: repeat K/V as math does
-                repeat = query.shape[1] // key.shape[1]
-                key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
             bias = attn_mask
             if bias is not None and bias.dtype == torch.bool:  # CUDA turns a bool mask into an additive one
                 bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill_(bias.logical_not(), -math.inf)
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def dropout(input, p=0.5, training=True, inplace=False):
         if not training or p == 0 or inplace:
@@ -143,3 +143,35 @@ def cuda_kernels() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
+
+
+def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's math kernel as CUDA runs it: torch's _scaled_dot_product_attention_math (attention.cpp) op for op,
+    save where the CPU fakes would take another path than CUDA. Its dropout is at::dropout, which on CUDA is
+    native_dropout (a bool mask kept) and on CPU keeps a noise tensor of the scores' dtype; and it adds the mask in
+    place (attn.add_), where on fakes, tensor subclasses, it adds out of place (one more s x s transient)."""
+    origin = query.dtype
+    upcast = not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+
+    def acc(t: torch.Tensor) -> torch.Tensor:  # "Keep query, key, value in high precision for accuracy"
+        return t.to(torch.float32) if upcast and t.dtype in (torch.float16, torch.bfloat16) else t
+
+    query, key, value = acc(query), acc(key), acc(value)
+    factor = math.sqrt(abs(scale) if scale is not None else 1 / math.sqrt(query.shape[-1]))
+    query = query * (-factor if scale is not None and scale < 0 else factor)
+    if is_causal:
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask
+        attn_mask = torch.where(attn_mask.logical_not(), -math.inf, torch.zeros((), dtype=query.dtype))
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # pre_process_group_query_attention_input
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    attn = torch.matmul(query, key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0:
+        attn = torch.ops.aten.native_dropout(attn, dropout_p, True)[0]
+    out = torch.matmul(attn, value).to(origin)
+    attn.to(origin)  # the kernel's second output, made and dropped
+    return out

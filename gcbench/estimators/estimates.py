@@ -36,7 +36,9 @@ class Estimate:
     backward_peak_bytes: int
     optimizer_peak_bytes: int | None  # None: no step after backward (optimizer none, or stepped in backward)
     n_params: int  # parameters (tied weights once): model state per parameter = (params + grads + optim.) / this
-    attention_kernel: str  # the SDPA kernel the prediction assumes (flash, efficient, math, cpu-flash, eager)
+    # the SDPA kernel the prediction assumes (flash, efficient, math, cpu-flash, eager; kernels joined by + where a
+    # simulated step's attention calls ran several)
+    attention_kernel: str
     seconds: float  # how long the prediction took
     flops: int | None = None  # of one step's forward and backward, recompute included (simulate; analytic: None)
     # Set when this prediction stands in for another method's, which could not make it: why that one could not

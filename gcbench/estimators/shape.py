@@ -70,19 +70,28 @@ class Shape:
 
     @property
     def gqa_in_sdpa(self) -> bool:
-        # transformers lets SDPA broadcast K/V heads only without a mask (integrations/sdpa_attention.py)
-        return self.kv_heads != self.heads and not self.has_mask and self.attn_impl != "eager"
+        # transformers lets SDPA broadcast K/V heads only without a mask and with head dims up to 256
+        # (integrations/sdpa_attention.py, use_gqa_in_sdpa); else it repeats them to the query's heads (repeat_kv)
+        return self.kv_heads != self.heads and not self.has_mask and self.head_dim <= 256 \
+            and self.attn_impl != "eager"
 
 
-def cuda_kernel(dtype: torch.dtype, has_mask: bool, head_dim: int) -> str:
+def cuda_kernel(dtype: torch.dtype, has_mask: bool, head_dim: int, heads: tuple[int, int],
+                enable_gqa: bool = False) -> str:
     """The SDPA kernel torch picks on an sm80+ GPU (sdp_utils.cpp, select_sdp_backend), as far as memory goes.
+    heads: the (query, key/value) head counts SDPA is given; enable_gqa: what the caller passed.
 
     cuDNN attention (preferred on some Hopper builds) keeps the same tensors for backward as flash: output and a
-    float32 log-sum-exp per row. Flash needs 16-bit inputs and no mask; memory-efficient takes masks and fp32."""
+    float32 log-sum-exp per row. Flash needs 16-bit inputs and no mask; memory-efficient takes masks and fp32. Fewer
+    key/value heads than query heads: flash takes them only with enable_gqa, memory-efficient never
+    (check_batch_size_and_num_heads_dense<supports_gqa=false> in its constraints), so such a call runs the math
+    kernel unless flash takes it. Math, for example: GQA in fp32 (flash takes no fp32), and Falcon's own SDPA call,
+    which passes one key/value head without enable_gqa."""
     low_precision = dtype in (torch.float16, torch.bfloat16)
-    if low_precision and not has_mask and head_dim <= 256:
+    equal = heads[0] == heads[1]
+    if low_precision and not has_mask and head_dim <= 256 and (equal or (enable_gqa and heads[0] % heads[1] == 0)):
         return "flash"
-    if head_dim % (8 if low_precision else 4) == 0:
+    if equal and head_dim % (8 if low_precision else 4) == 0:
         return "efficient"
     return "math"
 
@@ -100,4 +109,7 @@ def attention_kernel(spec: ResolvedRun, config, target: str) -> str:
     shape = Shape.of(spec, config)
     if target == "cpu":
         return cpu_kernel(shape.attn_dropout)
-    return cuda_kernel(shape.act_dtype, shape.has_mask, shape.head_dim)
+    # transformers' SDPA integration repeats K/V to the query's heads where a mask is passed, else broadcasts them
+    # with enable_gqa (integrations/sdpa_attention.py, use_gqa_in_sdpa)
+    given = (shape.heads, shape.kv_heads if shape.gqa_in_sdpa else shape.heads)
+    return cuda_kernel(shape.act_dtype, shape.has_mask, shape.head_dim, given, shape.gqa_in_sdpa)

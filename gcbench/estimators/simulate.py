@@ -139,7 +139,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     tracker = AllocatorModel(cuda)
     phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
     mark = trace.marking(phases, tracker) if trace is not None else phases
-    with _fake_step(spec, cuda) as (step, ids):
+    ran: set[str] = set()  # the SDPA kernels the model's calls were routed to (cuda_target.cuda_kernels)
+    with _fake_step(spec, cuda, ran) as (step, ids):
         # the warm-up's state made directly (shortcuts.prime) knows no DTensor shards: a sharded rank warms up
         check = prime(step, spec.optimizer) if shortcut and spec.shard == "none" else None
         replay = AllocationReplay(allocator, kernel_workspace_bytes) if allocator is not None else \
@@ -186,7 +187,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         optimizer_bytes=parts[2], activation_bytes=peak - sum(parts), peak_phase=peaks["peak_phase"],
         forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
         optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=n_params,
-        attention_kernel=attention_kernel(spec, config, target), flops=counted,
+        attention_kernel="+".join(sorted(ran)) or attention_kernel(spec, config, target), flops=counted,
         seconds=time.perf_counter() - start, optimizer_paged_bytes=paged_bytes)
 
 
@@ -202,7 +203,8 @@ def _count_flops(spec: ResolvedRun, target: str) -> int:
 
 
 @contextlib.contextmanager
-def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, torch.Tensor]]:
+def _fake_step(spec: ResolvedRun, cuda: bool,
+               ran: set[str] | None = None) -> Iterator[tuple[TrainingStep, torch.Tensor]]:
     """The run's TrainingStep on fake tensors (its policy applied and prepared, its optimizer made), and its batch of
     token ids; inside, the fake mode and what makes CPU fakes act as the target would. Any failure in here is the
     user's answer: a GcbenchError of one line."""
@@ -235,7 +237,7 @@ def _fake_step(spec: ResolvedRun, cuda: bool) -> Iterator[tuple[TrainingStep, to
         optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
                                    if cuda else None)
         _steps_read_no_values(optimizer)
-        with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels() if cuda else contextlib.nullcontext()), \
+        with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
             ids = torch.empty((spec.batch_size * spec.grad_accum, spec.seq_len), dtype=torch.long)
             step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
