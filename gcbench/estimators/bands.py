@@ -10,7 +10,8 @@ moved by it, and nothing is fitted to the measurements.
 
 A class is what the evidence says decides the error: the model's family (gpt2 misses a cuBLASLt workspace that
 llama does not take), the precision (autocast's casts), the adapter (peft's and bitsandbytes' tensors), sharding
-(the per-rank model) and the method. Policy, sizes and optimizer are not in it: within a class the measured
+(the per-rank model), the attention implementation and the loss (each keeps other tensors: LitGPT's rows, eager
+attention and `--loss litgpt`, say nothing of transformers' SDPA and `ce`) and the method. Policy, sizes and optimizer are not in it: within a class the measured
 errors do not follow them, and a band over all of them is the worst seen among them. A config whose class has no
 measurement has no band, and says so ("-"), rather than borrowing another's.
 """
@@ -23,9 +24,11 @@ from dataclasses import dataclass
 
 from gcbench.adapters import parse_adapter
 from gcbench.estimators.estimates import Estimate, Unavailable
+from gcbench.losses import parse_loss
 from gcbench.resolved import ResolvedRun
 
-Class = tuple[str, str, str, str, str]  # family, precision, adapter name, sharding (_sharding), method
+# family, precision, adapter name, sharding (_sharding), attention implementation, loss name, method
+Class = tuple[str, str, str, str, str, str, str]
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,10 @@ class Band:
 
 def class_of(spec: ResolvedRun, method: str) -> Class:
     """The class a config's prediction by `method` belongs to (the module docstring)."""
-    return (spec.model_config()[1], spec.precision, parse_adapter(spec.adapter).name, _sharding(spec), method)
+    config, family = spec.model_config()
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    return (family, spec.precision, parse_adapter(spec.adapter).name, _sharding(spec), attention,
+            parse_loss(spec.loss).name, method)
 
 
 def _sharding(spec: ResolvedRun) -> str:
