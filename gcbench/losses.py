@@ -201,6 +201,7 @@ def litgpt_cross_entropy(hidden: Any, head: Any, labels: Any, length: int, held:
     predicted token. The fp32 logits go into `held`."""
     import torch
 
+    length = min(length, hidden.shape[1])  # one slice for a sequence no longer than it (and no overflow in split)
     sliced = [head(h) for h in hidden.split(length, dim=1)]  # what the model returns
     logits = [x.float() for x in sliced]  # what Fabric hands the script (a no-op in fp32)
     del sliced

@@ -71,7 +71,8 @@ def reference(model, policy="none", loss="ce", **overrides):
 @pytest.mark.parametrize("model, loss", [("tiny-llama", "chunked"), ("tiny-llama", "chunked:n=128"),
                                          ("tiny-gpt2", "chunked:n=3"),  # gpt2: the head tied to the embedding
                                          ("tiny-llama", "litgpt"), ("tiny-llama", "litgpt:len=7"),
-                                         ("tiny-gpt2", "litgpt:len=9")])
+                                         ("tiny-gpt2", "litgpt:len=9"),
+                                         ("tiny-llama", "litgpt:len=99999999999999999999")])  # one slice
 def test_chunked_loss_and_gradients_equal_the_models_own(model, loss):
     assert_same(step_gradients(model, loss=loss), reference(model))
 

@@ -24,8 +24,10 @@ PREDICTIONS_ENV = "GCBENCH_PREDICTIONS"
 NOT_PREDICTED_BY = tuple(f.name for f in RUN_FIELDS if f.role in (Role.DEVICE, Role.LENGTH))
 PREDICTION_FIELDS = ("predicted_peak_bytes", "prediction_method", "predicted_peak_phase",
                      "predicted_peak_bytes_simulate", "predicted_peak_bytes_analytic")
-# The code a prediction follows from: the predictors and what they run (models, policies, the step, optimizers).
-_SOURCES = ("estimators", "policies", "models.py", "step.py", "optimizers.py", "presets.py", "fsdp.py")
+# The code a prediction follows from: the predictors and what they run (models, policies, the step, its losses and
+# adapters, optimizers).
+_SOURCES = ("estimators", "policies", "models.py", "step.py", "losses.py", "liger_model.py", "adapters.py",
+            "optimizers.py", "presets.py", "fsdp.py")
 
 
 def prediction_key(record: Mapping[str, Any], target: str) -> str:
