@@ -8,12 +8,12 @@ predicts each of them with each method, as `estimate` would, and writes the erro
 measured_bands.py beside this module. A band is a record of what happened, never a correction: no prediction is
 moved by it, and nothing is fitted to the measurements.
 
-A class is what the evidence says decides the error: the model's family (gpt2 misses a cuBLASLt workspace that
-llama does not take), the precision (autocast's casts), the adapter (peft's and bitsandbytes' tensors), sharding
-(the per-rank model), the attention implementation and the loss (each keeps other tensors: LitGPT's rows, eager
-attention and `--loss litgpt`, say nothing of transformers' SDPA and `ce`) and the method. Policy, sizes and optimizer are not in it: within a class the measured
-errors do not follow them, and a band over all of them is the worst seen among them. A config whose class has no
-measurement has no band, and says so ("-"), rather than borrowing another's.
+A class is what the evidence says decides the error: the model's family (gpt2 misses a cuBLASLt workspace that llama
+does not take), the precision (autocast's casts), the adapter (peft's and bitsandbytes' tensors), sharding (the
+per-rank model), the attention implementation and the loss (each keeps other tensors: LitGPT's rows, eager attention
+and `--loss litgpt`, say nothing of transformers' SDPA and `ce`) and the method. Policy, sizes and optimizer are not
+in it: within a class the measured errors do not follow them, and a band over all of them is the worst seen among
+them. A config whose class has no measurement has no band, and says so ("-"), rather than borrowing another's.
 """
 
 from __future__ import annotations
