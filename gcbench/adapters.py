@@ -196,7 +196,9 @@ def check_targets(adapter: Adapter, config: Any, build_meta_model: Callable[[Any
     targets, so that the run is refused before anything runs."""
     if not adapter.active or adapter.targets == (ALL_LINEAR,):
         return
-    key = (type(config).__name__, tuple(getattr(config, "architectures", None) or ()), adapter.targets)
+    # the head is part of the kind of model: a classifier's `score` is a linear layer an LM does not have
+    key = (type(config).__name__, tuple(getattr(config, "architectures", None) or ()),
+           getattr(config, "problem_type", None), adapter.targets)
     if key not in _TARGETS_FOUND:
         _TARGETS_FOUND[key] = bool(targeted_linears(build_meta_model(config), adapter))
     if not _TARGETS_FOUND[key]:

@@ -37,6 +37,7 @@ PRECISIONS = {
     "amp-fp16": ("float32", "float16"),
 }
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
+HEADS = ("lm", "seq-cls")  # models.auto_class: the language-model head, or a sequence classifier
 
 
 class DeviceKind(enum.StrEnum):
@@ -216,6 +217,11 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("attn", "attn", Choice(ATTENTION, "attention implementation"), "attention implementation: eager | sdpa "
           "(default: sdpa where the model's family has it, else eager)", None, estimate=True,
           words=_named("attn {}"), unset="attn default"),
+    Field("head", "head", Choice(HEADS, "head"), "the head trained: lm (the model's language-model head: causal, or "
+          "masked for an encoder) | seq-cls (transformers' sequence-classification head: a classifier of the "
+          "config's num_labels classes on one token, one label per sequence)", "lm", role=Role.LEVER, axis=True,
+          added=(5, "lm"),
+          words=lambda value, record: "seq-cls head" if value == "seq-cls" else ""),
     Field("warmup_steps", "warmup", Int(1, 1_000_000, "the first step creates gradients and optimizer state, so it "
           "cannot be a measured one"), "untimed warm-up steps, at least 1: step 1 creates gradients and optimizer "
           "state", 3, role=Role.LENGTH),

@@ -116,6 +116,12 @@ GPUS: list[Gpu] = [
     Gpu("l4-24gb", "NVIDIA L4", "L4", 23_034, 121e12, "https://www.nvidia.com/en-us/data-center/l4/", (8, 9)),
     Gpu("a10", "NVIDIA A10", "A10", None, 125e12, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/",
         (8, 6)),
+    # Matched by name only (its cuBLAS workspaces and peak for a run on one, the published V100 rows), not offered
+    # to --gpu: gcbench's SDPA kernel choice (estimators/shape.py) assumes flash attention for 16-bit runs, which
+    # needs sm80 or newer. No bf16 tensor cores: the peak is the FP16 tensor rate (125 TFLOPS on the SXM2 board),
+    # which an amp-fp16 run can reach.
+    Gpu("v100", "Tesla V100-SXM2-16GB", "V100-SXM2", None, 125e12,
+        "https://www.nvidia.com/en-us/data-center/v100/", (7, 0)),
     Gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", "RTX 4090", 24_564, 165.2e12,
         "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf", (8, 9)),
 ]

@@ -20,7 +20,7 @@ from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
 from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
-from gcbench.resolved import ResolvedRun, distinct_runs, resolve
+from gcbench.resolved import ResolvedRun, config_fields, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
 from gcbench.units import fmt_bytes
 from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
@@ -138,7 +138,7 @@ class SweepSpec:
         left out (`left_out` says how many and why); given alone, such a combination is an error.
         `devices_here=False`: the configs run on other machines (resolved.resolve)."""
         names = [n for n in BY_NAME if n in self.values and n != "policy"] + ["policy"]
-        configs: dict[tuple, tuple[Any, str]] = {}  # one model config per model, layers, seq and attention
+        configs: dict[tuple, tuple[Any, str]] = {}  # one model config per resolved.config_fields
 
         def runs() -> Iterator[tuple[ResolvedRun, dict[str, Any]]]:
             for combo in itertools.product(*(self.values[n] for n in names)):
@@ -147,7 +147,7 @@ class SweepSpec:
                     continue
                 try:
                     plain = RunSpec(**fields)
-                    shape = (plain.model, plain.layers, plain.seq_len, plain.attn)
+                    shape = config_fields(plain)
                     spec = resolve(plain, devices_here=devices_here, config=configs.get(shape))
                     configs[shape] = spec.model_config()
                     spec.check_runnable(here=devices_here)

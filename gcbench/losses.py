@@ -119,11 +119,13 @@ _LOGIT_CHANGES = {
 def not_chunkable(config: Any) -> str | None:
     """Why the model's own loss is not cross-entropy on its LM head's output, or None when it is (and so a chunked
     or fused loss on the body's hidden states computes the same loss)."""
-    from gcbench.models import auto_class
+    from gcbench.models import auto_class, classifies
 
     import transformers
 
     family = config.model_type
+    if classifies(config):
+        return "--head seq-cls trains a classifier (one label per sequence, a few logits): there is no LM head to chunk"
     if auto_class(config) is not transformers.AutoModelForCausalLM:
         return (f"{family} trains a masked-LM head (a transform before its decoder, no shift): only a causal LM's "
                 "linear head can be chunked exactly")

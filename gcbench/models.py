@@ -18,7 +18,8 @@ import torch
 import transformers
 from torch import nn
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
 from gcbench.errors import GcbenchError
 from gcbench.presets import MODELS, Preset
@@ -147,7 +148,7 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     pad = getattr(config, "pad_token_id", None)
     if _positive_int(pad) and pad >= config.vocab_size:  # transformers' own words name neither field
         raise GcbenchError(f"{origin}: pad_token_id ({pad}) must be below vocab_size ({config.vocab_size})")
-    head = auto_class(config, origin)
+    head = auto_class(config, origin, "lm")  # the head a run chooses is prepare_config's
     try:
         model = _meta_build(head, config)  # no memory, no init: whatever else transformers refuses, say it now
     except Exception as e:  # noqa: BLE001
@@ -171,15 +172,28 @@ def _validation_message(e: BaseException) -> str:
     return re.sub(r"^Class validation error for validator '\w+': \w+: ", "", text)
 
 
-def auto_class(config: transformers.PretrainedConfig, origin: str | None = None) -> type:
-    """The Auto class with a training head (labels -> loss): a masked LM for an encoder (a family transformers has
-    a masked-LM head for, not configured as a decoder), a causal LM otherwise."""
+SEQ_CLS = "single_label_classification"  # transformers' problem_type of a classifier with one label per sequence
+
+
+def auto_class(config: transformers.PretrainedConfig, origin: str | None = None, head: str | None = None) -> type:
+    """The Auto class with a training head (labels -> loss). `head` (fields.HEADS; None: the one prepare_config
+    chose, which it writes into the config as its problem_type): "lm" is a masked LM for an encoder (a family
+    transformers has a masked-LM head for, not configured as a decoder), a causal LM otherwise; "seq-cls" is the
+    family's sequence-classification head (ForSequenceClassification: a classifier over one token's hidden state,
+    a label per sequence)."""
     family = config.model_type
     where = f"{origin}: " if origin else ""
     if getattr(config, "is_encoder_decoder", False):
         raise GcbenchError(f"{where}{family} is an encoder-decoder model; gcbench trains one stack of blocks (a "
                            "decoder or an encoder)")
-    if family in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+    if head is None:
+        head = "seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm"
+    if head == "seq-cls":
+        if family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+            return transformers.AutoModelForSequenceClassification
+        raise GcbenchError(f"{where}{family} models have no sequence-classification head in transformers "
+                           f"{transformers.__version__}; use --head lm")
+    if encoder(config):
         return transformers.AutoModelForMaskedLM
     if family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return transformers.AutoModelForCausalLM
@@ -187,9 +201,19 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None)
                        f"{transformers.__version__}; gcbench trains language models")
 
 
+def encoder(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model is an encoder (BERT-like: a family with a masked-LM head, not configured as a decoder)."""
+    return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+
+
+def classifies(config: transformers.PretrainedConfig) -> bool:
+    """Whether the run's model is a sequence classifier (--head seq-cls): one label per sequence, not per token."""
+    return getattr(config, "problem_type", None) == SEQ_CLS
+
+
 def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
-                   attn: str | None) -> transformers.PretrainedConfig:
-    """Apply the run's shape to a config: truncate blocks, check positions, training-only settings."""
+                   attn: str | None, head: str = "lm") -> transformers.PretrainedConfig:
+    """Apply the run's shape to a config: truncate blocks, check positions, the head, training-only settings."""
     n = config.num_hidden_layers
     if layers is not None:
         if not 1 <= layers <= n:
@@ -208,6 +232,7 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
                            f"(max_position_embeddings{', times its rope_scaling factor' if scaled else ''}); for "
                            "longer sequences use a config.json that allows them")
     config.use_cache = False
+    _choose_head(config, head)
     sdpa = auto_class(config)._model_mapping[type(config)]._supports_sdpa
     if attn == "sdpa" and not sdpa:
         raise GcbenchError(f"{family} models have no SDPA attention in transformers {transformers.__version__}; "
@@ -215,6 +240,26 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     # Set here, so that every reader (the step, the estimators, the record) sees the one the model runs.
     config._attn_implementation = attn or ("sdpa" if sdpa else "eager")
     return config
+
+
+def _choose_head(config: transformers.PretrainedConfig, head: str) -> None:
+    """Write the head into the config (its problem_type, which every reader of the config then sees): seq-cls, a
+    single-label classifier of the config's num_labels classes (transformers' default: 2); lm, none (a config.json
+    of a fine-tuned classifier names its problem_type: an LM run drops it).
+
+    A decoder's classifier reads each sequence's last token that is not padding, so transformers refuses a batch of
+    several sequences without a pad_token_id. Where the config has none, its eos_token_id stands in (what
+    fine-tuning recipes set: model.config.pad_token_id = tokenizer.eos_token_id), else id 0: which id it is changes
+    no memory (it decides which position's hidden state is classified, and the embedding row left without a
+    gradient)."""
+    config.problem_type = SEQ_CLS if head == "seq-cls" else None
+    auto_class(config)  # a family without the head is refused here, before anything is built
+    if head != "seq-cls" or encoder(config) or getattr(config, "pad_token_id", None) is not None:
+        return
+    eos = getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    config.pad_token_id = eos if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < \
+        config.vocab_size else 0
 
 
 def _rope_settings(config) -> list[dict]:

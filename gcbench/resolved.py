@@ -64,7 +64,7 @@ class ResolvedRun:
         """This run with some fields changed, resolved again (the config rebuilt only when it depends on them)."""
         changes.setdefault("policy", self.policy)
         spec = dataclasses.replace(self.spec, **changes)
-        same_model = all(getattr(spec, n) == getattr(self.spec, n) for n in ("model", "layers", "seq_len", "attn"))
+        same_model = config_fields(spec) == config_fields(self.spec)
         return resolve(spec, config=(self.config, self.family) if same_model else None)
 
     def check_runnable(self, here: bool = True) -> None:
@@ -152,7 +152,7 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
         from gcbench.fsdp import in_rank
 
         _check_sharding(spec, policy, device, devices_here and not in_rank())
-    config, family = config or _prepared_config(spec.model, spec.layers, spec.seq_len, spec.attn)
+    config, family = config or _prepared_config(*config_fields(spec))
     policy.validate(config.num_hidden_layers)
     check_compile(spec, policy, device)
     spec = dataclasses.replace(spec, adapter=_checked_adapter(spec, config))
@@ -193,13 +193,20 @@ def resolve_record(record: Mapping[str, Any], **how: Any) -> ResolvedRun:
     return resolve(RunSpec(**values), **how)
 
 
-def _prepared_config(model: str, layers: int | None, seq_len: int, attn: str | None) -> tuple[Any, str]:
-    """(config, family) with the run's layers, sequence length and attention applied, from the model's config as
-    read once (a copy: preparing writes into it)."""
+def config_fields(spec: RunSpec) -> tuple[Any, ...]:
+    """The fields a run's model config is prepared from (_prepared_config): runs that agree on them share one."""
+    return spec.model, spec.layers, spec.seq_len, spec.attn, spec.head
+
+
+def _prepared_config(model: str, layers: int | None, seq_len: int, attn: str | None, head: str
+                     ) -> tuple[Any, str]:
+    """(config, family) with the run's layers, sequence length, attention and head applied, from the model's config
+    as read once (a copy: preparing writes into it)."""
     from gcbench.models import prepare_config
 
     config, family = _raw_config(model, _file_state(model))
-    return prepare_config(copy.deepcopy(config), family, layers=layers, seq_len=seq_len, attn=attn), family
+    return prepare_config(copy.deepcopy(config), family, layers=layers, seq_len=seq_len, attn=attn,
+                          head=head), family
 
 
 @functools.lru_cache(maxsize=32)

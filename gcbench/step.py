@@ -182,17 +182,26 @@ def make_optimizer(spec: StepSpec, model: nn.Module, multi_tensor: bool | None =
 
 
 def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
-    """Random token ids for the whole step (grad_accum x batch rows); labels = inputs (causal LM shifts them, MLM
-    predicts them). In a sharded run, this rank's rows of every rank's: together the ranks train on exactly the
-    rows one process of world x batch rows would (the same seed draws them)."""
+    """Random token ids for the whole step (grad_accum x batch rows) and their labels (batch_of). In a sharded run,
+    this rank's rows of every rank's: together the ranks train on exactly the rows one process of world x batch rows
+    would (the same seed draws them)."""
     gen = torch.Generator().manual_seed(spec.seed)
     rank, world = rank_and_world()
     rows = spec.batch_size * spec.grad_accum
     ids = torch.randint(0, config.vocab_size, (rows * world, spec.seq_len), generator=gen)
     if world > 1:
         ids = ids[rank * rows:(rank + 1) * rows].clone()  # its own storage: the other ranks' rows are not its memory
-    ids = ids.to(device)
-    return {"input_ids": ids, "labels": ids}
+    return batch_of(ids.to(device), config)
+
+
+def batch_of(ids: torch.Tensor, config) -> dict[str, torch.Tensor]:
+    """The model's inputs for these token ids: labels = the ids for a language model (a causal LM shifts them, an
+    MLM predicts them); for a classifier (--head seq-cls) class 0 for every sequence (which class changes no
+    memory: one int64 per sequence either way)."""
+    from gcbench.models import classifies
+
+    labels = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device) if classifies(config) else ids
+    return {"input_ids": ids, "labels": labels}
 
 
 def param_shapes(model: nn.Module) -> list[tuple[int, ...]]:

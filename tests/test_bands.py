@@ -15,7 +15,7 @@ from gcbench.estimators import estimate
 from gcbench.estimators.estimates import Unavailable
 from gcbench.estimators.bands import Band, band_fields, band_for, bands, class_of
 from gcbench.estimators.measured_bands import BANDS
-from gcbench.fields import ATTENTION
+from gcbench.fields import ATTENTION, HEADS
 from gcbench.losses import LOSSES
 from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
@@ -36,9 +36,9 @@ def test_a_band_is_the_classes_lowest_and_highest_error_and_their_median():
 
 def test_the_written_table_is_consistent():
     assert BANDS
-    for (family, precision, adapter, shard, attention, loss, method), (n, median, low, high) in BANDS.items():
+    for (family, precision, adapter, shard, attention, loss, head, method), (n, median, low, high) in BANDS.items():
         assert method in METHODS and shard in ("none", "fsdp2:1", "fsdp2:n") and family and precision and adapter
-        assert attention in ATTENTION and loss in LOSSES
+        assert attention in ATTENTION and loss in LOSSES and head in HEADS
         assert n >= 1 and low <= high and 0 <= median <= max(abs(low), abs(high))
 
 
@@ -109,7 +109,7 @@ def test_estimate_shows_the_band_in_its_table_and_json():
                       "--method", "analytic")
     assert " err" in table and "err = the peak's lowest..highest error" in " ".join(table.split())
     assert max(len(line) for line in table.splitlines()) <= 80
-    band = BANDS[("llama", "bf16", "none", "none", "sdpa", "ce", "analytic")]
+    band = BANDS[("llama", "bf16", "none", "none", "sdpa", "ce", "lm", "analytic")]
     shown = f"{band[2]:+.1f}..{band[3]:+.1f}%" if band[2] != band[3] else f"{band[2]:+.1f}%"
     assert shown in table
     row = json.loads(_estimate("--model", "tiny-bert", "--seq", "64", "--method", "analytic", "--format",

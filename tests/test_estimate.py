@@ -135,6 +135,31 @@ def test_the_math_kernel_keeps_what_torchs_does_but_cudas_dropout_mask(dtype, gq
         assert kept_and_peak(aten, 0.1, causal)[0] - kept_and_peak(ours, 0.1, causal)[0] == 3 * scores
 
 
+def test_softmax_on_the_cuda_target_runs_as_cuda_autocast_and_cudas_softmax_run_it():
+    """Eager attention's softmax: CUDA autocast runs it in fp32 (fp32_set_opt_dtype), CPU autocast leaves it in
+    fp16; a 16-bit input asked for in fp32 is read as it is on CUDA (half_to_float), where CPU makes an fp32 copy
+    first, which the backward would then pass through."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gcbench.estimators.cuda_target import cuda_kernels
+
+    original = F.softmax
+    with FakeTensorMode():
+        x = torch.empty(2, 4, 8, 8, dtype=torch.float16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert F.softmax(x, dim=-1).dtype == torch.float16  # what the CPU fakes alone would do
+            with cuda_kernels():
+                assert F.softmax(x, dim=-1).dtype == torch.float32
+        with cuda_kernels():
+            asked = F.softmax(x, dim=-1, dtype=torch.float32)  # llama's eager attention asks for fp32
+            assert asked.dtype == torch.float32 and F.softmax(x, dim=-1).dtype == torch.float16
+        assert type(asked.grad_fn.next_functions[0][0]).__name__ == "AccumulateGrad"  # no copy in between
+        assert type(F.softmax(x, dim=-1, dtype=torch.float32).grad_fn.next_functions[0][0]).__name__ != \
+            "AccumulateGrad"
+    assert F.softmax is original
+
+
 def test_the_kernel_a_prediction_names_is_the_one_its_attention_ran(tmp_path):
     # tiny-llama (4 query, 2 key/value heads) in fp32: transformers passes enable_gqa, which only flash takes, and
     # flash takes no fp32: math, in both predictors

@@ -133,3 +133,51 @@ def test_the_command_accounts_for_every_row_and_its_summary_adds_up():
     assert int(m[3]) == len(errors)
     assert abs(float(m[1]) - statistics.median(errors)) <= 0.1
     assert abs(float(m[2]) - max(errors)) <= 0.1
+
+
+@pytest.mark.slow  # eight simulations, 8 s: the default suite keeps its 5-minute margin
+def test_older_libraries_are_replayed_only_where_a_row_names_them(tmp_path):
+    """legacy.py, on the CUDA target: torch < 1.11 kept softmax's input for backward, so inside the replay the peak
+    of an eager-attention model without checkpointing grows by exactly those inputs, in their dtype (fp16 under
+    fp16 autocast), and by their fp32 size once transformers 4.x's all-zero fp32 mask promotes the scores; the
+    mask alone keeps nothing. Values and gradients stay today's, and nothing outlives the replay."""
+    import torch
+
+    import legacy  # beside check.py, which put its folder on sys.path
+    from gcbench.estimators.simulate import simulate
+    from tests.helpers import tiny_spec
+
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    want = torch._softmax(x, -1, False)
+    (grad,) = torch.autograd.grad(want.square().sum(), x)
+    original = torch._softmax
+    with legacy.replayed("1.10"):
+        got = torch._softmax(x, -1, False)
+        assert any(t is x or torch.equal(t, x) for t in got.grad_fn.saved_tensors)
+        torch.testing.assert_close(torch.autograd.grad(got.square().sum(), x)[0], grad)
+    torch.testing.assert_close(got, want)
+    assert torch._softmax is original
+    with legacy.replayed("2.1", "5.0"):
+        assert torch._softmax is original
+
+    def grows(precision: str, *versions: str | None) -> int:
+        spec = tiny_spec("tiny-bert", "none", head="seq-cls", attn="eager", precision=precision, seq_len=64)
+        today = simulate(spec, "cuda").peak_bytes
+        with legacy.replayed(*versions):
+            older = simulate(spec, "cuda").peak_bytes
+        assert simulate(spec, "cuda").peak_bytes == today
+        return older - today
+
+    spec = tiny_spec("tiny-bert", head="seq-cls", seq_len=64)
+    scores = spec.config.num_hidden_layers * spec.config.num_attention_heads * spec.batch_size * 64 ** 2
+    assert grows("fp32", "1.10") == grows("fp32", "1.10", "4.15") == 4 * scores
+    assert grows("amp-fp16", "1.10") == 2 * scores
+    assert grows("amp-fp16", "1.10", "4.15") == 4 * scores
+    assert grows("amp-fp16", None, "4.15") == 0
+    path = tmp_path / "rows.toml"
+    for bad, says in ((dict(ROWS[0], torch=1.10), "not a version"),  # a TOML float, not a version string
+                      (dict(ROWS[0], transformers="four"), "not a version"),
+                      (dict(ROWS[0], context_mib="1341"), "not a number of MiB")):
+        path.write_text(_toml_row(bad))
+        with pytest.raises(GcbenchError, match=says):
+            check.load_rows(path)

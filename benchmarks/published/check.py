@@ -7,8 +7,9 @@ for each row that gcbench can express, predicts the figure the source published:
 - allocated: torch.cuda.max_memory_allocated over the step = Estimate.peak_bytes;
 - reserved: torch.cuda.max_memory_reserved, the caching allocator replayed (simulate.replay_allocator)
   where one process runs;
-- device (nvidia-smi's used memory): reserved + the CUDA context + the cuBLAS workspaces, with the card's context
-  (gpus.Gpu.context: measured where gcbench has run on the card, else gpus.CUDA_CONTEXT_BYTES assumed) and the
+- device (nvidia-smi's used memory): reserved + the CUDA context + the cuBLAS workspaces, with the context the
+  source itself measured (a row's context_mib) or else the card's (gpus.Gpu.context: measured where gcbench has run
+  on the card, else gpus.CUDA_CONTEXT_BYTES assumed) and the
   per-card workspace size (gpus.Gpu.workspace_bytes, from
   aten/src/ATen/cuda/CublasHandlePool.cpp), both cited in gcbench/gpus.py; not expressible where reserved is not
   predicted or the card is not in gpus.GPUS.
@@ -31,7 +32,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))  # legacy.py, beside it, when this file is imported from elsewhere
 
+import legacy  # noqa: E402  (benchmarks/published/legacy.py)
 from gcbench.errors import GcbenchError  # noqa: E402
 from gcbench.text import plain  # noqa: E402
 
@@ -81,9 +84,24 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
             raise GcbenchError(f"{plain(path)}: {name}: unit {plain(row['unit'])!r} is not one of {', '.join(UNITS)}")
         if sum(k in row for k in ("spec", "not_expressible", "rejected")) != 1:
             raise GcbenchError(f"{plain(path)}: {name} needs exactly one of spec, not_expressible, rejected")
+        for library in ("torch", "transformers"):
+            if library in row and not (isinstance(row[library], str) and _is_version(row[library])):
+                raise GcbenchError(f"{plain(path)}: {name}: {library} {plain(row[library])!r} is not a version "
+                                   "string like \"1.10\"")
+        context = row.get("context_mib", 1)
+        if isinstance(context, bool) or not isinstance(context, (int, float)) or not 0 < context < 2**20:
+            raise GcbenchError(f"{plain(path)}: {name}: context_mib {plain(context)!r} is not a number of MiB")
         if "spec" in row and row["figure"] not in FIGURES:
             raise GcbenchError(f"{plain(path)}: {name}: a predicted row's figure must be one of {', '.join(FIGURES)}")
     return rows
+
+
+def _is_version(text: str) -> bool:
+    try:
+        legacy.parse_version(text)
+    except ValueError:
+        return False
+    return True
 
 
 def published_bytes(row: dict[str, Any]) -> float:
@@ -92,9 +110,6 @@ def published_bytes(row: dict[str, Any]) -> float:
 
 def predict(row: dict[str, Any], method: str, base: Path) -> Outcome:
     """The row's outcome: the estimator's figure for it, or why it cannot give one."""
-    from gcbench.estimators import estimate
-    from gcbench.spec import RunSpec
-
     pub = published_bytes(row)
     if "rejected" in row:
         return Outcome(row, "rejected", pub, reason=row["rejected"])
@@ -102,6 +117,15 @@ def predict(row: dict[str, Any], method: str, base: Path) -> Outcome:
         return Outcome(row, "not_expressible", pub, reason=row["not_expressible"])
     fields = dict(row["spec"])
     fields["model"] = str((base / fields["model"]).resolve())
+    # what the row's older torch and transformers kept for backward, where it differs from today's
+    with legacy.replayed(row.get("torch"), row.get("transformers")):
+        return _predicted(row, pub, fields, method)
+
+
+def _predicted(row: dict[str, Any], pub: float, fields: dict[str, Any], method: str) -> Outcome:
+    from gcbench.estimators import estimate
+    from gcbench.spec import RunSpec
+
     try:
         found = estimate(RunSpec(**fields, device="cpu"), method, "cuda")
     except GcbenchError as e:
@@ -130,7 +154,8 @@ def _on_card(row: dict[str, Any], pub: float, reserved: int) -> Outcome:
     if card is None:
         return Outcome(row, "not_expressible", pub, reason=f"GPU {row['gpu']!r} is not in gcbench/gpus.py: its "
                                                            "cuBLAS workspace size is not known")
-    context = card.context if row["figure"] == "device" else 0
+    context = 0 if row["figure"] != "device" else card.context if "context_mib" not in row else \
+        int(row["context_mib"] * UNITS["MiB"])  # the source's own reading of its context, where it gives one
     return Outcome(row, "predicted", pub, reserved + card.workspace_bytes + context)
 
 

@@ -263,6 +263,9 @@ def unavailable(spec: RunSpec | ResolvedRun) -> str | None:
     if family not in ARCHITECTURES:
         return (f"the analytic model has no formulas for {family} models (it has them for "
                 f"{', '.join(sorted(ARCHITECTURES))})")
+    if spec.head != "lm":
+        return ("the analytic model has no formulas for --head seq-cls (its formulas are for a language-model head; "
+                "a classifier reads one token's hidden state and has no vocabulary-wide logits)")
     if spec.loss.partition(":")[0] == "litgpt":
         return ("the analytic model has no formulas for --loss litgpt (every slice's logits kept, and under autocast "
                 "a copy of the head's weight per slice)")

@@ -109,10 +109,14 @@ def cuda_kernels(ran: set[str] | None = None) -> Iterator[None]:
     probabilities kept) whenever dropout is on, CUDA flash never keeps them; the CUDA kernels' meta functions give
     their exact outputs and saved tensors without a GPU. Autocast lists SDPA as a lower-precision op on CUDA, so
     under amp its inputs are cast first (calling the kernel directly would skip that). Dropout: CPU keeps a noise
-    tensor of the input's dtype, CUDA's fused kernel a bool mask."""
+    tensor of the input's dtype, CUDA's fused kernel a bool mask. Softmax: CUDA autocast runs it in fp32
+    (autocast_mode.cpp: softmax is an fp32_set_opt_dtype op), CPU autocast in the input's 16-bit dtype; and a
+    16-bit CUDA input asked for in fp32 is read as it is (at::softmax calls _softmax(x, dim, half_to_float=True)),
+    where CPU first makes an fp32 copy of it. Only calls through torch.nn.functional.softmax are routed (eager
+    attention's); Tensor.softmax and the losses' log_softmax are not."""
     import torch.nn.functional as F
 
-    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
+    original_sdpa, original_dropout, original_softmax = F.scaled_dot_product_attention, F.dropout, F.softmax
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if torch.is_autocast_enabled("cpu"):
@@ -138,11 +142,23 @@ def cuda_kernels(ran: set[str] | None = None) -> Iterator[None]:
             return original_dropout(input, p, training, inplace)
         return torch.ops.aten.native_dropout(input, p, True)[0]
 
-    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if dim is None:
+            return original_softmax(input, dim, _stacklevel, dtype)
+        sixteen = input.dtype in (torch.float16, torch.bfloat16)
+        if dtype is None and sixteen and torch.is_autocast_enabled("cpu"):
+            dtype = torch.float32  # CUDA autocast's fp32_set_opt_dtype
+        if dtype == torch.float32 and sixteen:
+            return torch._softmax(input, dim, True)  # half_to_float: no fp32 copy of the input
+        if dtype is not None:
+            input = input.to(dtype)
+        return torch._softmax(input, dim, False)
+
+    F.scaled_dot_product_attention, F.dropout, F.softmax = sdpa, dropout, softmax
     try:
         yield
     finally:
-        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
+        F.scaled_dot_product_attention, F.dropout, F.softmax = original_sdpa, original_dropout, original_softmax
 
 
 def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

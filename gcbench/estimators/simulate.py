@@ -43,7 +43,7 @@ from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Policy
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
-from gcbench.step import TrainingStep, make_optimizer
+from gcbench.step import TrainingStep, batch_of, make_optimizer
 
 
 def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, *,
@@ -240,7 +240,7 @@ def _fake_step(spec: ResolvedRun, cuda: bool,
         with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
             ids = torch.empty((spec.batch_size * spec.grad_accum, spec.seq_len), dtype=torch.long)
-            step = TrainingStep(model, optimizer, {"input_ids": ids, "labels": ids}, spec)
+            step = TrainingStep(model, optimizer, batch_of(ids, config), spec)
             scaler_finds_no_inf(step)  # --precision amp-fp16: its gradient scaler reads found_inf
             spec.policy.prepare(step)
             yield step, ids

@@ -58,7 +58,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
              "paged": "paged = optimizer state in CUDA managed memory (bitsandbytes), not in the peak",
              "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else ""),
              "err": "err = the peak's lowest..highest error, by this method, against GPU measurements of "
-                    "configs of the same family, precision, adapter, sharding, attention and loss (results/gpu/, "
+                    "configs of the same family, precision, adapter, sharding, attention, loss and head (results/gpu/, "
                     "benchmarks/published/; -: none measured)"}
     notes = ["; ".join([f"sizes in {unit}", *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
