@@ -8,9 +8,10 @@ alike, and the figure is the median of the pairs' ratios:
             torch and transformers, builds the same model and runs the same four steps: the floor any harness has.
             Then where the time of one more run of each goes (imports, spec, prediction, build, steps, record, exit).
   sweep     `gcbench sweep` of 8 tiny-llama configs: its fixed cost per config, (wall - timed steps) / 8, and when
-            its first record is written (one tiny config's own work, about 0.3 s, included).
-  estimate  `gcbench estimate --model llama-7b --seq 4096 --policy none,full,sqrtn --method simulate`, and with
-            --fit also `gcbench estimate --model llama-7b --seq 4096 --fit --gpu h100-80gb`.
+            its first record is written (one tiny config's own work, about 0.3 s, included); each sweep paired with
+            the floor: bare_step.py's imports and build, to its model built (not its exit).
+  estimate  `gcbench estimate --model llama-7b --seq 4096 --policy none,full,sqrtn --method simulate`, paired with
+            the same floor, and with --fit also `gcbench estimate --model llama-7b --seq 4096 --fit --gpu h100-80gb`.
   optimum   with --optimum-python PY (an interpreter that has optimum-benchmark installed, in its own environment:
             `pip install optimum-benchmark`): its training scenario on the same tiny llama (benchmarks/
             optimum_training.py), paired against the same `gcbench run`.
@@ -144,13 +145,27 @@ def run_figures(pairs: int, out: Path) -> list[str]:
     return lines
 
 
+def floor() -> float:
+    """Seconds from the bare script's start to its model built (its marks): the imports and build that any process
+    training or simulating a transformers model waits for before its first op; not its steps, nor its exit (the
+    interpreter's last garbage collection, which gcbench skips)."""
+    parts = marks([PYTHON, str(HERE / "bare_step.py"), "--steps", "0"], BARE_PARTS)
+    return parts["imports"] + parts["build"]
+
+
 def sweep_figures(out: Path, repeat: int) -> list[str]:
-    """Each figure the median of `repeat` sweeps (a fresh output file each: nothing resumes)."""
-    runs = [sweep_once(out) for _ in range(repeat)]
+    """Each figure the median of `repeat` sweeps (a fresh output file each: nothing resumes), each paired with the
+    floor, interleaved, after one pair not counted."""
+    runs, floors = paired(lambda: sweep_once(out), floor, repeat)
     total, steps, first, n = (statistics.median(r[i] for r in runs) for i in range(4))
+    above = statistics.median(r[2] - f for r, f in zip(runs, floors))
+    per_config = statistics.median((r[0] - r[1] - f) / r[3] for r, f in zip(runs, floors))
     return [f"sweep of {n:.0f} configs (median of {repeat} sweeps): {total:.2f} s wall, timed steps {steps:.2f} s; "
             f"fixed cost per config {(total - steps) / n:.2f} s; first record written after {first:.2f} s; each "
-            f"later config's own wall (child start to record), median {statistics.median(runs[0][4][1:]):.2f} s"]
+            f"later config's own wall (child start to record), median {statistics.median(runs[0][4][1:]):.2f} s",
+            f"  the floor, paired (the bare script's imports and build, to its model built): "
+            f"{statistics.median(floors):.2f} s; the first record {above:+.2f} s after it (the first config's own "
+            f"work included); (wall - timed steps - floor) / {n:.0f} = {per_config:.2f} s per config above it"]
 
 
 def sweep_once(out: Path) -> tuple[float, float, float, int, list[float]]:
@@ -178,9 +193,13 @@ def sweep_once(out: Path) -> tuple[float, float, float, int, list[float]]:
 
 
 def estimate_figures(fit: bool, repeat: int) -> list[str]:
-    times = [wall([*GCBENCH, *ESTIMATE]) for _ in range(repeat)]
+    """The 3-policy estimate, paired and interleaved with the floor (its imports and build)."""
+    times, floors = paired(lambda: wall([*GCBENCH, *ESTIMATE]), floor, repeat)
     lines = [f"estimate (llama-7b, seq 4096, simulate, 3 policies): median {statistics.median(times):.2f} s of "
-             f"{repeat} ({', '.join(f'{t:.2f}' for t in times)})"]
+             f"{repeat} ({', '.join(f'{t:.2f}' for t in times)}); the floor, paired (the bare script's imports and "
+             f"build): "
+             f"{statistics.median(floors):.2f} s, the estimate "
+             f"{statistics.median(t - f for t, f in zip(times, floors)):+.2f} s above it"]
     if fit:
         lines.append(f"estimate --fit (llama-7b, seq 4096, h100-80gb): {wall([*GCBENCH, *ESTIMATE_FIT]):.2f} s")
     return lines

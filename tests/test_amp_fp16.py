@@ -101,8 +101,9 @@ def test_the_simulation_predicts_each_amp_fp16_lever_exactly_on_cpu(fields):
     assert record["predicted_peak_phase"] == record["peak_phase"]
 
 
-@pytest.mark.parametrize("model,target,scalar", [(m, "cuda", CUDA_BLOCK_BYTES) for m in TINY]
-                         + [("tiny-llama", "cpu", 4)])
+@pytest.mark.parametrize("model,target,scalar",  # one in the default suite (it neared its 5 minutes), all in CI
+                         [pytest.param(m, "cuda", CUDA_BLOCK_BYTES, marks=() if m == "tiny-llama" else pytest.mark.slow)
+                          for m in TINY] + [pytest.param("tiny-llama", "cpu", 4, marks=pytest.mark.slow)])
 def test_both_predictors_count_the_scaler_alike(model, target, scalar):
     """Over amp-bf16 (the same activations: fp16 and bf16 are both 2 bytes, autocast's op lists are the dtype's
     alike): the scale and growth tracker from the start, the scaled loss through backward, found_inf's per-device

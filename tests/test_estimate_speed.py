@@ -13,9 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate_grid, sharing, simulate as simulate_module, step_flops
+from gcbench.estimators.layer_scaling import blocks_to_scale
 from gcbench.estimators.shortcuts import ELEMENTWISE_DECOMPOSITIONS, GradientCheck, _decomposes
 from gcbench.estimators.simulate import count_flops, simulate, simulate_each
 from gcbench.policies import Plan
+from gcbench.policies.plan import UNIFORM
 from tests.golden import estimates as golden
 from tests.helpers import policy_examples, tiny_spec
 
@@ -45,8 +47,14 @@ LEVERS = [dict(optim_in_backward=True, optimizer="adafactor"), dict(grad_accum=2
           dict(loss="litgpt:len=10", precision="amp-bf16", adapter="lora")]
 
 
+# The default suite keeps two policies of different mechanics (recomputed segments, saved-tensor hooks); the rest run
+# in the slow set since the default suite neared its 5 minutes (5m01s on 2026-11-28, 2 cores)
+DEFAULT_POLICIES = ("sqrtn", "offload")
+
+
 @pytest.mark.parametrize("target", ["cuda", pytest.param("cpu", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("policy", [p for p in policy_examples() if _runnable(p)])
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=() if p in DEFAULT_POLICIES else pytest.mark.slow)
+                                    for p in policy_examples() if _runnable(p)])
 def test_every_policy_simulates_as_with_a_warm_up_step_and_a_flops_pass(policy, target):
     spec = tiny_spec("tiny-llama", policy, seq_len=64, precision="bf16" if target == "cuda" else "fp32")
     _same(simulate(spec, target, flops=True), simulate(spec, target, flops=True, shortcut=False))
@@ -122,17 +130,39 @@ def test_ops_taken_as_elementwise_decompose_and_count_no_flops(op):
     assert counter.get_total_flops() == 0
 
 
+@pytest.mark.slow  # 4.3 s: the default suite neared its 5 minutes; CI runs it
 def test_a_plan_is_kept_by_its_chosen_mix():
     """Plans that differ only in the mix chosen are equal as policies: the kept simulations must not mix them up."""
     plan = Plan(memory="1GiB")
     n = tiny_spec().config.num_hidden_layers
     spec = tiny_spec("tiny-llama", seq_len=64)
-    mixes = [plan.with_mix({"none": n}), plan.with_mix({"full": n})]
+    mixes = [plan.with_mix({"none": n - 1, "full": 1}), plan.with_mix({"none": 1, "full": n - 1})]
     kept = [simulate(spec.replace(policy=mix), "cuda") for mix in mixes]
     fresh = [simulate(spec.replace(policy=mix), "cuda", shortcut=False) for mix in mixes]
     for a, b in zip(kept, fresh):
         _same(a, b)
     assert kept[0].peak_bytes != kept[1].peak_bytes
+
+
+# sac in the default suite (the kind whose block wrapper takes an option); every kind, and a model long enough to be
+# made from two short ones, in the slow set
+@pytest.mark.parametrize("kind, layers", [pytest.param(k, None, marks=() if k == "sac" else pytest.mark.slow)
+                                          for k in ("none", "attn", "sac", "full", "offload")]
+                         + [pytest.param("full", 8, marks=pytest.mark.slow)])
+def test_a_plan_of_one_kind_simulates_as_that_kinds_policy(kind, layers):
+    """A plan whose every block is one kind is predicted by that kind's own policy (Plan.one_kind: found kept from
+    the choice, made from two short models where the model is long): the plan's own whole simulation must agree,
+    field by field, FLOPs included."""
+    spec = tiny_spec("llama-7b" if layers else "tiny-llama", seq_len=64, precision="bf16", layers=layers)
+    n = spec.config.num_hidden_layers
+    spec = spec.replace(policy=Plan(memory="1GiB", allow_offload="true").with_mix({kind: n}))
+    one = spec.policy.one_kind(n)
+    assert one == UNIFORM[kind] and spec.policy.with_mix({kind: n - 1, "none": 1}).one_kind(n) is None
+    shared_path = simulate(spec, "cuda", flops=True)
+    assert sharing.kept(simulate_module._kept_as(spec.replace(policy=one), "cuda")) is not None
+    if layers:
+        assert blocks_to_scale(spec.replace(policy=one)) == n
+    _same(shared_path, simulate(spec, "cuda", flops=True, shortcut=False))
 
 
 def test_workers_give_the_same_estimates_and_errors_as_this_process(monkeypatch):

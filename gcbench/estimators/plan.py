@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators.estimates import Estimate
-from gcbench.policies import AttentionCore, Full, NoCheckpoint, Offload, Plan, SelectiveOps
+from gcbench.policies import Plan
+from gcbench.policies.plan import UNIFORM
 from gcbench.resolved import ResolvedRun
 
-UNIFORM = {"none": NoCheckpoint(), "attn": AttentionCore(), "sac": SelectiveOps(), "full": Full(),
-           "offload": Offload(what="inputs")}
 TIGHTEN_ROUNDS = 3
 
 

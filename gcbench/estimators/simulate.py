@@ -40,7 +40,7 @@ from gcbench.losses import CPU_TARGET
 from gcbench.measure import PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import build_model, find_blocks
 from gcbench.optimizers import optimizer_kind
-from gcbench.policies import Policy
+from gcbench.policies import Plan, Policy
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, batch_of, make_optimizer
@@ -64,8 +64,25 @@ def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = Fa
 def begin(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False) -> Future:
     """simulate(spec, target, flops), begun: the future of its Estimate (which may count FLOPs it was not asked
     for), run in a worker inside sharing.sharing_cores, else at once."""
-    spec = resolve(spec)
+    spec = _as_one_kind(resolve(spec))
     return shared(_kept_as(spec, target), flops, _simulate, spec, target, flops, True)
+
+
+def _as_one_kind(spec: ResolvedRun) -> ResolvedRun:
+    """An unsharded plan whose mix is one kind (Plan.one_kind) as that kind's policy: the same step, whose
+    simulation is the one the plan's choice ran for that kind, and, in a long model, made from two short ones
+    (layer_scaling.py), where a plan is simulated whole. tests/test_estimate_speed.py holds each kind to the plan's
+    own whole simulation."""
+    policy = spec.policy
+    one = policy.one_kind(spec.config.num_hidden_layers) if isinstance(policy, Plan) and spec.shard == "none" \
+        else None
+    return spec if one is None else spec.replace(policy=one)
+
+
+def blocks_simulated(spec: ResolvedRun) -> int:
+    """How many blocks simulate(spec) runs, which its time follows (tens of microseconds per op, whatever its
+    size): both short models' where it is made from them (layer_scaling.py), else the model's own."""
+    return sum(SHORT) if blocks_to_scale(spec) is not None else spec.model_config()[0].num_hidden_layers
 
 
 def simulate_each(specs: list[ResolvedRun], target: str = "cuda", flops: bool = False
@@ -80,7 +97,7 @@ def count_flops(spec: RunSpec | ResolvedRun, target: str = "cuda") -> int:
     """The FLOPs simulate(flops=True) counts for `spec` (one forward and backward, recompute included): a kept
     simulation's, else by that forward and backward alone (no warm-up, no tracking, no optimizer phase: a third of
     a simulation), where only the FLOPs are wanted (the step time of a size the analytic model found)."""
-    spec = resolve(spec)
+    spec = _as_one_kind(resolve(spec))
     key = _kept_as(spec, target)
     simulated = kept(key)
     if simulated is not None and simulated.exception() is None:

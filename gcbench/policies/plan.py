@@ -16,8 +16,9 @@ from torch import nn
 from gcbench.errors import GcbenchError
 from gcbench.policies.attn import AttentionCore
 from gcbench.policies.base import CheckpointedGroup, Policy, option, register
+from gcbench.policies.classic import Full, NoCheckpoint
 from gcbench.policies.offload import Offload, OffloadedBlock
-from gcbench.policies.sac import SelectiveCheckpointedBlock
+from gcbench.policies.sac import SelectiveCheckpointedBlock, SelectiveOps
 from gcbench.results.schema import PLAN_KINDS
 from gcbench.units import parse_bytes
 
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 # What a block may be, least recompute first (the order ties are broken in, and the order blocks are filled in:
 # the first blocks, whose activations live longest, get the most saving kinds).
 KINDS = PLAN_KINDS
+# Each kind as the policy that gives every block that kind: the choice costs a kind on it (estimators/plan.py), and a
+# mix of one kind runs its step (Plan.one_kind)
+UNIFORM = {"none": NoCheckpoint(), "attn": AttentionCore(), "sac": SelectiveOps(), "full": Full(),
+           "offload": Offload(what="inputs")}
 
 
 def canonical_size(text: str) -> str:
@@ -74,6 +79,14 @@ class Plan(Policy):
         """This plan with `counts` (kind -> blocks) chosen, the most saving kinds on the first blocks."""
         chosen = tuple(kind for kind in reversed(KINDS) for _ in range(counts.get(kind, 0)))
         return dataclasses.replace(self, chosen=chosen)
+
+    def one_kind(self, n_blocks: int) -> Policy | None:
+        """The policy (UNIFORM) whose step is this plan's, op for op, where the chosen mix gives each of the
+        `n_blocks` blocks one kind: `apply` wraps such a block as that policy does (CheckpointedGroup,
+        SelectiveCheckpointedBlock with "all", OffloadedBlock checkpointed, AttentionCore), and `prepare` pins
+        nothing where nothing is offloaded. None for a mix of kinds, or a mix chosen for another number of blocks."""
+        kinds = set(self.chosen)
+        return UNIFORM[kinds.pop()] if len(kinds) == 1 and len(self.chosen) == n_blocks else None
 
     @property
     def mix(self) -> dict[str, int]:
