@@ -340,14 +340,11 @@ def estimate(
     vary: Annotated[str, typer.Option(help="with --fit: batch | seq")] = "batch",
     headroom: Annotated[str, typer.Option(help="with --fit: part of the memory kept free, e.g. 5%",
                                           metavar="<percent>")] = "0%",
-    efficiency: Annotated[float, typer.Option(help="with --fit: the fraction of the GPU's dense bf16 peak a step "
-                                                   "reaches, recompute included (an assumption)")] = 0.4,
     levers: LeversOption = None,
 ) -> None:
     """Predict the peak memory of a training step without running it (no GPU needed): params, grads, optimizer
     state and activations per config, by formulas and by a fake-tensor simulation."""
-    from gcbench.estimators import estimate_grid
-    from gcbench.estimators.bands import band_fields
+    from gcbench.estimators import estimate_grid, estimate_rows
     from gcbench.grid import parse_options
     from gcbench.report.estimate_table import estimate_table
     from gcbench.units import parse_bytes
@@ -364,28 +361,27 @@ def estimate(
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
         if levers is not None:  # a plan across levers (fits/lever_command.py), with --fit only
             from gcbench.fits.lever_command import estimate_levers
-            return estimate_levers(grid, levers, memory, gpu, headroom, efficiency, device, console,
+            return estimate_levers(grid, levers, memory, gpu, headroom, device, console,
                                    PredictionBar(err_console, "predicting"), fit_)
         if fit_:
-            return _estimate_fit(grid, memory, gpu, vary, headroom, efficiency, device, output_format, methods)
+            return _estimate_fit(grid, memory, gpu, vary, headroom, device, output_format, methods)
         memory = memory_to_fit(gpu, memory)  # --gpu NAME: a fits column against what that card leaves usable
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
         with PredictionBar(err_console, "estimating") as bar:
             results = estimate_grid(axes, methods, device, bar, memory, layers=one.get("layers"), attn=one.get("attn"))
-    rows = [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
-            | band_fields(spec, e, device) for spec, e in results]
+    rows = estimate_rows(results, memory, gpu, device)
     _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)
 
 
 def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
-                  efficiency: float, device: str, output_format: str, methods: list[str]) -> None:
+                  device: str, output_format: str, methods: list[str]) -> None:
     """`gcbench estimate --fit`: per policy, the largest size predicted to fit a GPU, and its predicted step time."""
     from gcbench.fits.command import predicted_fits
     from gcbench.report.fit_tables import predicted_fit_table
 
     with PredictionBar(err_console, "predicting") as bar:
-        rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, efficiency, device,
+        rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, device,
                                                           bar, methods)
     _print_rows(rows, output_format, lambda: predicted_fit_table(rows, field_name, title, caption), piped_width=100)
 

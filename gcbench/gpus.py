@@ -21,6 +21,16 @@ Where each number comes from:
   (the URL beside each). The MFU of an amp-fp16 run uses it too: each of these datasheets gives the same dense
   FP16 rate as BF16 (e.g. H100 SXM 989 TFLOPS both, A100 312 both; GeForce RTX 4090: FP16 with FP32 accumulate
   165.2, as BF16).
+- What the step-time model reads (estimators/card_rates.py), from the same datasheets: `fp32_flops` (FP32 on the
+  CUDA cores, no tensor cores: what an fp32 matmul runs at under PyTorch's default "highest" float32 matmul
+  precision), `bandwidth` (memory, bytes/s), `sms` (streaming multiprocessors, from NVIDIA's architecture
+  whitepapers), `host_link` (PCIe per direction: Gen5 x16 64 GB/s, Gen4 32, Gen3 16; a datasheet's
+  "128 GB/s" is both directions; GH200's NVLink-C2C 450 GB/s each way) and `interconnect` (NVLink per direction:
+  half the datasheet's bidirectional figure; None where the board has none).
+- `mamf`: the most bf16 matmul FLOP/s PyTorch reached on the card by a brute-force search of shapes (Stas
+  Bekman, "Maximum Achievable Matmul FLOPS comparison table", ml-engineering/compute/accelerator/README.md: A100
+  SXM 271.2, GH200 828.6, H100 SXM 794.5 TFLOPS, "H200 is the same", B200 1745.0): a calibration run on the card
+  by others, where gcbench has none of its own. None where the table has no row.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from dataclasses import dataclass
 from gcbench.errors import GcbenchError
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
+NO_CARD = "name a GPU (--gpu NAME) to predict it on"  # why a CUDA prediction has no step time
 CUBLAS_THREADS = 2  # the forward's thread and autograd's device thread each get a cuBLAS handle and its workspace
 
 
@@ -52,6 +63,12 @@ class Gpu:
     capability: tuple[int, int] | None = None  # CUDA compute capability (sm90: (9, 0))
     cuda_bytes: int | None = None  # CUDA's total, where measured; else nvidia-smi's stands in
     context_bytes: int | None = None  # outside the allocator after a matmul forward and backward, where measured
+    fp32_flops: float | None = None  # FP32 on the CUDA cores (datasheet)
+    bandwidth: float | None = None  # memory bandwidth, bytes/s (datasheet)
+    sms: int | None = None
+    host_link: float | None = None  # bytes/s per direction
+    interconnect: float | None = None  # NVLink, bytes/s per direction
+    mamf: float | None = None  # measured maximum bf16 matmul FLOP/s (module docstring)
 
     @property
     def memory_bytes(self) -> int | None:
@@ -89,8 +106,10 @@ class Gpu:
 # Order matters for matching a device name: the more specific names first ("H100 PCIe" before "H100", "GH200"
 # before "H200").
 GPUS: list[Gpu] = [
+    # the 144 GB HBM3e board's 4.9 TB/s (the 96 GB HBM3 one has 4 TB/s)
     Gpu("gh200", "NVIDIA GH200", "GH200", None, 989e12,
-        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/", (9, 0)),
+        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/", (9, 0), fp32_flops=67e12,
+        bandwidth=4.9e12, sms=132, host_link=450e9, interconnect=450e9, mamf=828.6e12),
     # Measured on one (driver 580.159.04, torch 2.11.0+cu130, CUDA 13.0). CUDA's total: cuda-context.txt in
     # results/gpu/nvidia-h200/. The context: what a process held outside the allocator once it had run a bf16
     # matmul forward and backward, the fit's probe (instruments.free_after_context): CUDA's total less the
@@ -98,32 +117,47 @@ GPUS: list[Gpu] = [
     # thread, which runs the backward's matmuls, adds the other 154 MiB (its own cuBLAS handle, presumably).
     Gpu("h200-141gb", "NVIDIA H200", "H200", 143_771, 989e12,
         "https://www.nvidia.com/en-us/data-center/h200/", (9, 0), cuda_bytes=150_109_880_320,
-        context_bytes=150_109_880_320 - 149_324_693_504),
+        context_bytes=150_109_880_320 - 149_324_693_504, fp32_flops=67e12, bandwidth=4.8e12, sms=132,
+        host_link=64e9, interconnect=450e9, mamf=794.5e12),
     Gpu("h100-pcie-80gb", "NVIDIA H100 PCIe", "H100 PCIe", 81_559, 756e12,
-        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
+        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0), fp32_flops=51e12, bandwidth=2.0e12, sms=114,
+        host_link=64e9, interconnect=300e9),
     Gpu("h100-nvl", "NVIDIA H100 NVL", "H100 NVL", None, 835e12,
-        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
+        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0), fp32_flops=60e12, bandwidth=3.9e12, sms=132,
+        host_link=64e9, interconnect=300e9),
     Gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", "H100", 81_559, 989e12,
-        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0)),
-    Gpu("b200", "NVIDIA B200", "B200", None, 2250e12, "https://www.nvidia.com/en-us/data-center/dgx-b200/", (10, 0)),
+        "https://www.nvidia.com/en-us/data-center/h100/", (9, 0), fp32_flops=67e12, bandwidth=3.35e12, sms=132,
+        host_link=64e9, interconnect=450e9, mamf=794.5e12),
+    # HGX B200 (8 GPUs): FP32 600 TFLOPS, 64 TB/s, NVLink 1.8 TB/s per GPU: per GPU 75 TFLOPS, 8 TB/s
+    Gpu("b200", "NVIDIA B200", "B200", None, 2250e12, "https://www.nvidia.com/en-us/data-center/dgx-b200/", (10, 0),
+        fp32_flops=75e12, bandwidth=8e12, sms=148, host_link=64e9, interconnect=900e9, mamf=1745.0e12),
     Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB", 81_920, 312e12,
-        "https://www.nvidia.com/en-us/data-center/a100/", (8, 0)),
+        "https://www.nvidia.com/en-us/data-center/a100/", (8, 0), fp32_flops=19.5e12, bandwidth=2.039e12, sms=108,
+        host_link=32e9, interconnect=300e9, mamf=271.2e12),
     Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", "A100", 40_960, 312e12,
-        "https://www.nvidia.com/en-us/data-center/a100/", (8, 0)),
-    Gpu("a800", "NVIDIA A800", "A800", None, 312e12, "https://www.nvidia.com/en-us/data-center/a800/", (8, 0)),
-    Gpu("l40s-48gb", "NVIDIA L40S", "L40S", 46_068, 362e12, "https://www.nvidia.com/en-us/data-center/l40s/", (8, 9)),
-    Gpu("l40", "NVIDIA L40", "L40", None, 181e12, "https://www.nvidia.com/en-us/data-center/l40/", (8, 9)),
-    Gpu("l4-24gb", "NVIDIA L4", "L4", 23_034, 121e12, "https://www.nvidia.com/en-us/data-center/l4/", (8, 9)),
+        "https://www.nvidia.com/en-us/data-center/a100/", (8, 0), fp32_flops=19.5e12, bandwidth=1.555e12, sms=108,
+        host_link=32e9, interconnect=300e9, mamf=271.2e12),
+    # the 80 GB SXM board (NVLink 400 GB/s both ways)
+    Gpu("a800", "NVIDIA A800", "A800", None, 312e12, "https://www.nvidia.com/en-us/data-center/a800/", (8, 0),
+        fp32_flops=19.5e12, bandwidth=2.039e12, sms=108, host_link=32e9, interconnect=200e9),
+    Gpu("l40s-48gb", "NVIDIA L40S", "L40S", 46_068, 362e12, "https://www.nvidia.com/en-us/data-center/l40s/", (8, 9),
+        fp32_flops=91.6e12, bandwidth=864e9, sms=142, host_link=32e9),
+    Gpu("l40", "NVIDIA L40", "L40", None, 181e12, "https://www.nvidia.com/en-us/data-center/l40/", (8, 9),
+        fp32_flops=90.5e12, bandwidth=864e9, sms=142, host_link=32e9),
+    Gpu("l4-24gb", "NVIDIA L4", "L4", 23_034, 121e12, "https://www.nvidia.com/en-us/data-center/l4/", (8, 9),
+        fp32_flops=30.3e12, bandwidth=300e9, sms=58, host_link=32e9),
     Gpu("a10", "NVIDIA A10", "A10", None, 125e12, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/",
-        (8, 6)),
+        (8, 6), fp32_flops=31.2e12, bandwidth=600e9, sms=72, host_link=32e9),
     # Matched by name only (its cuBLAS workspaces and peak for a run on one, the published V100 rows), not offered
     # to --gpu: gcbench's SDPA kernel choice (estimators/shape.py) assumes flash attention for 16-bit runs, which
     # needs sm80 or newer. No bf16 tensor cores: the peak is the FP16 tensor rate (125 TFLOPS on the SXM2 board),
     # which an amp-fp16 run can reach.
     Gpu("v100", "Tesla V100-SXM2-16GB", "V100-SXM2", None, 125e12,
-        "https://www.nvidia.com/en-us/data-center/v100/", (7, 0)),
+        "https://www.nvidia.com/en-us/data-center/v100/", (7, 0), fp32_flops=15.7e12, bandwidth=900e9, sms=80,
+        host_link=16e9, interconnect=150e9),
     Gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", "RTX 4090", 24_564, 165.2e12,
-        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf", (8, 9)),
+        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf", (8, 9),
+        fp32_flops=82.6e12, bandwidth=1008e9, sms=128, host_link=32e9),
 ]
 
 

@@ -3,6 +3,7 @@ bytes, FLOPs with recompute, and the devices' peak FLOP/s. The CPU and CUDA inst
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from gcbench.host_work import in_backward, python_issuing
 from gcbench.results.schema import PHASES, peak_phase
 from gcbench.units import fmt_bytes, round_up
 
@@ -100,6 +102,26 @@ class FollowingResizes(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._unpatched_resize
         return super().__exit__(*exc)
+
+
+class Listening(TorchDispatchMode):
+    """A dispatch mode that also holds a context while entered (a listener for what no op shows: host moves,
+    policies' Python dispatch): `_listener()` gives a fresh one per entry (a context manager from
+    @contextmanager is good for one use)."""
+
+    def _listener(self):
+        return contextlib.nullcontext()
+
+    def __enter__(self):
+        self._listening = self._listener()
+        self._listening.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._listening.__exit__(*exc)
 
 
 class LiveTensorTracker(FollowingResizes):
@@ -302,10 +324,12 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     def run(*inner: Any, **named: Any) -> Any:
         counter = _RECOMPUTE[-1] if _RECOMPUTE else None
         if counter is None or not counter.in_backward:
-            return function(*inner, **named)
+            with python_issuing("forward") if in_backward() else contextlib.nullcontext():
+                return function(*inner, **named)
         counter.depth += 1
         try:
-            return function(*inner, **named)
+            with python_issuing("forward"):
+                return function(*inner, **named)
         finally:
             counter.depth -= 1
 

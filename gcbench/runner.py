@@ -152,8 +152,13 @@ def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse
     # Predicted before anything is allocated, so that an OOM record carries it too: what max_memory_allocated
     # (CUDA) or peak_tracked_bytes (CPU) should read. Made beforehand where GCBENCH_PREDICTIONS holds it; else the
     # analytic model (instant), and the simulation (about a second for a tiny model) only when asked (--predict).
+    card = _card(spec)
     record.update(stored_prediction(record, spec.device_kind)
-                  or predict_for_run(spec, methods=("simulate", "analytic") if spec.predict else ("analytic",)))
+                  or predict_for_run(spec, methods=("simulate", "analytic") if spec.predict else ("analytic",),
+                                     cards=(card.name,) if card else ()))
+    # the step time on this card (estimators/step_time.py), where the simulation ran and the card has rates
+    by_card = record.pop("predicted_step_ms_by_card", None) or {}
+    record["predicted_step_ms"] = by_card.get(card.name) if card else None
     if (missed := plan_missed(spec)) is not None:  # it would run a mix past the budget it was asked to keep
         if refuse_unfit:
             raise GcbenchError(missed)
@@ -279,6 +284,15 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _card(spec: ResolvedRun):
+    """The gpus.py entry of the CUDA device the run is on (its step time is predicted for it), or None."""
+    if spec.device_kind != "cuda":
+        return None
+    from gcbench.gpus import matching
+
+    return matching(torch.cuda.get_device_name(torch.device(spec.device)))
 
 
 def _saved_bytes(step: TrainingStep, recompute: RecomputeFlops | None = None) -> int:

@@ -59,9 +59,12 @@ class OptimizerInBackward:
         self._hooks = [p.register_post_accumulate_grad_hook(self._step) for p in params]
 
     def _step(self, param: nn.Parameter) -> None:
+        from gcbench.host_work import python_issuing
+
         optimizer = self.optimizers[param]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with python_issuing("optimizer"):  # Python issues these ops inside the backward (the step-time model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> None:
         pass  # every parameter was stepped in backward

@@ -69,3 +69,15 @@ class FakeClock:
     def spend(self, ms: float) -> float:
         self.now += ms / 1e3
         return ms
+
+
+def load_script(path) -> object:
+    """A script of the repository (benchmarks/...) imported as a module, by its path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem + "_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

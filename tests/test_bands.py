@@ -3,7 +3,6 @@ measured errors, that the written table covers every GPU record kept in the repo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from gcbench.fields import ATTENTION, HEADS
 from gcbench.losses import LOSSES
 from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("simulate", "analytic")
@@ -43,10 +43,7 @@ def test_the_written_table_is_consistent():
 
 
 def _reserved_accuracy():
-    spec = importlib.util.spec_from_file_location("reserved_accuracy", ROOT / "benchmarks" / "reserved_accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "reserved_accuracy.py")
 
 
 def test_every_gpu_record_kept_is_in_the_table():

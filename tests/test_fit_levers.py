@@ -120,18 +120,59 @@ def test_plan_ranks_fitting_candidates_by_predicted_tokens_per_s(monkeypatch):
     plan = make_plan({**TINY, "optimizer": ("adamw", "adafactor", "adamw8bit")}, "policy,optimizer,loss", budget,
                      "cuda", None)
     told = []
-    rows = predict_plan(plan, peak_flops=1000.0, efficiency=0.5, progress=lambda d, t, w: told.append((d, t)), top=1)
+    rows = predict_plan(plan, progress=lambda d, t, w: told.append((d, t)), top=1)
     # the progress bar's total is the plan's bound, known up front; it falls to the predictions made
     assert told[0][1] >= told[-1][1] and told[-1][0] == told[-1][1] and all(d <= t for d, t in told)
     best = [r for r in rows if r.fits]
     # none fits with adamw at batch 1 (30 <= 30): the fastest class, no memory lever needed
     assert (best[0].levers["policy"], best[0].levers["optimizer"], best[0].micro_batch) == ("none", "adamw", 1)
-    assert best[0].tokens_per_s == pytest.approx(1000.0 * 0.5 / 300)
-    assert [r.tokens_per_s for r in best] == sorted((r.tokens_per_s for r in best), reverse=True)
+    # no card named: no time model, ranked by FLOPs per token (the fewest first), no tokens/s claimed
+    assert best[0].flops_per_token == 300 and all(r.tokens_per_s is None for r in best)
+    assert [r.flops_per_token for r in best] == sorted(r.flops_per_token for r in best)
     # within a class, adding a lever to one that fits is never predicted: it would rank below
     skipped = [r for r in rows if r.reason == NOT_NEEDED]
     assert skipped and all(r.levers["optimizer"] != "adamw" or r.levers["loss"] != "ce" for r in skipped)
     assert ("none", "adafactor", "ce") not in predicted and ("none", "adamw", "chunked") not in predicted
+
+
+def test_on_a_card_the_plan_ranks_by_predicted_step_time_and_ties_what_it_cannot_tell_apart(monkeypatch):
+    """With a card, each fitting candidate is simulated at its size and timed (estimators/step_time.py): a policy
+    with more FLOPs can rank first when its larger micro-batch makes the step faster per token."""
+    import numpy as np
+
+    from gcbench.estimators import step_time as st
+    from gcbench.gpus import gpu
+
+    budget = 110
+    _fake(monkeypatch, budget)
+
+    class Timed:  # an estimate whose work takes `ms` on any card: one host-free kernel of that many bytes
+        def __init__(self, ms):
+            items = np.zeros(1, st.WORK)
+            items["kind"], items["launches"] = st.MEMORY, 1
+            rates = levers_rates()
+            items["bytes"] = ms / 1e3 * rates.bandwidth * rates.bandwidth_fraction
+            self.work = st.StepWork(items)
+
+    def levers_rates():
+        from gcbench.estimators.card_rates import rates_for
+        return rates_for(gpu("h100-80gb"))
+
+    times = {("none", 1): 10.0, ("full", 6): 20.0, ("sac", 2): 10.2}  # ms at each one's micro-batch
+    from gcbench.fits import ranking
+
+    monkeypatch.setattr(ranking, "estimate", lambda spec, method, target: Timed(
+        times.get((spec.policy.name, spec.batch_size), 1e3)))
+    plan = make_plan(TINY, "policy", budget, "cuda", None)
+    rows = [r for r in predict_plan(plan, gpu("h100-80gb")) if r.fits]
+    # full: 6 x 64 tokens in 20 ms (19.2k/s) beats none's 64 in 10 ms and sac's 128 in 10.2 ms, though it
+    # recomputes most
+    assert [r.levers["policy"] for r in rows] == ["full", "sac", "none"]
+    assert rows[0].tokens_per_s == pytest.approx(6 * 64 / 0.020, rel=1e-6) and rows[0].step_ms == pytest.approx(20)
+    times[("none", 1)] = 10.2 / 2 * 1.02  # 2% below sac per token, within TIED: tied, fewer changes first
+    plan = make_plan(TINY, "policy", budget, "cuda", None)
+    tied_rows = [r for r in predict_plan(plan, gpu("h100-80gb")) if r.fits]
+    assert levers.tied(tied_rows[1], tied_rows[2]) and [r.levers["policy"] for r in tied_rows][1:] == ["none", "sac"]
 
 
 def test_memory_levers_are_tried_where_the_class_does_not_fit_without_them(monkeypatch):
@@ -139,7 +180,7 @@ def test_memory_levers_are_tried_where_the_class_does_not_fit_without_them(monke
     _fake(monkeypatch, budget)
     plan = make_plan({**TINY, "optimizer": ("adamw", "adafactor", "adamw8bit")}, "policy,optimizer,loss", budget,
                      "cuda", None)
-    best = [r for r in predict_plan(plan, None, 0.4, top=1) if r.fits]
+    best = [r for r in predict_plan(plan, top=1) if r.fits]
     top = best[0]
     # none needs a memory lever: adafactor (55 // 30 = 1) and adamw8bit (35 // 30 = 1) tie in speed, changes and
     # micro-batch; the smaller peak wins: adafactor's 40 + 30 against adamw8bit's 60 + 30
@@ -153,7 +194,7 @@ def test_a_global_batch_is_the_largest_dividing_micro_batch_times_accumulation(m
     budget = 110  # none: (110 - 80) // 30 = 1; sac: 30 // 12 = 2; full: 30 // 5 = 6
     _fake(monkeypatch, budget)
     plan = make_plan(TINY, "policy,grad_accum", budget, "cuda", 16)
-    rows = {r.levers["policy"]: r for r in predict_plan(plan, None, 0.4)}
+    rows = {r.levers["policy"]: r for r in predict_plan(plan)}
     assert [(rows[p].micro_batch, rows[p].accum) for p in ("none", "sac", "full")] == [(1, 16), (2, 8), (4, 4)]
 
 
@@ -226,7 +267,7 @@ def test_tables_fit_80_columns_piped():
         if i % 3 == 0:
             row.reason = "not predicted: " + "a long reason " * 8
         rows.append(row)
-    tables = lever_tables(plan, ranked(rows), ["budget 12.00 MiB (--memory 12MiB)"], "cpu", 0.4)
+    tables = lever_tables(plan, ranked(rows), ["budget 12.00 MiB (--memory 12MiB)"], None)
     assert len(tables) == 2
     for table in tables:
         console = Console(width=80, record=True)
@@ -283,7 +324,8 @@ def test_a_prediction_only_ranks_what_is_not_installed(tmp_path, monkeypatch):
                                  str(tmp_path / "f.jsonl")])
     assert result.exit_code == 0, result.output
     text = _one_line(result.stdout)
-    assert " 2 adamw8bit 9 x 1" in text and "needs bitsandbytes" not in text
+    # the same FLOPs per token (no card: no time model): not told apart from the row above
+    assert " =1 adamw8bit 9 x 1" in text and "needs bitsandbytes" not in text
     assert "not verified: no GPU here" in text
 
 
@@ -321,14 +363,14 @@ def test_a_group_with_nothing_ranked_is_one_line(monkeypatch):
     plan = make_plan(TINY, "policy,adapter", 12 * 2**20, "cpu", None)
     lever_command.leave_out_unrunnable(plan)
     assert {r.group for r in plan.rows} == {FULL} and len(plan.unrunnable) == 3  # lora under each policy
-    shown = lever_tables(plan, ranked(_predicted(plan.rows)), ["budget 12.00 MiB"], "cpu", 0.4)
+    shown = lever_tables(plan, ranked(_predicted(plan.rows)), ["budget 12.00 MiB"], None)
     assert len(shown) == 2
     assert _render(shown[1]).strip() == "adapters: not searched: --adapter lora needs peft (pip install " \
                                         "'gcbench[peft]')"
     # predicted, none fits: one line with the reasons, no empty table
     for row in plan.rows:
         row.reason = "batch 1 does not fit" if row.levers["policy"] == "none" else "model state 13.00 MiB > budget"
-    text = _render(lever_tables(plan, ranked(plan.rows), ["budget 12.00 MiB"], "cpu", 0.4)[0])
+    text = _render(lever_tables(plan, ranked(plan.rows), ["budget 12.00 MiB"], None)[0])
     assert _one_line(text) == ("full fine-tune: none of 3 candidates ranked: batch 1 does not fit (1); model "
                                "state 13.00 MiB > budget (2)")
 
@@ -338,7 +380,7 @@ def test_the_caption_is_short_and_says_its_reasons():
     rows = _predicted(plan.rows)
     for i, row in enumerate(rows[:5]):  # five reasons, one candidate each: four shown, one more on a line
         row.reason = f"not predicted: reason number {i} " + "and a long tail of words " * 5
-    text = _render(lever_tables(plan, ranked(rows), ["budget 12.00 MiB"], "cpu", 0.4)[0])
+    text = _render(lever_tables(plan, ranked(rows), ["budget 12.00 MiB"], None)[0])
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines)
     assert "not ranked: 1 more candidate, 1 other reason: not predicted: reason number…" in text

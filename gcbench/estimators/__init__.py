@@ -25,7 +25,8 @@ from gcbench.estimators.estimates import Estimate, Progress, Unavailable
 from gcbench.resolved import ResolvedRun, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
 
-__all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "predict_for_run",
+__all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "estimate_rows",
+           "predict_for_run",
            "resolve_plan", "step_flops"]
 
 
@@ -138,6 +139,17 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
 Cells = list[tuple[ResolvedRun, Estimate | Unavailable]]
 
 
+def estimate_rows(cells: Cells, memory: int | None, gpu_name: str | None, target: str) -> list[dict[str, Any]]:
+    """`gcbench estimate`'s rows (--format json prints them): each cell's record, whether it fits `memory`, its
+    measured error band (bands.py) and its step time on the card `gpu_name` names (step_time.py)."""
+    from gcbench.estimators.bands import band_fields
+    from gcbench.estimators.step_time import grid_time_fields
+
+    return [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
+            | band_fields(spec, e, target) | times
+            for (spec, e), times in zip(cells, grid_time_fields(cells, gpu_name, target))]
+
+
 def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], Any] | None = None) -> Cells:
     """The cells with PyTorch's caching allocator replayed on a card that leaves it `capacity` bytes
     (simulate.replay_allocator), once per config that a cell simulated: its `reserved_bytes`
@@ -205,7 +217,8 @@ def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str
 
 
 def predict_for_run(spec: ResolvedRun, target: str | None = None,
-                    methods: tuple[str, ...] = ("simulate", "analytic")) -> dict[str, Any]:
+                    methods: tuple[str, ...] = ("simulate", "analytic"), cards: tuple[str, ...] = ()
+                    ) -> dict[str, Any]:
     """The predictions a run's record carries, made before anything is allocated (an OOM record has them too):
     `predicted_peak_bytes` by the best method that can predict this policy (`prediction_method`; the simulation,
     exact on CPU, first; None when neither can), and each method's own prediction
@@ -213,9 +226,15 @@ def predict_for_run(spec: ResolvedRun, target: str | None = None,
     sweep shows both methods' errors. The analytic model is instant; the simulation takes about a second for tiny
     models and seconds for 7B ones. `target`: what to predict for, if not the run's own device (a GPU run's
     prediction made beforehand on a CPU machine). `methods`: those to run, the preferred first; the others' fields
-    are None (a run predicts by the simulation only when asked: RunSpec.predict)."""
+    are None (a run predicts by the simulation only when asked: RunSpec.predict). `cards` (gpus.py names): the
+    simulated step's time on each (step_time.py), `predicted_step_ms_by_card`, None for a card without rates; the
+    runner keeps its own card's as `predicted_step_ms`."""
+    from gcbench.estimators.step_time import time_fields
+    from gcbench.gpus import gpu
+
     target = target or spec.device_kind
     out: dict[str, Any] = {"predicted_peak_bytes": None, "prediction_method": None, "predicted_peak_phase": None}
+    work = None
     for method in ("simulate", "analytic"):  # the preferred one first
         if method not in methods:
             out[f"predicted_peak_bytes_{method}"] = None
@@ -225,7 +244,12 @@ def predict_for_run(spec: ResolvedRun, target: str | None = None,
         except GcbenchError:
             found = None
         out[f"predicted_peak_bytes_{method}"] = found.peak_bytes if found else None
+        work = work or (found.work if found else None)
         if out["predicted_peak_bytes"] is None and found is not None:
             out.update(predicted_peak_bytes=found.peak_bytes, prediction_method=method,
                        predicted_peak_phase=found.peak_phase)
+    if cards:
+        tokens = spec.batch_size * spec.seq_len * spec.grad_accum
+        out["predicted_step_ms_by_card"] = {card: time_fields(work, tokens, gpu(card))["predicted_step_ms"]
+                                            for card in cards}
     return out

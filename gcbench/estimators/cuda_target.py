@@ -12,33 +12,23 @@ import torch
 
 from gcbench.adapters import gemm_4bit_workspace_bytes
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, cuda_kernel
-from gcbench.measure import LiveTensorTracker, listening_to_host_moves
+from gcbench.measure import Listening, LiveTensorTracker, listening_to_host_moves
 from gcbench.units import round_up
 
 
-class AllocatorModel(LiveTensorTracker):
+class AllocatorModel(LiveTensorTracker, Listening):
     """The live-tensor tracker, counting as the target device would: on CUDA, 512-byte blocks plus the workspace
     a kernel allocates internally (invisible to a dispatch mode, but part of max_memory_allocated)."""
 
     def __init__(self, cuda: bool):
         super().__init__(granularity_bytes=CUDA_BLOCK_BYTES if cuda else 1)
         self.cuda = cuda
-        self._listening = contextlib.nullcontext()
         self.also: Callable[[torch.Tensor, bool], None] | None = None  # told of each host move too (a replay)
         # given a list: (op, its high-water mark) appended for each op that allocates (layer_scaling.py)
         self.highs: list[tuple[str, int]] | None = None
 
-    def __enter__(self):
-        # a fresh listener per entry (a context manager from @contextmanager is good for one use)
-        self._listening = listening_to_host_moves(self._host_move) if self.cuda else contextlib.nullcontext()
-        self._listening.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._listening.__exit__(*exc)
+    def _listener(self):
+        return listening_to_host_moves(self._host_move) if self.cuda else contextlib.nullcontext()
 
     def outside(self, tensors: list[torch.Tensor]) -> None:
         """Storages that live outside the allocator (bitsandbytes' paged state, CUDA managed memory): known, so that

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from gcbench.fields import ESTIMATE_FIELDS, POLICY_OPTIONS
 from gcbench.resolved import ResolvedRun
+
+if TYPE_CHECKING:
+    from gcbench.estimators.step_time import StepWork
 
 # The spec fields an estimate row carries, stored as in every record: those `gcbench estimate` takes (fields.py),
 # `policy` the name and `policy_options` its options. The rest of a spec (device, steps, seed) does not change a
@@ -52,6 +55,9 @@ class Estimate:
     # cudaMalloc runs out on that card even after the cached segments go back. None: not replayed.
     reserved_bytes: int | None = None
     runs_out: bool | None = None
+    # What the step makes a CUDA card do, op by op (step_time.StepWork): its time on a card is work.time(rates).
+    # None: not simulated for a CUDA target (the analytic formulas, a CPU target, the per-rank model).
+    work: StepWork | None = field(default=None, repr=False, compare=False)
 
     def fits(self, memory_bytes: int) -> bool | None:
         """Whether the step fits in `memory_bytes`: the replayed allocator's answer where it ran on that memory,
@@ -69,8 +75,8 @@ class Estimate:
 
         Show the policy with results.schema.policy_label(row), as for any record."""
         fields = spec.as_record()
-        return _paged_only({**{name: fields[name] for name in ROW_SPEC_FIELDS}, **dataclasses.asdict(self),
-                            "not_available": None})
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "work"}
+        return _paged_only({**{name: fields[name] for name in ROW_SPEC_FIELDS}, **own, "not_available": None})
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class Unavailable:
     def as_record(self, spec: ResolvedRun) -> dict[str, Any]:
         fields = spec.as_record()
         # every key an Estimate row has, None where there is no prediction, so that JSON rows share one shape
-        empty = {f.name: None for f in dataclasses.fields(Estimate)}
+        empty = {f.name: None for f in dataclasses.fields(Estimate) if f.name != "work"}
         return _paged_only({**{name: fields[name] for name in ROW_SPEC_FIELDS}, **empty, "method": self.method,
                             "target": self.target, "not_available": self.reason})
 

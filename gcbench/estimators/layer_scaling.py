@@ -39,6 +39,7 @@ import torch
 from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
 from gcbench.errors import GcbenchError
 from gcbench.estimators.estimates import Estimate
+from gcbench.estimators.step_time import StepWork
 from gcbench.models import build_model, find_blocks
 from gcbench.resolved import ResolvedRun
 from gcbench.results.schema import peak_phase
@@ -167,7 +168,8 @@ def scaled(n: int, short: list[tuple[Estimate, StepTrace]]) -> Estimate | None:
         e4, peak_bytes=peak, param_bytes=parts[0], grad_bytes=parts[1], optimizer_bytes=parts[2],
         activation_bytes=peak - sum(parts), peak_phase=peak_phase(peaks), forward_peak_bytes=peaks["forward"],
         backward_peak_bytes=peaks["backward"], optimizer_peak_bytes=peaks["optimizer"], n_params=line("n_params"),
-        flops=line("flops"), optimizer_paged_bytes=line("optimizer_paged_bytes"), seconds=e3.seconds + e4.seconds)
+        flops=line("flops"), optimizer_paged_bytes=line("optimizer_paged_bytes"), seconds=e3.seconds + e4.seconds,
+        work=StepWork(scaled_from=(e3.work, e4.work), blocks=n, short=SHORT) if e3.work and e4.work else None)
 
 
 def scaled_flops(n: int, short: list[int]) -> int:

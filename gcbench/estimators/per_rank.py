@@ -84,7 +84,7 @@ def computed_in_bf16(unsharded: Estimate, computed: Estimate) -> Estimate:
     return dataclasses.replace(
         unsharded, forward_peak_bytes=computed.forward_peak_bytes - computed_state + state,
         backward_peak_bytes=computed.backward_peak_bytes - computed_state + state,
-        attention_kernel=computed.attention_kernel)
+        attention_kernel=computed.attention_kernel, work=None)
 
 
 def shard_estimate(unsharded: Estimate, spec) -> Estimate:
@@ -112,7 +112,7 @@ def shard_estimate(unsharded: Estimate, spec) -> Estimate:
         backward_peak_bytes=backward, optimizer_peak_bytes=optimizer,
         param_bytes=math.ceil(unsharded.param_bytes / world), grad_bytes=math.ceil(unsharded.grad_bytes / world),
         optimizer_bytes=math.ceil(unsharded.optimizer_bytes / world),
-        activation_bytes=phases[phase] - static_rank)
+        activation_bytes=phases[phase] - static_rank, work=None)  # no collectives: the time is not predicted
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from gcbench.estimators.layer_scaling import SHORT, StepTrace, blocks_to_scale, 
 from gcbench.estimators.scaled import scaler_finds_no_inf
 from gcbench.estimators.shape import attention_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
+from gcbench.estimators.step_clock import StepClock
 from gcbench.losses import CPU_TARGET
 from gcbench.measure import PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import build_model, find_blocks
@@ -164,8 +165,11 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
             contextlib.nullcontext()
         if allocator is not None:  # what the run has allocated before its first step: the model, then the batch
             replay.track([*step.model.parameters(), *step.model.buffers(), ids, *step.scaler_state()])
-        if allocator is not None:
-            tracker.also = replay.host_move  # the tracked step's host moves (the tracker listens then)
+        clock = StepClock() if cuda else None  # the step's work for the time model (step_time.py)
+        moves = [f for f in (replay.host_move if allocator is not None else None,
+                             clock.host_move if clock is not None else None) if f is not None]
+        if moves:  # the tracked step's host moves (the tracker listens then)
+            tracker.also = moves[0] if len(moves) == 1 else lambda t, back: [f(t, back) for f in moves]
         if check is None:
             with replay, listening_to_host_moves(replay.host_move) if allocator is not None else \
                     contextlib.nullcontext():
@@ -175,6 +179,10 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         state = [t for t in state if all(t is not q for q in paged)]
         tracker.outside(paged)
         tracker.track(step.params() + step.grads() + state + step.scaler_state() + [ids])
+        if clock is not None:  # what a CUDA run keeps on the host: AdamW's step counts, unless fused
+            on_device = {id(t.untyped_storage()) for t in state + paged}
+            clock.host_resident = {id(t.untyped_storage()) for t in step.optimizer_state()} - on_device
+            mark = clock.marking(mark)
         if allocator is not None and check is not None:  # primed: the state as the warm-up leaves it, at once
             replay.track(step.grads() + state)
         if allocator is not None:  # what the target keeps off the device (AdamW's step counts, paged state)
@@ -182,7 +190,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
             replay.forget([t for t in step.optimizer_state() if id(t.untyped_storage()) not in on_device])
             allocator.reset_peaks()  # as the run reads its peaks over the measured steps
         tally = FlopTally() if flops and shortcut else None
-        with replay, tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext():
+        with replay, tracker, check or contextlib.nullcontext(), tally or contextlib.nullcontext(), \
+                clock or contextlib.nullcontext():
             step(tally.marking(mark) if tally else mark)
         unproven = check is not None and not check.proven
         counted = tally.total if tally is not None and tally.exact else None
@@ -205,7 +214,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
         optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=n_params,
         attention_kernel="+".join(sorted(ran)) or attention_kernel(spec, config, target), flops=counted,
-        seconds=time.perf_counter() - start, optimizer_paged_bytes=paged_bytes)
+        seconds=time.perf_counter() - start, optimizer_paged_bytes=paged_bytes,
+        work=clock.work() if clock is not None else None)
 
 
 def _count_flops(spec: ResolvedRun, target: str) -> int:

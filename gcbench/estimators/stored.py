@@ -23,11 +23,11 @@ PREDICTIONS_ENV = "GCBENCH_PREDICTIONS"
 # What a prediction does not depend on: where and how long the config runs.
 NOT_PREDICTED_BY = tuple(f.name for f in RUN_FIELDS if f.role in (Role.DEVICE, Role.LENGTH))
 PREDICTION_FIELDS = ("predicted_peak_bytes", "prediction_method", "predicted_peak_phase",
-                     "predicted_peak_bytes_simulate", "predicted_peak_bytes_analytic")
+                     "predicted_peak_bytes_simulate", "predicted_peak_bytes_analytic", "predicted_step_ms_by_card")
 # The code a prediction follows from: the predictors and what they run (models, policies, the step, its losses and
-# adapters, optimizers).
+# adapters, optimizers, the trackers and what the host tells the time model), and the cards' figures (budgets, rates).
 _SOURCES = ("estimators", "policies", "models.py", "step.py", "losses.py", "liger_model.py", "adapters.py",
-            "optimizers.py", "presets.py", "fsdp.py")
+            "optimizers.py", "presets.py", "fsdp.py", "measure.py", "host_work.py", "gpus.py")
 
 
 def prediction_key(record: Mapping[str, Any], target: str) -> str:
@@ -53,7 +53,7 @@ def code_digest() -> str:
 def stored_row(record: Mapping[str, Any], target: str, predictions: Mapping[str, Any]) -> dict[str, Any]:
     """One line of the predictions file: the config's key, the code digest, its prediction fields."""
     return {"key": prediction_key(record, target), "digest": code_digest(),
-            **{k: predictions.get(k) for k in PREDICTION_FIELDS}}
+            **{k: predictions[k] for k in PREDICTION_FIELDS if k in predictions}}
 
 
 @functools.cache
@@ -69,7 +69,7 @@ def _table(path: str) -> dict[str, dict[str, Any]]:
         except ValueError:
             continue
         if isinstance(row, dict) and row.get("digest") == code_digest() and isinstance(row.get("key"), str):
-            table[row["key"]] = {k: row.get(k) for k in PREDICTION_FIELDS}
+            table[row["key"]] = {k: row[k] for k in PREDICTION_FIELDS if k in row}
     return table
 
 

@@ -13,10 +13,10 @@ from gcbench.errors import GcbenchError
 from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_LO, VARY, Fit, FitSpec, \
     canonical_policy
 from gcbench.estimators.estimates import Progress
-from gcbench.fits.predict import predict_each
+from gcbench.fits.predict import predict_each, spec_at
 from gcbench.gpus import gpu
 from gcbench.grid import RUN_OPTIONS, one_value_each
-from gcbench.fields import run_field
+from gcbench.fields import default_precision, run_field
 from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
 from gcbench.text import markup
@@ -101,8 +101,7 @@ def fit_method(methods: list[str]) -> str | None:
 
 
 def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
-                   efficiency: float, device: str, progress: Progress | None = None,
-                   methods: list[str] | None = None
+                   device: str, progress: Progress | None = None, methods: list[str] | None = None
                    ) -> tuple[list[dict[str, Any]], str, str, list[str]]:
     """(rows, the varied field, title, caption) of `gcbench estimate --fit`: per policy the largest size predicted
     to fit, its peak, the next size's peak, and with a named GPU the predicted step time and tokens/s. `progress`:
@@ -113,8 +112,6 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     method = fit_method(methods or ["analytic", "simulate"])
     if (memory is None) == (gpu_name is None):
         raise GcbenchError("--fit needs the memory to fit: --gpu NAME or --gpu-memory SIZE (one of them)")
-    if not 0 < efficiency <= 1:
-        raise GcbenchError(f"--efficiency must be above 0 and at most 1, got {efficiency:g}")
     card = gpu(gpu_name) if gpu_name is not None else None
     usable = card.usable_bytes if card is not None else memory
     cap = math.floor(usable * (1 - parse_fraction(headroom, "--headroom")))
@@ -131,8 +128,8 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     for policy, found in zip(policies, predict_each(fixed, policies, field_name, lo, hi, cap, device, progress,
                                                     method, replay=device == "cuda" and method == "simulate")):
         spec_fields = {**fields, field_name: found.value} if found.value else fields
-        step_s = found.step_seconds(card.peak_flops if card else None, efficiency)
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
+        step_s, basis = _step_time(fixed, policy, field_name, found, device, card)
         rows.append({"policy": policy, "value": found.value, "peak": found.estimate.peak_bytes
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
@@ -140,12 +137,13 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      # the allocator replayed (--method simulate): its reserved peak, and the allocated peak's answer
                      **({"reserved": found.reserved, "allocated_only": found.allocated_only}
                         if found.allocated_only is not None else {}),
-                     "gpu": card.name if card else None, "efficiency": efficiency if card else None})
+                     "gpu": card.name if card else None, "time_basis": basis})
     where = card.budget_words() if card else f"--gpu-memory {fmt_bytes(memory)}"
     caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
-               "PREDICTED, nothing ran: peaks by the method in `by`; step s = FLOPs with recompute / (dense bf16 "
-               f"peak x {efficiency:g})" if card else "PREDICTED, nothing ran: peaks by the method in `by`; step "
-               "time needs --gpu (its peak FLOP/s)"]
+               "PREDICTED, nothing ran: peaks by the method in `by`; step s = the size found simulated and its step "
+               "played on the card (docs/methodology.md, \"Predicting step time\")" if card else
+               "PREDICTED, nothing ran: peaks by the method in `by`; step time needs --gpu (its rates)"]
+    caption += [f"time rates: {basis}" for basis in dict.fromkeys(r["time_basis"] for r in rows if r["time_basis"])]
     if device == "cuda" and method != "simulate":
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
                        "replays it on the card, size by size (seconds to minutes per policy)")
@@ -156,3 +154,26 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     title = f"{fields['model']} · largest {vary} predicted to fit · " + (
         f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
     return rows, field_name, markup(title), [markup(line) for line in caption]
+
+
+def _step_time(fixed: dict[str, Any], policy: str, field_name: str, found: Any, device: str,
+               card: Any) -> tuple[float | None, str | None]:
+    """(seconds, the rates' basis) of the size found on `card`, by the time model (estimators/step_time.py): its
+    simulation (the search's, where it simulated that size); (None, None) without a card, a size, or a CUDA
+    target."""
+    from gcbench.estimators import estimate
+    from gcbench.estimators.card_rates import rates_for
+
+    rates = rates_for(card)
+    if card is None or found.value is None or device != "cuda" or isinstance(rates, str):
+        return None, None
+    fields = {**fixed, "device": "cpu", "memory_cap_bytes": None,
+              "precision": fixed.get("precision") or default_precision(device)}
+    try:
+        work = estimate(spec_at(fields, policy, field_name, found.value), "simulate", device).work
+    except GcbenchError:
+        return None, None
+    if work is None:
+        return None, None
+    step = work.time(rates)
+    return step.step_ms / 1e3, step.basis

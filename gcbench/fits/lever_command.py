@@ -15,7 +15,7 @@ from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, DeviceKind
 from gcbench.fits.command import parse_fraction
 from gcbench.fits.levers import LEVERS, LeverPlan, Row, candidate_fields, candidates, lever_space, predict_plan
-from gcbench.fits.predict import DEFAULT_EFFICIENCY, spec_at
+from gcbench.fits.predict import spec_at
 from gcbench.gpus import gpu
 from gcbench.grid import one_value_each
 from gcbench.results.schema import Status
@@ -82,12 +82,12 @@ def fit_levers(spec_values: dict[str, Any], levers: str, memory: str | None, hea
     plan = make_plan({**values, "device": ("cpu",)}, levers, budget, target, batch[0] if batch else None)
     if target == DeviceKind.CPU or here:  # the plan's winner runs here: only what this machine can run is ranked
         leave_out_unrunnable(plan)
-    peak = _gpu_peak() if here else None
+    card = _card_here() if here else None
     with bar:
-        ranked = predict_plan(plan, peak, DEFAULT_EFFICIENCY, bar)
+        ranked = predict_plan(plan, card, bar)
     caption = [f"budget {fmt_bytes(budget)} (--memory {memory}{', less ' + headroom if headroom != '0%' else ''})"
                if memory else f"budget {fmt_bytes(budget)}: the free memory of {device}"]
-    _print(plan, ranked, console, caption, None if peak else target)
+    _print(plan, ranked, console, caption, card)
     winner = next((r for r in ranked if r.fits), None)
     if winner is None:
         return
@@ -124,15 +124,13 @@ def leave_out_unrunnable(plan: LeverPlan) -> None:
 
 
 def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu_name: str | None, headroom: str,
-                    efficiency: float, target: str, console: Console, bar: Any, fit: bool = True) -> None:
+                    target: str, console: Console, bar: Any, fit: bool = True) -> None:
     """`gcbench estimate --fit --levers`: the plan for a GPU by name (or --gpu-memory), nothing run. `bar`: as
     fit_levers'. `fit`: whether --fit was given (--levers plans a fit: without it, one line and nothing else)."""
     if not fit:
         raise GcbenchError("--levers goes with --fit: a plan of the fastest configuration that fits")
     if (memory is None) == (gpu_name is None):
         raise GcbenchError("--levers needs the memory to fit: --gpu NAME or --gpu-memory SIZE (one of them)")
-    if not 0 < efficiency <= 1:
-        raise GcbenchError(f"--efficiency must be above 0 and at most 1, got {efficiency:g}")
     if target not in ("cuda", "cpu"):
         raise GcbenchError(f"unknown --device {target!r} to predict for (cuda, cpu)")
     card = gpu(gpu_name) if gpu_name is not None else None
@@ -141,19 +139,20 @@ def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu
     batch = grid.pop("batch_size", (1,))
     plan = make_plan(grid, levers, budget, target, batch[0] if len(batch) == 1 and batch[0] > 1 else None)
     with bar:
-        ranked = predict_plan(plan, card.peak_flops if card else None, efficiency, bar)
+        ranked = predict_plan(plan, card, bar)
     where = card.budget_words() if card else "--gpu-memory"
     _print(plan, ranked, console, [f"budget {fmt_bytes(budget)}: {where}" + (f", less {headroom}"
-                                                                              if headroom != "0%" else "")],
-           None if card else target, efficiency)
+                                                                              if headroom != "0%" else "")], card)
 
 
-def _print(plan: LeverPlan, ranked: list[Row], console: Console, caption: list[str], no_peak: str | None,
-           efficiency: float = DEFAULT_EFFICIENCY) -> None:
+def _print(plan: LeverPlan, ranked: list[Row], console: Console, caption: list[str], card: Any = None) -> None:
+    from gcbench.estimators.card_rates import rates_for
     from gcbench.fits.lever_table import lever_tables
 
+    rates = rates_for(card)
+    timed_on = rates.basis if any(r.tokens_per_s for r in ranked) and not isinstance(rates, str) else None
     out = console if console.is_terminal else Console(width=80)
-    for table in lever_tables(plan, ranked, caption, no_peak, efficiency):
+    for table in lever_tables(plan, ranked, caption, timed_on):
         out.print(table)
 
 
@@ -178,12 +177,13 @@ def _free_memory(device: str) -> int:
     return free
 
 
-def _gpu_peak() -> float | None:
+def _card_here():
+    """The gpus.py entry of this machine's GPU (its step times are predicted on it), or None."""
     import torch
 
-    from gcbench.gpus import peak_flops
+    from gcbench.gpus import matching
 
-    return peak_flops(torch.cuda.get_device_name())
+    return matching(torch.cuda.get_device_name())
 
 
 def verify(plan: LeverPlan, row: Row, device: str, out: Path, timeout: float, isolation: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gcbench.fits.levers import ADAPTERS, DEFAULT_TOP, FULL, LeverPlan, Row
+from gcbench.fits.levers import ADAPTERS, DEFAULT_TOP, FULL, TIED, LeverPlan, Row, tier_heads
 from gcbench.results.schema import Status, peak_bytes
 from gcbench.text import markup, plain
 from gcbench.units import fmt_bytes, plural
@@ -25,11 +25,12 @@ WIDTH = 80  # a caption line is shortened to this (piped output is 80 columns)
 _NOT_INSTALLED = re.compile(r", which (?:is|are) not installed: (pip install \S+)")
 
 
-def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], no_peak: str | None,
-                 efficiency: float, top: int = DEFAULT_TOP) -> list[RenderableType]:
+def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], timed_on: str | None,
+                 top: int = DEFAULT_TOP) -> list[RenderableType]:
     """Per group with a candidate (or one left out as not runnable here: plan.unrunnable): its table and caption, or
-    one line when none of its candidates is ranked. `no_peak`: the target whose peak FLOP/s is unknown (the speed is
-    then relative to the group's best: the same ranking)."""
+    one line when none of its candidates is ranked. `timed_on`: where the time model's rates for the card come from
+    (step_time's basis); None: no time model for the target (the speed is then FLOPs per token, relative to the
+    group's best)."""
     fields = plan.fields
     shown: list[RenderableType] = []
     for group in (FULL, ADAPTERS):
@@ -46,22 +47,25 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], no_
                 head = f"none of {plural(len(rows), 'candidate')} ranked" if rows else "not searched"
                 shown.append(Text(plain(f"{name}: {head}: " + "; ".join(why + [text for text, _ in missing]))))
             continue
-        speed = "x best" if no_peak else "tokens/s"
+        speed = "tokens/s" if timed_on else "x best"
         table = Table(title=markup(f"{fields['model']} · seq {fields['seq_len']} · plan across levers · {group}"),
                       box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for col in ("#", "levers", "batch", "peak", speed, "by"):
             table.add_column(col, justify="left" if col == "levers" else "right", no_wrap=col != "levers",
                              overflow="fold")
-        best = fitting[0].flops_per_token
-        for i, r in enumerate(fitting[:top], 1):
+        best = min((r.flops_per_token for r in fitting if r.flops_per_token), default=None)
+        heads = tier_heads(fitting)
+        for i, (r, head) in enumerate(zip(fitting[:top], heads), 1):
             value = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else \
                 f"{best / r.flops_per_token:.3f}" if best and r.flops_per_token else "-"
-            table.add_row(str(i), markup(r.words()), f"{r.micro_batch} x {r.accum}", fmt_bytes(r.peak), value,
-                          r.method)
+            table.add_row(str(i) if head == i else f"={head}", markup(r.words()), f"{r.micro_batch} x {r.accum}",
+                          fmt_bytes(r.peak), value, r.method)
         lines = [*caption, f"PREDICTED, nothing ran; {len(fitting)} of {len(rows)} fit; batch {fitting[0].micro_batch} "
                  f"x {fitting[0].accum} = micro-batch x accumulation",
-                 f"tokens/s = peak FLOP/s x {efficiency:g} / FLOPs per token (recompute included)" if not no_peak
-                 else f"x best = the best's FLOPs per token / the row's (no peak FLOP/s for {no_peak})"]
+                 "tokens/s = micro-batch x accumulation x seq / the step time predicted on the card "
+                 f"(docs/methodology.md, \"Predicting step time\"); =N: not told apart from row N (each within "
+                 f"{TIED:.0%} of the row above); rates: {timed_on}" if timed_on
+                 else "x best = the fewest FLOPs per token / the row's (no time model: no GPU named)"]
         lines += _reasons(rows)
         lines += [f"not ranked: {text}" for text, _ in missing]  # whole: the line says what to install
         if plan.refused and group == FULL:

@@ -7,16 +7,19 @@ optimizer and its step are not searched (their state is that small); the CUDA-on
 optimizers) only for a CUDA target. Each candidate gets the largest micro-batch predicted to fit (the search of
 `estimate --fit`, predict.py), and with a global batch (--batch) the accumulation that reaches it.
 
-Ranked by predicted tokens/s: tokens / (the step's FLOPs with recompute / (peak FLOP/s x efficiency)). The FLOPs
-of a step are linear in the batch (every matmul, the attention and the loss are), so the tokens/s of a candidate
-is its FLOPs per token's, set by the policy, the adapter and the loss (COST_LEVERS). The memory levers (the
-optimizer, its step, compile, precision, LoRA's 4-bit base) change no FLOPs the counter sees, and the chunked loss
-only adds some: within a class (a policy and an adapter), a candidate that adds levers to one that fits is slower
-or equal, with more changes, so it ranks below. Hence the search within a class: its candidates level by level
-(the loss first, then how many memory levers), stopping at the first level where one fits; the later levels are
-not predicted (listed as such). Ties in speed go to the fewer changes from the defaults, then the larger
-micro-batch, then the smaller peak. Full fine-tuning and adapters are ranked apart: an adapter trains a different
-thing (the base is frozen).
+Ranked by predicted tokens/s on the card (a CUDA target with a card gcbench has rates for): each candidate that
+fits simulated at its micro-batch and accumulation, and its step played on the card by the time model
+(estimators/step_time.py): matmuls and attention at the rates the card reaches, the optimizer's, bitsandbytes'
+and every other kernel's bytes, recompute, the host issuing it all. Two candidates within TIED of each other are
+not told apart (the table says so). Without a card (a CPU target, --gpu-memory alone) they are ranked by FLOPs per
+token instead: the step's FLOPs with recompute are linear in the batch, so that is set by the policy, the adapter
+and the loss (COST_LEVERS); no tokens/s is shown.
+The search within a class (a policy and an adapter) goes level by level (the loss first, then how many memory
+levers: the optimizer, its step, compile, precision, LoRA's 4-bit base) and stops at the first level where one
+fits; the later levels are not predicted (listed as such): they add memory levers to one that fits, which keep
+its FLOPs and, but for a fused optimizer, add time. Ties in speed go to the fewer changes from the defaults, then
+the larger micro-batch, then the smaller peak. Full fine-tuning and adapters are ranked apart: an adapter trains a
+different thing (the base is frozen).
 
 Cheap first: a screen predicts the model state (parameters, gradients, optimizer state) once per distinct set of
 memory levers and adapter; where that alone is over the budget, no policy can help and the candidate is not
@@ -28,7 +31,6 @@ process (estimators/sharing.py) and the classes run side by side where there are
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +42,8 @@ from gcbench.estimators.estimates import Progress
 from gcbench.fields import RUN_FIELDS, Role, default_precision, run_field, setup_words
 from gcbench.fits.fit import DEFAULT_BATCH_RANGE
 from gcbench.fits.predict import predict_fit, spec_at
+from gcbench.fits.ranking import (  # noqa: F401 - the plan's ranking, and the groups it ranks apart
+    ADAPTERS, FULL, TIED, ranked, tied, tier_heads, time_row)
 from gcbench.fits.search import Search
 from gcbench.units import fmt_bytes
 
@@ -61,9 +65,8 @@ CLASS_LEVERS = tuple(f.name for f in RUN_FIELDS if f.plan_role == "class")
 # never predicted by formulas that would leave it out. Remove a name here once analytic.py models it (it refuses
 # adapters itself: analytic.unavailable).
 ANALYTIC_BLIND = ("compile",)
-FULL, ADAPTERS = "full fine-tune", "adapters (frozen base: a different job)"
 DEFAULT_TOP = 5
-NOT_NEEDED = "not predicted: one with fewer memory levers fits and ranks above it"
+NOT_NEEDED = "not predicted: one with fewer memory levers fits (name the levers to time them all)"
 
 
 def _adapter_kind(value: Any) -> str:
@@ -87,7 +90,8 @@ class Row:
     accum: int = 1
     peak: int | None = None
     flops_per_token: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # predicted on the card (the time model); None without one
+    step_ms: float | None = None
     method: str = ""
     reason: str | None = None  # why it is not ranked: not predicted, or does not fit
 
@@ -218,8 +222,8 @@ def _declared(name: str, target: str) -> tuple[Any, ...]:
 
 def candidates(plan: LeverPlan, refused: list[str] | None = None) -> list[Row]:
     """Every candidate of the plan, in the table's order; with an adapter the optimizer and its step are not
-    searched (their state is the adapters'). A combination the run itself refuses (compile with sac, ...) is no candidate:
-    `refused` gets why."""
+    searched (their state is the adapters'). A combination the run itself refuses (compile with sac, ...) is no
+    candidate: `refused` gets why."""
     searched = {k: v for k, v in plan.searched.items() if k != "grad_accum"}
     rows, seen = [], set()
     for values in itertools.product(*searched.values()):
@@ -253,13 +257,15 @@ def analytic_knows(spec_fields: Mapping[str, Any]) -> bool:
         is None
 
 
-def predict_plan(plan: LeverPlan, peak_flops: float | None, efficiency: float,
-                 progress: Progress | None = None, top: int = DEFAULT_TOP) -> list[Row]:
+def predict_plan(plan: LeverPlan, card: Any = None, progress: Progress | None = None, top: int = DEFAULT_TOP
+                 ) -> list[Row]:
     """Predict the candidates of `plan` (plan.rows; `candidates` when empty) and rank them (`ranked`): the screen,
-    then each class's levels side by side, then each fitting class's FLOPs. `peak_flops`: the GPU's dense bf16
-    peak (None: no tokens/s; the ranking is the same). `progress`: told of each prediction; its total, the most
-    the plan can make, falls as classes end early. A group with fewer than `top` that fit gets its runners-up
-    predicted too (`_runners_up`)."""
+    then each class's levels side by side, then each fitting candidate's step time on `card` (a gpus.Gpu; its
+    FLOPs per token where there is no time model for the target or the card). `progress`: told of each
+    prediction; its total, the most the plan can make, falls as classes end early. A group with fewer than `top`
+    that fit gets its runners-up predicted too (`_runners_up`)."""
+    from gcbench.estimators.card_rates import rates_for
+
     from gcbench.estimators.sharing import sharing_cores, side_by_side
     from gcbench.models import build_model
 
@@ -290,10 +296,17 @@ def predict_plan(plan: LeverPlan, peak_flops: float | None, efficiency: float,
         runners_up = _runners_up(plan.rows, top)
         tell("", 0, -plan.per_row * len(runners_up))
         side_by_side(lambda row: _search(plan, row, tell), runners_up)
-        costs: dict[tuple, list[Row]] = {}
-        for row in (r for r in plan.rows if r.fits):
-            costs.setdefault(row.cost_class, []).append(row)
-        side_by_side(lambda rows: _count(plan, rows, peak_flops, efficiency), list(costs.values()))
+        rates = rates_for(card) if plan.target == "cuda" else None
+        if rates is not None and not isinstance(rates, str):
+            fitting = [r for r in plan.rows if r.fits]
+            tell("", 0, -len(fitting))  # one more simulation each, at its size
+            side_by_side(lambda row: (time_row(row, {**candidate_fields(plan, row), "grad_accum": row.accum},
+                                               plan.target, rates), tell(f"{row.words()}: time")), fitting)
+        else:
+            costs: dict[tuple, list[Row]] = {}
+            for row in (r for r in plan.rows if r.fits):
+                costs.setdefault(row.cost_class, []).append(row)
+            side_by_side(lambda rows: _count(plan, rows), list(costs.values()))
     return ranked(plan.rows)
 
 
@@ -389,11 +402,12 @@ def _accumulate(plan: LeverPlan, row: Row, fields: dict[str, Any]) -> None:
     row.reason, row.micro_batch = f"no micro-batch x accumulation makes batch {g} fit", None
 
 
-def _count(plan: LeverPlan, rows: list[Row], peak_flops: float | None, efficiency: float) -> None:
+def _count(plan: LeverPlan, rows: list[Row]) -> None:
     """The FLOPs per token of a class: one forward and backward at batch 1, its memory levers at their defaults
-    (the optimizer's step is not counted; compile fuses no matmul away); tokens/s at the peak x efficiency."""
+    (the optimizer's step is not counted; compile fuses no matmul away)."""
     row = rows[0]
-    fields = {**candidate_fields(plan, row), "grad_accum": 1, "adapter": _as_lora(row.spec_fields.get("adapter", "none"))}
+    fields = {**candidate_fields(plan, row), "grad_accum": 1,
+              "adapter": _as_lora(row.spec_fields.get("adapter", "none"))}
     fields.update({k: _default(k, plan.target) for k in ("optimizer", "optim_in_backward", "compile")})
     try:
         flops = step_flops(spec_at(fields, fields["policy"], "batch_size", 1), plan.target)
@@ -403,15 +417,3 @@ def _count(plan: LeverPlan, rows: list[Row], peak_flops: float | None, efficienc
         return
     for r in rows:
         r.flops_per_token = flops / fields["seq_len"]
-        r.tokens_per_s = peak_flops * efficiency / r.flops_per_token if peak_flops else None
-
-
-def ranked(rows: list[Row]) -> list[Row]:
-    """The rows that fit, full fine-tuning first, each group by predicted speed (FLOPs per token, fewest first:
-    tokens/s's order), then fewer changes, the larger micro-batch, the smaller peak; then the others as they
-    came."""
-    def key(r: Row) -> tuple:
-        speed = float(f"{r.flops_per_token:.9g}") if r.flops_per_token else math.inf
-        return (r.group != FULL, speed, r.changes, -(r.micro_batch or 0), r.peak or 0)
-
-    return sorted((r for r in rows if r.fits), key=key) + [r for r in rows if not r.fits]

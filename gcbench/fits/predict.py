@@ -3,8 +3,8 @@ search, and all of `gcbench estimate --fit` (any GPU, no GPU needed).
 
 The same search as the real trials (search.py), with a prediction in place of a run: the analytic model where it
 knows the policy and family (instant), else the fake-tensor simulation (seconds for a 7B model). The step time is
-predicted from the step's FLOPs (the simulation's count, recompute included) at the GPU's dense bf16 peak times an
-efficiency the user states: a prediction, labelled as such everywhere it is shown.
+the time model's on the named GPU (estimators/step_time.py): the size found simulated and its step played on the
+card; a prediction, labelled as such everywhere it is shown.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from gcbench.policies import Plan, parse_policy
 from gcbench.spec import RunSpec
 
 _REPLAYING = threading.Lock()
-DEFAULT_EFFICIENCY = 0.4  # of the dense peak, recompute included (hardware FLOPs utilisation): an assumption
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,6 @@ class PredictedFit:
     reserved: int | None = None
     allocated_only: int | None = None
 
-    def step_seconds(self, peak_flops: float | None, efficiency: float) -> float | None:
-        if not self.flops or not peak_flops:
-            return None
-        return self.flops / (peak_flops * efficiency)
 
 
 def spec_at(fields: Mapping[str, Any], policy: str, vary: str, value: int) -> ResolvedRun:

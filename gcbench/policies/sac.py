@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from gcbench.host_work import note_python_dispatch
 from gcbench.measure import checkpoint, note_saved
 from gcbench.policies.base import Policy, StandsFor, option, register
 from gcbench.policies.classic import Full
@@ -56,6 +57,7 @@ def sac_policy_fn(mm: str) -> Callable[..., CheckpointPolicy]:
     matmuls = {False: 0, True: 0}  # counted apart for forward and recompute (older torch asks in both)
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        note_python_dispatch()  # SAC's dispatch mode and this call, in Python, for every op: host time
         recompute = bool(getattr(ctx, "is_recompute", False))
         if func in SAC_MATMULS:
             matmuls[recompute] += 1

@@ -18,7 +18,7 @@ from gcbench.values import Switch
 
 LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> its column's heading
 # Left out first when the table is too wide: derivable from the others (B/p, grads ~ params), then the least asked.
-SPARE = ("B/p", "in", "grads", "method", "err")
+SPARE = ("B/p", "tok/s", "in", "grads", "method", "err")
 
 
 @dataclass
@@ -50,8 +50,9 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     for header in SPARE:
         if fits(_table(title, "", columns), width):
             break
-        columns = [c for c in columns if c.header != header]
-        left_out.append(header)
+        if any(c.header == header for c in columns):
+            columns = [c for c in columns if c.header != header]
+            left_out.append(header)
     shown = {c.header for c in columns}
     words = {"activ.": "activ. = everything else at the peak",
              "in": "in = the phase that reaches the peak (opt: the optimizer step, which checkpointing cannot lower)",
@@ -63,6 +64,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     notes = ["; ".join([f"sizes in {unit}", *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
                        + ([_fits_note(rows, memory_bytes)] if memory_bytes else []))]
+    notes += _time_notes(rows, shown)
     stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
     notes += [f"† simulated instead: {markup(reason)}" for reason in stand_ins]
     notes += [f"n/a: {markup(reason)}" for reason in dict.fromkeys(r["not_available"] for r in rows
@@ -100,6 +102,12 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
             else "-" if r["peak_bytes"] is not None else na for r in rows]))
     if any("measured_configs" in r for r in rows):  # CUDA rows: the method's errors on configs like it
         columns.append(_Column("err", False, [_band(r) if r["peak_bytes"] is not None else na for r in rows]))
+    if any(r.get("predicted_step_ms") is not None for r in rows):  # the step's time on the named card
+        columns.append(_Column("ms", False, [f"{r['predicted_step_ms']:.0f}" if r.get("predicted_step_ms") is not None
+                                             else "-" for r in rows]))
+        columns.append(_Column("tok/s", False, [_rate(r["predicted_tokens_per_s"])
+                                                if r.get("predicted_tokens_per_s") is not None else "-"
+                                                for r in rows]))
     if memory_bytes:
         verdicts = [_fits(r, memory_bytes) for r in rows]
         columns.append(_Column("fits", True, [na if fit is None else "[green]yes[/]" if fit else "[red]no[/]"
@@ -164,3 +172,24 @@ def _seconds_note(rows: list[dict[str, Any]]) -> str:
             spans.append(f"{method} {low:.2f} s" if f"{low:.2f}" == f"{high:.2f}" else
                          f"{method} {low:.2f}-{high:.2f} s")
     return f"time per prediction: {', '.join(spans)}" if spans else ""
+
+
+def _rate(tokens_per_s: float) -> str:
+    """Tokens/s in three significant figures, k for thousands ("31.9k")."""
+    return f"{tokens_per_s / 1e3:.3g}k" if tokens_per_s >= 1e3 else f"{tokens_per_s:.3g}"
+
+
+def _time_notes(rows: list[dict[str, Any]], shown: set[str]) -> list[str]:
+    """What the time columns are and rest on (the card's rates: measured or assumed), or why a row has no time."""
+    notes = []
+    timed = [r for r in rows if r.get("predicted_step_ms") is not None]
+    if timed and "ms" in shown:
+        bound = sum(1 for r in timed if r.get("predicted_host_bound"))
+        notes.append("ms = predicted step time, the step's kernels and the host issuing them (docs/methodology.md, "
+                     "\"Predicting step time\")" + ("; tok/s = tokens per second" if "tok/s" in shown else "")
+                     + (f"; {bound} of {len(timed)} rows host-bound (the GPU waits on Python)" if bound else ""))
+        notes += [f"time rates: {markup(basis)}" for basis in dict.fromkeys(r["time_basis"] for r in timed)]
+    missing = dict.fromkeys(r["time_not_available"] for r in rows if r.get("time_not_available")
+                            and r["peak_bytes"] is not None)
+    notes += [f"step time: {markup(reason)}" for reason in missing]
+    return notes

@@ -113,6 +113,9 @@ class Record(TypedDict, total=False):
     predicted_peak_bytes_simulate: int | None
     predicted_peak_bytes_analytic: int | None
     predicted_peak_phase: str | None  # forward | backward | optimizer, by the method of predicted_peak_bytes
+    # the step's time on this run's card, from the simulated step op by op (estimators/step_time.py); None on CPU,
+    # without the simulation (--predict off), or on a card gcbench has no datasheet figures for
+    predicted_step_ms: float | None
     # the model
     family: str
     n_layers: int

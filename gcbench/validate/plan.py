@@ -1,8 +1,8 @@
 """The GPU validation plan: tiers in order of value, each a list of steps (a sweep, a fit, or a script), each step's
 configs, and where its records go.
 
-Tier 1 is what a first window must bring home: the GPU tests, the memory outside the allocator, and every policy at
-one llama-7b-sized config (8 of its 32 blocks, seq 2048, batch 1), each record with the prediction made beforehand
+Tier 1 is what a first window must bring home: the time model's calibration, the GPU tests, the memory outside the
+allocator, and every policy at one llama-7b-sized config (8 of its 32 blocks, seq 2048, batch 1), each record with the prediction made beforehand
 beside the measurement. Later tiers: where memory runs out (the OOM line and `fit`), the levers beside
 checkpointing and FSDP2 at world size 1 and `--devices`, timing (paired ratios, harness overhead, CV), then
 breadth: fp32 and autocast, and three more families.
@@ -133,6 +133,11 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
     optimizers = s.optimizers + (",adamw8bit" if bitsandbytes else "")
     adapters = s.adapters + (",qlora" if bitsandbytes else "")
     core = [
+        Step("calibration", StepKind.SCRIPT, "the step-time model's calibration: matmuls, attention kernels, "
+             "streaming kernels, the host link, bitsandbytes' kernels and the host's time per op, each by a "
+             "micro-benchmark (gcbench/calibration.py; its lines in calibration.ndjson)",
+             argv=("{python}", "-m", "gcbench.calibration", "--out", "{dir}/calibration.ndjson",
+                   *(("--quick",) if smoke else ()))),
         Step("cuda-context", StepKind.SCRIPT, "memory outside the caching allocator: the CUDA context, then "
              "cuBLAS and its workspaces after a forward and a backward (the device-level predictions assume them)",
              argv=("{python}", "benchmarks/gpu/cuda_context.py")),
@@ -141,7 +146,7 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
              {**per_layer, "batch": 1, "policy": EVERY_POLICY, **short}),
     ]
     if not smoke:  # the GPU tests need a real GPU (the smoke plan runs on the fake one)
-        core.insert(0, Step("gpu-tests", StepKind.SCRIPT, "the tests marked gpu, on real CUDA: allocator numbers, "
+        core.insert(1, Step("gpu-tests", StepKind.SCRIPT, "the tests marked gpu, on real CUDA: allocator numbers, "
                             "policy ordering, gradients equal to none's",
                             argv=("{python}", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                   "tests")))

@@ -36,15 +36,14 @@ def predict_plan(validation: Validation, cards: tuple[str, ...] = CARDS,
                 progress(f"{planned.step.name}: {spec.model} seq {spec.seq_len} batch {spec.batch_size} "
                          f"{spec.policy}")
                 here = spec.replace(device="cpu", memory_cap_bytes=None)  # the target says what is predicted
-                row = stored_row(spec.as_record(), "cuda", predict_for_run(here, target="cuda"))
+                row = stored_row(spec.as_record(), "cuda", predict_for_run(here, target="cuda", cards=CARDS))
                 rows[row["key"]] = row
         elif planned.step.kind is StepKind.FIT:
             o = planned.step.options
             values, _ = parse_options({k: v for k, v in o.items() if k in ("model", "layers", "seq", "policy")})
             for card in cards:
                 progress(f"{planned.step.name}: estimate --fit --gpu {card}")
-                found, field_name, title, caption = predicted_fits(dict(values), None, card, "batch", "0%", 0.4,
-                                                                   "cuda")
+                found, field_name, title, caption = predicted_fits(dict(values), None, card, "batch", "0%", "cuda")
                 base = folder / f"estimate-fit-{planned.step.name}-{card}"
                 _write(base.with_suffix(".json"), json.dumps(found, indent=1) + "\n")
                 text = io.StringIO()
