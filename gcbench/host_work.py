@@ -6,7 +6,7 @@ handles. Real runs tell nobody: with no listener, each call is a list check."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -38,8 +38,18 @@ def note_python_dispatch() -> None:
 PYTHON_ISSUING: list[str] = []
 
 
+# The step-time clocks now watching (estimators/step_clock.py registers itself): with none, nothing is noted, and
+# nothing here is called that torch.compile would have to trace (a compiled block's checkpoint runs this code).
+WATCHING: list[object] = []
+
+
+def python_issuing(what: str):
+    """A context in which `what` ("forward", "optimizer") issues the ops, where a clock watches; else nothing."""
+    return _issuing(what) if WATCHING else nullcontext()
+
+
 @contextmanager
-def python_issuing(what: str) -> Iterator[None]:
+def _issuing(what: str) -> Iterator[None]:
     PYTHON_ISSUING.append(what)
     try:
         yield
@@ -47,6 +57,9 @@ def python_issuing(what: str) -> Iterator[None]:
         PYTHON_ISSUING.pop()
 
 
-def in_backward() -> bool:
-    """Whether this thread is running a backward (autograd's graph task), as a recompute does."""
-    return torch._C._current_graph_task_id() != -1
+def recompute_issuing() -> Iterator[None]:
+    """python_issuing("forward") where a clock watches and this thread runs a backward (a checkpoint's recompute,
+    autograd's graph task), else nothing."""
+    if WATCHING and torch._C._current_graph_task_id() != -1:
+        return python_issuing("forward")
+    return nullcontext()

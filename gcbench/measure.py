@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from gcbench.host_work import in_backward, python_issuing
+from gcbench.host_work import python_issuing, recompute_issuing
 from gcbench.results.schema import PHASES, peak_phase
 from gcbench.units import fmt_bytes, round_up
 
@@ -324,7 +324,7 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     def run(*inner: Any, **named: Any) -> Any:
         counter = _RECOMPUTE[-1] if _RECOMPUTE else None
         if counter is None or not counter.in_backward:
-            with python_issuing("forward") if in_backward() else contextlib.nullcontext():
+            with recompute_issuing():
                 return function(*inner, **named)
         counter.depth += 1
         try:

@@ -237,3 +237,24 @@ def test_the_calibration_runs_on_the_fake_gpu_and_counts_what_the_model_counts(f
 
 def test_the_calibrated_rates_are_what_the_committed_calibrations_give():
     assert derive_module().main(["--check"]) == 0
+
+
+def test_a_cuda_run_record_carries_its_predicted_step_time_and_a_cpu_run_none(fake_cuda):
+    from gcbench.report.run_table import run_table
+    from gcbench.runner import run
+
+    record = run(RunSpec(model="tiny-llama", seq_len=32, batch_size=2, policy="full", device="cuda:0", warmup_steps=1,
+                         measure_steps=2, predict=True))
+    simulated = estimate(RunSpec(model="tiny-llama", seq_len=32, batch_size=2, policy="full", device="cpu",
+                                 precision="bf16"), "simulate", "cuda")
+    # the fake GPU is an H100 by name: the prediction is the simulated step played on that card's rates
+    assert record["predicted_step_ms"] == pytest.approx(simulated.work.time(rates_for(gpu("h100-80gb"))).step_ms)
+    assert "predicted_step_ms_by_card" not in record
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(run_table(record))
+    assert "predicted step time" in console.export_text()
+    cpu = run(RunSpec(model="tiny-llama", seq_len=32, batch_size=2, policy="full", device="cpu", warmup_steps=1,
+                      measure_steps=2))
+    assert cpu["predicted_step_ms"] is None

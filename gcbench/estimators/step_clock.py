@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 from gcbench.estimators.step_time import (
     _PHASE, ATTENTION, COLLECTIVE, CUDNN, DEQUANT, EFFICIENT, FLASH, FP32, GEMM, HOST_COPY, LOW, MEMORY, OPTIMIZER_8BIT,
     SYNC, WORK, StepWork)
-from gcbench.host_work import PYTHON_ISSUING, listening_to_python_dispatch
+from gcbench.host_work import PYTHON_ISSUING, WATCHING, listening_to_python_dispatch
 from gcbench.measure import Listening
 
 aten = torch.ops.aten
@@ -67,6 +67,16 @@ class StepClock(Listening):
 
     def _listener(self):
         return listening_to_python_dispatch(self._python_dispatch)
+
+    def __enter__(self):
+        WATCHING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            WATCHING.remove(self)
 
     def marking(self, mark):
         """The step's `mark`, telling the clock each phase too (the zeroing of gradients before the forward's mark

@@ -96,6 +96,10 @@ def run_table(record: dict[str, Any]) -> Table:
                       if cuda else "bitsandbytes pages nothing on CPU: all its state is in the model state above")
     shaky = "~" if record.get("timing_stable") is False else ""
     table.add_row("step time (median)", f"{shaky}{record['step_ms_median']:.1f} ms", _step_time_text(record))
+    if record.get("predicted_step_ms"):  # a CUDA run on a card the time model has rates for (--predict on)
+        error = record["predicted_step_ms"] / record["step_ms_median"] - 1
+        table.add_row("predicted step time", f"{record['predicted_step_ms']:.1f} ms",
+                      f"the simulated step played on this card, {error:+.1%} vs measured (docs/methodology.md)")
     if "timing_stable" in record:
         stable = record["timing_stable"]
         table.add_row("timing", "[green]stable[/]" if stable else "[bold yellow]not trusted[/]",

@@ -43,9 +43,10 @@ PYTEST_START_S = 20.0  # pytest's collection of the whole suite
 PER_GPU_TEST_S = 3.0  # a GPU test: tiny models built and stepped a few times
 FIT_TRIALS_PER_POLICY = 3  # a search whose prediction is one candidate off: the guess, the next size, one more
 # The calibration (gcbench/calibration.py): a 10 s soak, 14 matmul shapes and the rest at 3 rounds of 20 repetitions
-# (the largest, 8192^3, about 1.5 ms each on an H100), two tiny models' steps for the host costs: under a minute
-# planned as 90 s.
-CALIBRATION_S = 90.0
+# (the largest, 8192^3, about 1.5 ms each on an H100), two tiny models' steps for the host costs: about 40 s of
+# device time beside its process's start, planned as 60 s; --quick (the smoke plan) a few seconds.
+CALIBRATION_S = 60.0
+CALIBRATION_QUICK_S = 5.0
 FIT_PROBE_S = 8.0  # the fit's budget: a probe process reads the free memory once its CUDA context exists
 DEFAULT_CARD = "h100-80gb"
 
@@ -148,13 +149,13 @@ def fit_cost(trial_specs: Iterable[ResolvedRun], peak_flops: float,
     return Cost(seconds, len(specs))
 
 
-def script_cost(name: str, gpu_tests: int = 0, overhead_steps: float = 0.0) -> Cost:
+def script_cost(name: str, gpu_tests: int = 0, overhead_steps: float = 0.0, quick: bool = False) -> Cost:
     """A script step: the GPU tests (their count), the harness-overhead benchmark (its steps' seconds), the
     calibration, or a short script."""
     if name == "gpu-tests":
         return Cost(PYTEST_START_S + PER_GPU_TEST_S * gpu_tests, gpu_tests)
     if name == "calibration":
-        return Cost(PROCESS_START_S + CALIBRATION_S, 1)
+        return Cost(PROCESS_START_S + (CALIBRATION_QUICK_S if quick else CALIBRATION_S), 1)
     return Cost(PROCESS_START_S + overhead_steps, 1)
 
 

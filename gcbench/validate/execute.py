@@ -134,7 +134,7 @@ class Validation:
             rounds = int(words["--rounds"])
             return cost.script_cost(step.name, overhead_steps=2 * (rounds + 3) * step_s
                                     + 2 * cost.BUILD_S_PER_BLOCK * blocks).seconds
-        return cost.script_cost(step.name).seconds
+        return cost.script_cost(step.name, quick="--quick" in step.argv).seconds
 
     def _resolve(self, fields: dict[str, Any]) -> ResolvedRun:
         from gcbench.resolved import resolve

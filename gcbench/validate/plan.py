@@ -133,20 +133,20 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
     optimizers = s.optimizers + (",adamw8bit" if bitsandbytes else "")
     adapters = s.adapters + (",qlora" if bitsandbytes else "")
     core = [
-        Step("calibration", StepKind.SCRIPT, "the step-time model's calibration: matmuls, attention kernels, "
-             "streaming kernels, the host link, bitsandbytes' kernels and the host's time per op, each by a "
-             "micro-benchmark (gcbench/calibration.py; its lines in calibration.ndjson)",
-             argv=("{python}", "-m", "gcbench.calibration", "--out", "{dir}/calibration.ndjson",
-                   *(("--quick",) if smoke else ()))),
         Step("cuda-context", StepKind.SCRIPT, "memory outside the caching allocator: the CUDA context, then "
              "cuBLAS and its workspaces after a forward and a backward (the device-level predictions assume them)",
              argv=("{python}", "benchmarks/gpu/cuda_context.py")),
         Step(f"{s.large}-{s.layers}layers-policies", StepKind.SWEEP, "every policy at one llama-7b-sized config: "
              "measured peak beside the prediction made beforehand",
              {**per_layer, "batch": 1, "policy": EVERY_POLICY, **short}),
+        Step("calibration", StepKind.SCRIPT, "the step-time model's calibration: matmuls, attention kernels, "
+             "streaming kernels, the host link, bitsandbytes' kernels and the host's time per op, each by a "
+             "micro-benchmark (gcbench/calibration.py; its lines in calibration.ndjson)",
+             argv=("{python}", "-m", "gcbench.calibration", "--out", "{dir}/calibration.ndjson",
+                   *(("--quick",) if smoke else ()))),
     ]
     if not smoke:  # the GPU tests need a real GPU (the smoke plan runs on the fake one)
-        core.insert(1, Step("gpu-tests", StepKind.SCRIPT, "the tests marked gpu, on real CUDA: allocator numbers, "
+        core.insert(0, Step("gpu-tests", StepKind.SCRIPT, "the tests marked gpu, on real CUDA: allocator numbers, "
                             "policy ordering, gradients equal to none's",
                             argv=("{python}", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                   "tests")))

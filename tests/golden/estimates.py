@@ -46,10 +46,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
                                        "policy": ["none", "full", "sqrtn"]},
                                  methods=["simulate", "analytic"], target="cuda", layers=3)),
     ("fit-tiny-batch", "fit", dict(grid={"model": ("tiny-llama",), "seq_len": (256,)}, memory=24 * 2**20,
-                                   gpu_name=None, vary="batch", headroom="0%", efficiency=0.4, device="cuda")),
+                                   gpu_name=None, vary="batch", headroom="0%", device="cuda")),
     ("fit-tiny-seq", "fit", dict(grid={"model": ("tiny-gpt2",), "batch_size": (2,),
                                        "policy": ("none", "full", "sac:mm=all")}, memory=16 * 2**20,
-                                 gpu_name=None, vary="seq", headroom="5%", efficiency=0.4, device="cuda")),
+                                 gpu_name=None, vary="seq", headroom="5%", device="cuda")),
 ]
 WRITTEN_AT = 3  # the schema version of the records these rows were written beside
 QUICK = ("llama-all-policies-cuda", "layers-long")  # the default suite's; the rest run in the slow set
