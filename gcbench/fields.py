@@ -26,7 +26,7 @@ from gcbench.optimizers import OPTIMIZERS
 from gcbench.units import fmt_bytes, plural
 from gcbench.values import (AUTO, Choice, Device, Int, IntOrAuto, Kind, Name, OptionText, PolicyText, Seconds, Size, Switch)
 
-DEFAULT_MAX_STEPS = 100  # --steps auto: the most timed steps
+DEFAULT_MAX_STEPS = 1000  # --steps auto: the most timed steps (fast steps stop at --max-time first)
 DEFAULT_MAX_TIME_S = 10.0  # --steps auto: seconds of timed steps after which it stops
 PRECISIONS = {
     # name: (parameter dtype, autocast dtype or None), as torch attribute names
@@ -225,8 +225,9 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("warmup_steps", "warmup", Int(1, 1_000_000, "the first step creates gradients and optimizer state, so it "
           "cannot be a measured one"), "untimed warm-up steps, at least 1: step 1 creates gradients and optimizer "
           "state", 3, role=Role.LENGTH),
-    Field("measure_steps", "steps", IntOrAuto(1, 1_000_000), "timed steps: auto (until the median's 95% interval "
-          "is within +-2%: at least 6 steps, at most --max-steps or --max-time) or a number", AUTO, role=Role.LENGTH),
+    Field("measure_steps", "steps", IntOrAuto(1, 1_000_000), "timed steps: auto (spanning 10 s or --max-time if "
+          "shorter, then until the median's 95% interval is within +-2%, +-1% on CUDA: at least 6 steps, at most "
+          "--max-steps or --max-time) or a number", AUTO, role=Role.LENGTH),
     Field("max_steps", "max-steps", Int(1, 1_000_000), "with --steps auto: the most timed steps", DEFAULT_MAX_STEPS,
           role=Role.LENGTH),
     Field("max_time_s", "max-time", Seconds(), "with --steps auto: seconds of timed steps after which it stops (at "

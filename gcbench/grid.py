@@ -22,6 +22,7 @@ from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
 from gcbench.resolved import ResolvedRun, config_fields, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
+from gcbench.timing import MIN_SPAN_S
 from gcbench.units import fmt_bytes
 from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
 
@@ -195,7 +196,8 @@ class SweepSpec:
 def _steps_text(get: Callable[[str], Any]) -> str:
     if get("measure_steps") != "auto":
         return f"{get('measure_steps')} timed steps"
-    return f"timed steps until +-2% (at most {get('max_steps')} steps or {get('max_time_s'):g} s)"
+    return f"timed steps over {min(MIN_SPAN_S, get('max_time_s')):g} s, then until +-2% (+-1% CUDA), at most " \
+        f"{get('max_steps')} steps or {get('max_time_s'):g} s"
 
 
 def parse_options(options: Mapping[str, Any], where: str | None = None,

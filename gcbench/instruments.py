@@ -20,6 +20,7 @@ import torch
 from gcbench.fields import DeviceKind
 from gcbench.gpus import peak_flops
 from gcbench.measure import LiveTensorTracker, PhasePeaks
+from gcbench.nvml import GpuWindow, gpu_state, nvml_free_bytes
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
 
 
@@ -61,7 +62,7 @@ def free_without_context(device: str) -> int | None:
     host memory (CPU), or NVML's free memory of that GPU; None when NVML cannot tell (no NVML, a MIG slice, GPUs
     whose CUDA order NVML cannot know)."""
     if DeviceKind.of(device) is DeviceKind.CUDA:
-        return _nvml_free_bytes(torch.device(device).index or 0)
+        return nvml_free_bytes(torch.device(device).index or 0)
     return psutil.virtual_memory().available  # Linux: MemAvailable, what can be had without swapping
 
 
@@ -95,76 +96,6 @@ def free_after_context(device: str, timeout_s: float = 300.0) -> int | None:
         return int(done.stdout.split()[-1]) if done.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
-
-
-def _nvml_free_bytes(cuda_index: int) -> int | None:
-    """Free memory of CUDA device `cuda_index` through NVML (nvidia-ml-py), which creates no CUDA context."""
-    return _with_nvml_device(cuda_index, lambda pynvml, h: int(pynvml.nvmlDeviceGetMemoryInfo(h).free))
-
-
-def gpu_state(cuda_index: int) -> dict[str, Any] | None:
-    """Clocks (MHz), power (W), temperature (C) and NVML's clock-event reasons (a bitmask: power cap, thermal, ...)
-    of CUDA device `cuda_index` now, read through NVML, so that an outlier step time can be explained; a value NVML
-    cannot read is None, and the whole is None without NVML."""
-    def read(pynvml, handle) -> dict[str, Any]:
-        def get(fn: Callable[[], Any], scale: float = 1.0) -> Any:
-            try:
-                value = fn()
-            except (pynvml.NVMLError, AttributeError):
-                return None
-            return value / scale if scale != 1.0 else value
-
-        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
-        return {
-            "sm_clock_mhz": get(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
-            "mem_clock_mhz": get(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)),
-            "power_w": get(lambda: pynvml.nvmlDeviceGetPowerUsage(handle), 1000.0),
-            "temperature_c": get(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
-            "clock_event_reasons": get(lambda: reasons(handle)) if reasons else None,
-        }
-
-    return _with_nvml_device(cuda_index, read)
-
-
-def _with_nvml_device(cuda_index: int, read: Callable[[Any, Any], Any]) -> Any:
-    """`read(pynvml, handle)` for CUDA device `cuda_index`, or None where NVML cannot tell which GPU that is. CUDA and
-    NVML number GPUs differently: follow CUDA_VISIBLE_DEVICES (indices or GPU- UUIDs), and without it trust NVML's
-    order only where CUDA's order equals it (CUDA_DEVICE_ORDER=PCI_BUS_ID, or all GPUs of one model)."""
-    import os
-
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        # CUDA numbers GPUs fastest first, NVML by PCI bus: the same order only for GPUs of one model or with
-        # CUDA_DEVICE_ORDER=PCI_BUS_ID. Indices in CUDA_VISIBLE_DEVICES are CUDA's too; UUIDs are unambiguous.
-        same_order = (len({pynvml.nvmlDeviceGetName(h) for h in handles}) <= 1
-                      or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        entries = [e.strip() for e in visible.split(",")] if visible is not None else \
-            [str(i) for i in range(len(handles))]
-        entry = entries[cuda_index] if cuda_index < len(entries) else ""
-        if entry.startswith("GPU-"):
-            handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
-        elif entry.isdigit() and same_order and int(entry) < len(handles):
-            handle = handles[int(entry)]
-        else:
-            return None  # a MIG slice (NVML's numbers would be the whole GPU's), an order NVML cannot tell
-        try:
-            if pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
-                return None
-        except pynvml.NVMLError:
-            pass  # no MIG on this GPU
-        return read(pynvml, handle)
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
 
 
 @contextmanager
@@ -332,62 +263,73 @@ class CudaInstrument(Instrument):
         return start.elapsed_time(end)
 
     def time_steps(self, step: Step, budget: StepBudget, progress: Progress) -> dict[str, Any]:
-        """Per step: synchronize, reset peaks, baseline, event, forward+backward, read the fwd+bwd peak, optimizer
-        step, event, synchronize, read the step's peaks. Peaks are reset every step, so each is read every step and
-        the maximum reported; allocation retries are counted over the measured steps only. The GPU's clocks, power
-        and temperature are read before and after the measured steps (NVML)."""
+        """Steps back to back, as a training loop runs them (docs/methodology.md, "Timing on a GPU"): no synchronize
+        and no memory-statistics call between them, so the GPU's queue never drains. A CUDA event at every step
+        boundary; a step's time runs from the event before it to the one after it (time the GPU waited for the host
+        included: a host-bound step is that slow). After launching step i the host waits for step i-1's end event
+        only, so step i stays queued while step i-1's time is read and the budget consulted; under --steps auto the
+        step launched after the last timed one is waited for, untimed (validate/cost.py counts it). The first timed step starts on an
+        idle GPU, after the host's synchronize: it alone carries its first kernels' launch latency (microseconds; the
+        median does not see it). Around the window: allocation retries, the GPU's state (NVML) and its throttling (nvml.GpuWindow).
+        Memory is read in steps of its own (peak_fields)."""
         dev = self.device
-        wall_ms, peaks, fwd_bwd_peaks, reserved_peaks, baselines = [], [], [], [], []
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        wall_ms: list[float] = []
 
-        def timed_step() -> float:
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            baselines.append(torch.cuda.memory_allocated(dev))
-            t0 = time.perf_counter()
-            start.record()
-            step.forward_backward()
-            # Allocator statistics live on the host: reading them here does not synchronize with the GPU.
-            fwd_bwd_peaks.append(torch.cuda.max_memory_allocated(dev))
-            step.optimizer_step()
-            end.record()
-            torch.cuda.synchronize(dev)
-            wall_ms.append((time.perf_counter() - t0) * 1e3)
-            elapsed_ms = start.elapsed_time(end)
-            peaks.append(torch.cuda.max_memory_allocated(dev))
-            reserved_peaks.append(torch.cuda.max_memory_reserved(dev))
-            return elapsed_ms
+        def launch() -> torch.cuda.Event:
+            step()
+            boundary = torch.cuda.Event(enable_timing=True)
+            boundary.record()
+            return boundary
 
         torch.cuda.synchronize(dev)
         retries_before = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
         state_start = gpu_state(dev.index)
-        with HostLoad(self.clock) as load:
+        with HostLoad(self.clock) as load, GpuWindow(dev.index, self.clock) as window:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            ends = [start, launch()]  # the first timed step starts on an idle GPU: its first kernels' launch counts
+            last = [time.perf_counter()]
+
+            def timed_step() -> float:
+                if budget.fixed is None or len(wall_ms) + 1 < budget.fixed:  # a fixed count's last step has no next
+                    ends.append(launch())  # the next step, queued behind the one waited for
+                else:
+                    ends.append(ends[-1])
+                ends[-2].synchronize()
+                window.sample()
+                now = time.perf_counter()
+                wall_ms.append((now - last[0]) * 1e3)
+                last[0] = now
+                return ends[-3].elapsed_time(ends[-2])
+
             step_ms, stop = measure_until(budget, timed_step, self.clock, progress)
+            ends[-1].synchronize()  # the step launched after the last timed one
         state_end = gpu_state(dev.index)
         retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - retries_before
-        baseline = max(baselines)
-        return {
-            **step_time_fields(step_ms, stop),
-            **load.fields(torch.get_num_threads()),
-            "gpu_state_start": state_start,
-            "gpu_state_end": state_end,
-            "wall_ms": wall_ms,
-            "peak_allocated_bytes": max(peaks),
-            "fwd_bwd_peak_bytes": max(fwd_bwd_peaks),
-            "static_bytes": baseline,
-            "activation_peak_bytes": max(fwd_bwd_peaks) - baseline,
-            "peak_reserved_bytes": max(reserved_peaks),
-            "num_alloc_retries": retries,
-        }
+        return {**step_time_fields(step_ms, stop), **load.fields(torch.get_num_threads()), **window.fields(),
+                "gpu_state_start": state_start, "gpu_state_end": state_end, "wall_ms": wall_ms,
+                "num_alloc_retries": retries}
 
     def peak_fields(self, step: Step, progress: Progress) -> dict[str, Any]:
-        """One untimed step read phase by phase: max_memory_allocated of the forward, the backward and the optimizer
-        step, each after a reset (the whole step's peaks come with the timed steps, which these reads would slow)."""
+        """A memory step of its own, after the timed ones: synchronize, reset the peaks, the baseline (static
+        bytes), then the step read phase by phase (max_memory_allocated of the forward, the backward and the
+        optimizer step, each after a reset; the whole step's peak is the largest), max_memory_reserved over all."""
         dev = self.device
-        progress("reading per-phase peaks")
-        phases = PhasePeaks(lambda: torch.cuda.max_memory_allocated(dev),
-                            lambda: torch.cuda.reset_peak_memory_stats(dev))
+        progress("reading peaks")
         torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        baseline = torch.cuda.memory_allocated(dev)
+        reserved: list[int] = []
+
+        def reset() -> None:
+            reserved.append(torch.cuda.max_memory_reserved(dev))
+            torch.cuda.reset_peak_memory_stats(dev)
+
+        phases = PhasePeaks(lambda: torch.cuda.max_memory_allocated(dev), reset)
         step(phases)
         torch.cuda.synchronize(dev)
-        return phases.fields()
+        reserved.append(torch.cuda.max_memory_reserved(dev))
+        fwd_bwd = max(phases.peaks[p] for p in ("forward", "backward") if p in phases.peaks)
+        return {"peak_allocated_bytes": max(phases.peaks.values()), "fwd_bwd_peak_bytes": fwd_bwd,
+                "static_bytes": baseline, "activation_peak_bytes": fwd_bwd - baseline,
+                "peak_reserved_bytes": max(reserved), **phases.fields()}

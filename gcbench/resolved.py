@@ -25,7 +25,7 @@ from gcbench.errors import GcbenchError
 from gcbench.fields import POLICY_OPTIONS, PRECISIONS, DeviceKind, default_precision, run_field
 from gcbench.results.schema import config_key
 from gcbench.spec import RunSpec
-from gcbench.timing import StepBudget, cores_available, default_threads
+from gcbench.timing import TARGET_HALF_WIDTH, StepBudget, cores_available, default_threads
 from gcbench.values import AUTO
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class ResolvedRun:
     def budget(self) -> StepBudget:
         """How many steps to time (timing.StepBudget)."""
         fixed = None if self.spec.measure_steps == AUTO else self.spec.measure_steps
-        return StepBudget(fixed, self.spec.max_steps, float(self.spec.max_time_s))
+        return StepBudget(fixed, self.spec.max_steps, float(self.spec.max_time_s), TARGET_HALF_WIDTH[self.device_kind])
 
     @property
     def param_dtype(self) -> torch.dtype:

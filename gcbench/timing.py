@@ -20,9 +20,20 @@ from gcbench.results.schema import NoteKind, TimingNote
 from gcbench.units import plural
 from gcbench.results.stats import MIN_SAMPLES, Stats  # the statistics of samples (compare reads them too)
 
-# --steps auto: measure until the median's 95% interval is within +-2% of it (the issue's target; pyperf and
-# pytest-benchmark also calibrate by time, not by a fixed count), with a minimum and two budgets.
-TARGET_HALF_WIDTH = 0.02
+# --steps auto: measure until the median's 95% interval is within +-2% of it on CPU, +-1% on CUDA (pyperf and
+# pytest-benchmark also calibrate by time, not by a fixed count; a GPU's steps repeat far better, and levers 3% apart
+# must be told apart there), with a minimum and two budgets.
+TARGET_HALF_WIDTH = {"cpu": 0.02, "cuda": 0.01}
+# ... and not before the steps span this many seconds: the interval (results/stats.py) sees drift in spells shorter
+# than the steps span, and a rerun meets another spell. On this project's 2-core VM a tiny model's steps drift in
+# spells of seconds, invisible to the host's counters (no steal time, no load): 8 reruns of 1.5 s each claimed
+# +-1-2% while another run's median fell inside a run's interval 25% of the time; spanning at least 5 s, 50%; 10 s,
+# 80% and, on a machine drifting from 13 to 16 ms over the two minutes, 50% (83% is what a right interval gives;
+# benchmarks/rerun_interval.py, docs/methodology.md). So by default (--max-time 10) auto measures 10 s of steps; a
+# longer --max-time lets the interval's target end it after 10 s.
+MIN_SPAN_S = 10.0
+# From this many steps on, the interval is judged at every (n // CHECK_EVERY_FROM)-th step count, not every one.
+CHECK_EVERY_FROM = 50
 MIN_STEPS = MIN_SAMPLES  # the fewest samples that can have an interval (6; correlated steps need more)
 # Correlated steps in a calm spell look better known than they are: auto stops once the interval has been within its
 # target at this many step counts in a row, not at the first (on simulated AR(1) steps correlated 0.8, the interval
@@ -43,13 +54,14 @@ LOAD_SLACK = 0.5
 @dataclass(frozen=True)
 class StepBudget:
     """How many steps to measure: a fixed count, or (auto) until the median's interval is within `target` of it
-    (CONFIRMATIONS step counts in a row), at least MIN_STEPS, at most `step_limit` steps or `time_limit_s` of
-    measuring (--max-steps, --max-time)."""
+    (CONFIRMATIONS step counts in a row) once the steps span `min_span_s` (or the whole time limit, if shorter), at
+    least MIN_STEPS, at most `step_limit` steps or `time_limit_s` of measuring (--max-steps, --max-time)."""
 
     fixed: int | None = None  # --steps N; None: auto
     step_limit: int = DEFAULT_MAX_STEPS
     time_limit_s: float = DEFAULT_MAX_TIME_S
-    target: float = TARGET_HALF_WIDTH
+    target: float = TARGET_HALF_WIDTH["cpu"]
+    min_span_s: float = MIN_SPAN_S
 
     @property
     def most(self) -> int:
@@ -61,8 +73,13 @@ class StepBudget:
         n = min(len(s) for s in series)
         if self.fixed is not None:
             return "fixed" if n >= self.fixed else None
-        if n >= MIN_STEPS + CONFIRMATIONS - 1 and all(_within(Stats.of(s[:m]).ci_half_width, self.target)
-                                                      for s in series for m in range(n - CONFIRMATIONS + 1, n + 1)):
+        # The interval is judged at every step count up to CHECK_EVERY_FROM, then at every n/CHECK_EVERY_FROM-th:
+        # its cost (O(n log n)) stays a small share of the host's time between two of up to 1000 steps.
+        stride = max(1, n // CHECK_EVERY_FROM)
+        if n >= MIN_STEPS + CONFIRMATIONS - 1 and n % stride == 0 and \
+                elapsed_s >= min(self.min_span_s, self.time_limit_s) and \
+                all(_within(Stats.of(s[:m]).ci_half_width, self.target)
+                    for s in series for m in range(n, n - CONFIRMATIONS * stride, -stride)):
             return "ci"
         if n >= self.step_limit:
             return "max-steps"
@@ -83,8 +100,11 @@ def measure_until(budget: StepBudget, timed_step: Callable[[], float], clock: Ca
     keep that small."""
     samples: list[float] = []
     t0 = clock()
+    ci = ""
     while (reason := budget.stop_reason([samples], clock() - t0)) is None:
-        progress(f"measuring step {len(samples) + 1}" + (f"/{budget.fixed}" if budget.fixed else _ci_text(samples)))
+        if len(samples) % 10 == 0:  # the interval costs O(n log n): not between every two of up to 1000 steps
+            ci = _ci_text(samples)
+        progress(f"measuring step {len(samples) + 1}" + (f"/{budget.fixed}" if budget.fixed else ci))
         samples.append(timed_step())
     return samples, reason
 
@@ -185,6 +205,14 @@ def timing_verdict(record: Mapping[str, Any], device_kind: str) -> tuple[bool, l
     if others is not None and others > cores - used + SPARE_CORE_SLACK:
         notes.append(TimingNote(NoteKind.BUSY_HOST, f"other processes kept {others:.1f} of {plural(cores, 'core')} busy while "
                                 f"it ran on {used}"))
+    if record.get("gpu_throttled"):
+        window = record.get("gpu_window") or {}
+        held = sum(window.get(k) or 0.0 for k in ("power_capped_ms", "thermal_capped_ms"))
+        share = f" for {held / window['window_ms']:.0%} of the steps' time" if held and window.get("window_ms") else ""
+        low, high = window.get("sm_clock_mhz_min"), window.get("sm_clock_mhz_max")
+        clocks = f" (SM clock {low:.0f}-{high:.0f} MHz)" if low is not None and high is not None else ""
+        notes.append(TimingNote(NoteKind.THROTTLED, f"the GPU held its clocks back (power or temperature){share}"
+                                f"{clocks}: a rerun on a cooler or less loaded card may be faster"))
     load = record.get("load_1m_before")
     if load is not None and load > cores + LOAD_SLACK:
         notes.append(TimingNote(NoteKind.LOADED_HOST, f"1-minute load average {load:.1f} before it ran, above the "
@@ -204,7 +232,8 @@ def paired_rounds(steps: Mapping[str, Callable[[], float]], baseline: str, budge
     labels = list(steps)
     times: dict[str, list[float]] = {label: [] for label in labels}
     others = [label for label in labels if label != baseline]
-    per_policy = StepBudget(budget.fixed, budget.step_limit, budget.time_limit_s * len(labels), budget.target)
+    per_policy = StepBudget(budget.fixed, budget.step_limit, budget.time_limit_s * len(labels), budget.target,
+                            budget.min_span_s)
     t0 = clock()
     while (reason := per_policy.stop_reason([ratios(times, label, baseline) for label in others],
                                             clock() - t0)) is None:

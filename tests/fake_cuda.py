@@ -378,7 +378,7 @@ class FakeGpu:
                 self.ops = gpu.ops
 
             def synchronize(self) -> None:
-                pass
+                gpu.log("Event.synchronize", caller=sys._getframe(1).f_globals.get("__name__", ""))
 
             def query(self) -> bool:
                 return True

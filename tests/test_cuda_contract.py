@@ -25,14 +25,20 @@ from tests.fake_cuda import DEVICE_ARG_POSITION, REPO_ROOT, is_explicit_device, 
 
 MiB = 2**20
 FAKE_GPU = "NVIDIA H100 80GB HBM3"
-# One measured step, as DESIGN.md orders it: synchronize, reset peaks, baseline, event, forward+backward, the
-# fwd+bwd peak, optimizer step, event, synchronize, read.
-STEP = ["synchronize", "reset_peak_memory_stats", "memory_allocated", "Event.record", "max_memory_allocated",
-        "Event.record", "synchronize", "Event.elapsed_time", "max_memory_allocated", "max_memory_reserved"]
-# Then one untimed step read phase by phase: a reset as each phase starts, its peak read as it ends.
-PHASE_STEP = ["synchronize", "reset_peak_memory_stats", "max_memory_allocated", "reset_peak_memory_stats",
-              "max_memory_allocated", "reset_peak_memory_stats", "max_memory_allocated", "synchronize"]
-PROTOCOL = set(STEP) | {"memory_stats"}
+# The timed steps, as DESIGN.md orders them: back to back, an event at each boundary, no synchronize and no
+# memory-statistics call between them. Before them: synchronize, the allocator's retries, the start event, the first
+# timed step's end event. Then per timed step: the next step's end event (none after a fixed count's last), a wait
+# on the event before it (not on the device), the step's elapsed time. After them: the retries again.
+TIMED = ["synchronize", "memory_stats", "Event.record", "Event.record"]
+STEP = ["Event.record", "Event.synchronize", "Event.elapsed_time"]
+# Then a memory step of its own: synchronize, reset peaks, baseline; per phase a reset as it starts (the reserved
+# peak read before each reset) and its peak read as it ends; synchronize; the last reserved peak.
+MEMORY_STEP = ["synchronize", "reset_peak_memory_stats", "memory_allocated",
+               "max_memory_reserved", "reset_peak_memory_stats", "max_memory_allocated",
+               "max_memory_reserved", "reset_peak_memory_stats", "max_memory_allocated",
+               "max_memory_reserved", "reset_peak_memory_stats", "max_memory_allocated",
+               "synchronize", "max_memory_reserved"]
+PROTOCOL = set(TIMED + STEP + MEMORY_STEP)
 CUDA_FIELDS = {"peak_allocated_bytes": int, "fwd_bwd_peak_bytes": int, "static_bytes": int, "forward_peak_bytes": int,
                "backward_peak_bytes": int, "optimizer_peak_bytes": int, "peak_phase": str,
                "activation_peak_bytes": int, "peak_reserved_bytes": int, "num_alloc_retries": int,
@@ -109,7 +115,7 @@ def test_cuda_run_follows_the_protocol_with_an_explicit_device_in_every_call(fak
     names = [c.name for c in calls]
     assert names.index("set_device") < names.index("mem_get_info") < names.index("synchronize")
     protocol = [n for n in names if n in PROTOCOL]
-    assert protocol == ["synchronize", "memory_stats"] + STEP * 3 + ["memory_stats"] + PHASE_STEP
+    assert protocol == TIMED + STEP * 2 + STEP[1:] + ["Event.synchronize", "memory_stats"] + MEMORY_STEP
     # Step times are the events' (the fake clock ticks per op: every step runs the same ops), not the wall clock.
     assert len(set(record["step_ms"])) == 1 and record["step_ms"][0] > 0
     assert record["memory_cap_kind"] is None and fake_cuda.fraction == 1.0
@@ -186,9 +192,12 @@ class ScriptedStep:
     def __init__(self, sizes):
         self.sizes, self.batch = iter(sizes), {}
 
-    def __call__(self):
+    def __call__(self, mark=lambda phase: None):
+        mark("forward")
         self.forward_backward()
+        mark("optimizer")
         self.optimizer_step()
+        mark("end")
 
     def forward_backward(self):
         temporary = torch.empty(next(self.sizes), dtype=torch.uint8, device="cuda:0")
@@ -201,12 +210,34 @@ class ScriptedStep:
         return []
 
 
-def test_peak_reserved_is_the_maximum_over_the_measured_steps(fake_cuda):
+def test_the_memory_step_reads_the_reserved_peak_of_every_phase(fake_cuda):
+    # The forward+backward reserves 64 MiB, the optimizer step hands it back: the step's reserved peak is the
+    # forward's, not what is reserved when the step ends.
     instrument = CudaInstrument("cuda:0")
     with instrument.session():
-        out = instrument.time_steps(ScriptedStep([8 * MiB, 64 * MiB, 8 * MiB]), StepBudget(fixed=3), lambda _: None)
-    assert out["peak_reserved_bytes"] == 64 * MiB  # not the last step's 8 MiB
+        out = instrument.peak_fields(ScriptedStep([64 * MiB]), lambda _: None)
+    assert out["peak_reserved_bytes"] == 64 * MiB and fake_cuda.reserved == 0
     assert out["peak_allocated_bytes"] == out["fwd_bwd_peak_bytes"] == 64 * MiB
+
+
+def test_timed_steps_run_back_to_back_and_read_no_memory(fake_cuda):
+    # Each timed step is the time between the events at its two boundaries; under auto the step after the last
+    # timed one runs untimed (a fixed count launches none); nothing between two steps waits for the whole device.
+    instrument = CudaInstrument("cuda:0")
+    step = ScriptedStep([8 * MiB] * 4 + [8 * MiB] * 9)
+    with instrument.session():
+        fake_cuda.calls.clear()
+        out = instrument.time_steps(step, StepBudget(fixed=4), lambda _: None)
+        names = [c.name for c in fake_cuda.gcbench_calls()]
+        assert len(list(step.sizes)) == 9  # 4 launched, no more
+        step.sizes = iter([8 * MiB] * 9)
+        auto = instrument.time_steps(step, StepBudget(step_limit=8), lambda _: None)
+    first, last = names.index("Event.record"), len(names) - 1 - names[::-1].index("Event.elapsed_time")
+    assert not {"synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"} \
+        & set(names[first:last])
+    assert len(out["step_ms"]) == len(out["wall_ms"]) == 4
+    assert len(auto["step_ms"]) == 8 and next(step.sizes, None) is None  # 8 + 1 untimed
+    assert "peak_allocated_bytes" not in out and out["gpu_throttled"] is None  # the fake NVML cannot tell
 
 
 def test_alloc_retries_count_the_measured_steps_only(fake_cuda):
@@ -263,8 +294,8 @@ def test_gcbench_run_command_on_cuda(tmp_path):
     assert_cuda_record(record)
     calls = [c for c in read_log(log) if c.caller.startswith("gcbench")]
     assert_every_device_explicit(calls)
-    # one reset per measured step, then one per phase of the step read phase by phase
-    assert [c.name for c in calls].count("reset_peak_memory_stats") == 2 + 3
+    # none in the timed steps: one as the memory step starts, then one per phase of it
+    assert [c.name for c in calls].count("reset_peak_memory_stats") == 1 + 3
 
 
 @pytest.mark.slow

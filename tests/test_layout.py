@@ -30,7 +30,7 @@ LAYERS = [
     ("resolved",),
     ("step", "fsdp", "policies", "compiled", "losses", "liger_model", "models", "presets", "hub"),
     ("instruments",),
-    ("measure", "timing"),
+    ("measure", "timing", "nvml"),
     ("host_work",),
     ("spec",),
     ("results",),

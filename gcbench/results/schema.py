@@ -47,6 +47,7 @@ class NoteKind(enum.StrEnum):
     LOADED_HOST = "loaded-host"  # the 1-minute load average before the steps was past the cores
     SIDE_BY_SIDE = "side-by-side"  # one of several CPU jobs side by side (--jobs)
     CPU_RANKS = "cpu-ranks"  # a sharded run's CPU ranks share one machine's cores
+    THROTTLED = "throttled"  # the GPU held its clocks back (power or temperature) during the steps
     OTHER = "other"  # a text of no known kind (named by its own words)
 
     @property
@@ -58,7 +59,7 @@ class NoteKind(enum.StrEnum):
 NOTE_WORDS = {NoteKind.FEW_STEPS: "too few steps to judge", NoteKind.SPREAD: "steps spread past the limit",
               NoteKind.ZERO_MS: "steps of 0 ms", NoteKind.BUSY_HOST: "other processes busy",
               NoteKind.LOADED_HOST: "host loaded before the run", NoteKind.SIDE_BY_SIDE: "CPU jobs side by side",
-              NoteKind.CPU_RANKS: "CPU ranks", NoteKind.OTHER: ""}
+              NoteKind.CPU_RANKS: "CPU ranks", NoteKind.THROTTLED: "GPU throttled", NoteKind.OTHER: ""}
 # Records written before timing_note_kinds existed: their notes' kinds, by how each kind's text begins.
 _LEGACY_NOTE_STARTS = {"only ": NoteKind.FEW_STEPS, "step times spread": NoteKind.SPREAD,
                        "step times of 0": NoteKind.ZERO_MS, "other processes": NoteKind.BUSY_HOST,
@@ -137,7 +138,7 @@ class Record(TypedDict, total=False):
     # 95% interval of the median for correlated steps (results.stats.median_interval; records from before it took
     # the steps as independent: readers that judge noise recompute it from step_ms); None: too few or too correlated
     step_ms_ci: list[float] | None
-    steps_stop: str  # why measuring stopped: fixed | ci (interval within +-2%) | max-steps | max-time
+    steps_stop: str  # why measuring stopped: fixed | ci (interval within +-2% CPU, +-1% CUDA) | max-steps | max-time
     timing_stable: bool  # the stability rule (timing.timing_verdict, docs/methodology.md)
     timing_notes: list[str]  # why the timing is not trusted; empty when stable
     timing_note_kinds: list[str]  # each note's NoteKind, in the same order
@@ -150,6 +151,11 @@ class Record(TypedDict, total=False):
     other_cpu_cores: float | None  # cores other processes kept busy during the timed steps, on average
     gpu_state_start: dict[str, Any] | None  # CUDA: NVML clocks (MHz), power (W), temperature (C), clock-event reasons
     gpu_state_end: dict[str, Any] | None
+    # CUDA: NVML over the timed steps (nvml.GpuWindow): window_ms, power_capped_ms, thermal_capped_ms, energy_mj,
+    # sm_clock_mhz_min/_median/_max, clock_samples, clock_event_reasons_seen; gpu_throttled: held back at least 5%
+    # of the window (None: NVML could not tell)
+    gpu_window: dict[str, Any] | None
+    gpu_throttled: bool | None
     # paired timing (a sweep's policies of one model/seq/batch interleaved in one process; paired.py)
     time_ratio: float  # median over rounds of this policy's step time / the baseline's in the same round
     time_ratio_ci: list[float] | None  # its 95% interval
@@ -284,7 +290,7 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
                 else f"no {name!r} field"
     if record["status"] not in STATUSES:
         return f"unknown status {record['status']!r} (one of {', '.join(STATUSES)})"
-    for name in ("policy_options", "env", "gpu_state_start", "gpu_state_end"):
+    for name in ("policy_options", "env", "gpu_state_start", "gpu_state_end", "gpu_window"):
         if not isinstance(record.get(name) or {}, dict):
             return f"{name} is {record[name]!r}, not an object"
     for name, value in record.items():
@@ -317,7 +323,10 @@ def half_width(value: float, interval: Any) -> float | None:
 
 def config_key(record: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> str:
     """A configuration's identity: its spec fields (minus `ignore`) as canonical JSON. A sweep resumes by it, the
-    OOM skip rule ignores seq_len and batch_size, compare ignores the device index and the run length."""
+    OOM skip rule ignores seq_len and batch_size, compare ignores the device index and the run length. A fixed step
+    count (--steps N) leaves --max-steps and --max-time unused: they are not part of that config's identity."""
+    if record.get("measure_steps", "auto") != "auto":
+        ignore = (*ignore, "max_steps", "max_time_s")
     return json.dumps({k: record.get(k) for k in IDENTITY_KEYS if k not in ignore}, sort_keys=True, default=str)
 
 

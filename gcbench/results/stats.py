@@ -4,7 +4,9 @@ the raw samples every record keeps, so that older records are judged by the same
 
 Consecutive steps are not independent: a step that shares the machine with a busy neighbour is followed by another
 one (lag-1 autocorrelation 0.2-0.8 on a shared CPU), so n correlated steps know the median as well as fewer
-independent ones would. The interval here is made for that (docs/methodology.md, "How many steps").
+independent ones would; and a machine's speed drifts in spells of seconds (a virtual machine's neighbours, a GPU's
+power cap), so that a rerun, another process minutes later, meets another spell. The interval here is made for both
+(docs/methodology.md, "How many steps"): it covers what a rerun would see as far as the steps span the spells.
 """
 
 from __future__ import annotations
@@ -67,7 +69,48 @@ class Stats:
         return half_width(self.median, self.ci)
 
 
+# Slow drift: the samples in BATCHES consecutive batches of at least BATCH_SIZE each, their medians' mean and its
+# Student-t interval (the method of batch means; Schmeiser 1982 finds 10-30 batches enough). A batch holds a spell
+# the sign test's lag-1 model cannot see: on this project's 2-core VM, a tiny model's 15 ms steps run in spells of
+# 1-3 s at 13-21 ms (benchmarks/rerun_interval.py).
+BATCHES = 10
+BATCH_SIZE = 3
+# Student's t, two-sided 95%, by degrees of freedom (any t table; statistics has no t distribution)
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
 def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """The median's 95% interval for samples in the order they were measured: the sign test's (sign_test_interval:
+    correlated neighbours, skewed samples), widened to the batch medians' (batch_interval: drift in spells longer
+    than a few samples) where that is wider. None where the sign test can bound nothing."""
+    ci = sign_test_interval(samples, confidence)
+    batches = batch_interval(samples) if confidence == CONFIDENCE else None
+    if ci is None or batches is None:
+        return ci
+    return min(ci[0], batches[0]), max(ci[1], batches[1])
+
+
+def batch_interval(samples: Sequence[float]) -> tuple[float, float] | None:
+    """The 95% interval of the samples' level from the medians of BATCHES consecutive batches: their mean +- t *
+    sd / sqrt(batches), the variance widened for the batch medians' own lag-1 autocorrelation (a spell longer than
+    a batch; estimated, bias-corrected and margined as the sign test's is, and applied as an AR(1) mean's variance
+    inflation 1 + 2 sum_j (1 - j/b) rho^j). None below BATCHES * BATCH_SIZE samples."""
+    n, b = len(samples), BATCHES
+    if n < b * BATCH_SIZE:
+        return None
+    medians = [statistics.median(samples[i * n // b:(i + 1) * n // b]) for i in range(b)]
+    mean, sd = statistics.fmean(medians), statistics.stdev(medians)
+    if sd == 0:
+        return mean, mean
+    d = [m - mean for m in medians]
+    lag1 = sum(x * y for x, y in zip(d, d[1:])) / sum(x * x for x in d)
+    rho = min(RHO_MAX, (b * lag1 + 1) / (b - 4) + RHO_MARGIN / math.sqrt(b))
+    inflation = 1 + 2 * sum((1 - j / b) * rho ** j for j in range(1, b)) if rho > 0 else 1.0
+    half = T_975[b - 1] * sd * math.sqrt(inflation / b)
+    return mean - half, mean + half
+
+
+def sign_test_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
     """The median's interval for samples in the order they were measured (correlated, skewed): the order statistics
     x(k) and x(n+1-k) of the sign test, its variance widened for the samples' autocorrelation.
 

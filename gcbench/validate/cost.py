@@ -34,7 +34,8 @@ STEP_FLOOR_S_PER_BLOCK = 0.004
 CONFIG_START_S = 5.0
 BUILD_S_PER_BLOCK = 0.15
 # Untimed training steps a run adds after the measured ones (runner._measure): per-phase peaks, saved bytes and
-# FLOPs under the policy, model FLOPs without it.
+# FLOPs under the policy, model FLOPs without it; under --steps auto on CUDA one more, launched after the last timed
+# step before the budget stopped it (instruments.CudaInstrument.time_steps).
 EXTRA_STEPS = 3
 TORCHRUN_START_S = 20.0  # a sharded config: a fresh interpreter per rank, imports, the process group
 SWEEP_START_S = 8.0  # a sweep's fork server: imports torch and transformers, builds each model on meta
@@ -82,7 +83,7 @@ def measured_steps(spec: ResolvedRun, step_s: float) -> float:
     if spec.measure_steps != "auto":
         return int(spec.measure_steps)
     return min(spec.max_steps or DEFAULT_MAX_STEPS,
-               max(MIN_STEPS, (spec.max_time_s or DEFAULT_MAX_TIME_S) / step_s))
+               max(MIN_STEPS, (spec.max_time_s or DEFAULT_MAX_TIME_S) / step_s)) + 1  # the untimed one after
 
 
 def config_seconds(spec: ResolvedRun, n_params: int, peak_flops: float) -> float:

@@ -100,6 +100,7 @@ class Sizes:
     cap: str | None  # a memory cap (smoke: the fake GPU's 80 GiB would never run out)
     rounds: int  # harness-overhead rounds
     optimizers: str
+    timed_s: float = 5  # tier 4's --max-time: seconds of steps each timed config spans (smoke: the plan, not time)
     policies: str = "none,full,every-k:k=2,segments:k=4,sqrtn"  # the classic ones, timed paired in tier 4
     shard_policies: str = "none,full,sqrtn"
     fit_policies: str = "none,full"
@@ -115,7 +116,7 @@ REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_s
 SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, line_seq="64", line_batch="1,4,16",
               canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..64", cap="16MiB", rounds=2,
               optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full",
-              adapters="lora", losses="chunked", precisions="fp32,amp-bf16", families="tiny-gpt2")
+              adapters="lora", losses="chunked", precisions="fp32,amp-bf16", families="tiny-gpt2", timed_s=0.5)
 
 
 def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
@@ -182,10 +183,11 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
     timing = [
         Step(f"{s.large}-canonical", StepKind.SWEEP, "the whole model at a short sequence under the classic "
              "policies, timed paired: the command users start from",
-             {"model": s.large, "seq": s.canonical_seq, "batch": 1, "policy": s.policies, "max-time": 5, **inline}),
-        Step(s.small, StepKind.SWEEP, "a small model's classic policies, timed paired",
-             {"model": s.small, "seq": s.small_seq, "batch": s.small_batch, "policy": s.policies, "max-time": 5,
+             {"model": s.large, "seq": s.canonical_seq, "batch": 1, "policy": s.policies, "max-time": s.timed_s,
               **inline}),
+        Step(s.small, StepKind.SWEEP, "a small model's classic policies, timed paired",
+             {"model": s.small, "seq": s.small_seq, "batch": s.small_batch, "policy": s.policies,
+              "max-time": s.timed_s, **inline}),
         Step("overhead", StepKind.SCRIPT, "gcbench's measured step against a bare training loop, interleaved",
              argv=("{python}", "benchmarks/overhead.py", "--model", s.small, "--seq", str(s.small_seq), "--batch",
                    str(s.small_batch), "--policy", "full", "--rounds", str(s.rounds))),
