@@ -153,6 +153,27 @@ def test_predictions_add_a_column_and_a_figure(tmp_path, records):
         im.verify()
 
 
+def test_predicted_step_times_get_a_figure_of_their_own(tmp_path, records):
+    # Where records carry the time model's prediction (CUDA runs on a known card), the report holds it against the
+    # measured median; a timing not trusted is drawn hollow and counted in the caption. Without it: no figure.
+    predicted = without_predictions(records)
+    ok = [r for r in predicted if r["status"] == "ok"]
+    for i, r in enumerate(ok):
+        r["predicted_step_ms"] = r["step_ms_median"] * (1.2 if i == 0 else 0.9)
+        r["timing_stable"] = i != 1
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", str(write(tmp_path / "r.jsonl", predicted)), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    assert f"Median |error| 10.0%, worst 20.0%. Hollow: a timing not trusted (1 of {len(ok)})" in md
+    with Image.open(out / "figures" / "8-predicted-vs-measured-time.png") as im:
+        im.verify()
+    out2 = tmp_path / "report2"
+    result = runner.invoke(app, ["report", str(write(tmp_path / "r2.jsonl", without_predictions(records))), "--out",
+                                 str(out2)])
+    assert result.exit_code == 0 and not (out2 / "figures" / "8-predicted-vs-measured-time.png").exists()
+
+
 def test_prediction_error_per_method(tmp_path, records):
     predicted = without_predictions(records)
     for r in predicted:

@@ -22,7 +22,7 @@ from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, Drawn, coinc
                                           log2_axis, oom_handle, panel_figure, panel_title, policy_colors,
                                           policy_ticks)
 from gcbench.report.fit_figures import fit_frontier
-from gcbench.report.prediction_figure import predicted_vs_measured
+from gcbench.report.prediction_figure import predicted_vs_measured, predicted_vs_measured_time
 from gcbench.results.frame import policy_rank, without_fit_trials
 from gcbench.units import byte_unit, fmt_bytes
 
@@ -352,6 +352,7 @@ FIGURES: list[tuple[str, str, Callable]] = [
     ("5-throughput-vs-batch", "Throughput vs batch size", throughput_vs_batch),
     ("6-predicted-vs-measured", "Predicted vs measured peak memory", predicted_vs_measured),
     ("7-fit-frontier", "Throughput at the largest fit vs memory budget", fit_frontier),
+    ("8-predicted-vs-measured-time", "Predicted vs measured step time", predicted_vs_measured_time),
 ]
 # Figures of every record; the others draw grids of runs and sweeps, without a fit's trials (figure 7 has them).
 ALL_RECORDS = {"6-predicted-vs-measured", "7-fit-frontier"}

@@ -1,4 +1,5 @@
-"""The figure of predictions held against measurements: predicted vs measured peak memory, a point per config."""
+"""The figures of predictions held against measurements, a point per config: predicted vs measured peak memory,
+and predicted vs measured step time (the time model's, estimators/step_time.py, where a CUDA record carries it)."""
 
 from __future__ import annotations
 
@@ -43,4 +44,37 @@ def predicted_vs_measured(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     err = rows["prediction_error"].abs()
     return fig, (f"One point per config that ran; points above the diagonal over-predict. Prediction method: "
                  f"{', '.join(markers)}. Median |error| {err.median():.1%}, worst {err.max():.1%}."
+                 + same.caption())
+
+
+def predicted_vs_measured_time(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
+    if "predicted_step_ms" not in dev:
+        return None  # no record predicted its time: the figure does not apply
+    rows = dev[(dev["status"] == "ok") & dev["predicted_step_ms"].notna() & dev["step_ms_median"].notna()]
+    if rows.empty:
+        return None
+    hi = max(rows["step_ms_median"].max(), rows["predicted_step_ms"].max()) * 1.1
+    fig, [ax] = panel_figure(1, "Predicted vs measured step time", dev["device_label"].iloc[0])
+    ax.plot([0, hi], [0, hi], color="black", lw=1, label="prediction = measurement")
+    ax.fill_between([0, hi], [0, hi * 0.9], [0, hi * 1.1], color="grey", alpha=0.15, label="within ±10%")
+    same = coincident([(None, rows)], "step_ms_median", "predicted_step_ms")
+    for policy, p in sorted(rows.groupby("policy_label"), key=lambda kv: policy_rank(kv[0])):
+        on = same.scatter_style(policy)
+        for trusted, q in p.groupby("timing_trusted"):
+            # a timing not trusted is drawn hollow, as in the other figures
+            face = colors[policy] if trusted and not on else "none"
+            ax.scatter(q["step_ms_median"], q["predicted_step_ms"], s=on["s"] if on else 36,
+                       zorder=on["zorder"] if on else 4, facecolors=face, edgecolors=colors[policy],
+                       label=policy if trusted or not p["timing_trusted"].any() else None)
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("measured step time (ms, median of the timed steps)")
+    ax.set_ylabel("predicted step time (ms)")
+    figure_legend(fig, [ax], policies=colors, notes=same.notes())
+    err = (rows["predicted_step_ms"] / rows["step_ms_median"] - 1).abs()
+    untrusted = int((~rows["timing_trusted"]).sum())
+    hollow = f" Hollow: a timing not trusted ({untrusted} of {len(rows)})." if untrusted else ""
+    return fig, ("One point per config that ran on a card the time model knows (predicted before the run from the "
+                 "simulated step and the card's rates: docs/methodology.md, \"Predicting step time\"); points above "
+                 f"the diagonal over-predict. Median |error| {err.median():.1%}, worst {err.max():.1%}." + hollow
                  + same.caption())
