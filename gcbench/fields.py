@@ -26,7 +26,7 @@ from gcbench.optimizers import OPTIMIZERS
 from gcbench.units import fmt_bytes, plural
 from gcbench.values import (AUTO, Choice, Device, Int, IntOrAuto, Kind, Name, OptionText, PolicyText, Seconds, Size, Switch)
 
-DEFAULT_MAX_STEPS = 1000  # --steps auto: the most timed steps (fast steps stop at --max-time first)
+DEFAULT_MAX_STEPS = 1000  # --steps auto: the most timed steps (steps under 10 ms stop here before 10 s)
 DEFAULT_MAX_TIME_S = 10.0  # --steps auto: seconds of timed steps after which it stops
 PRECISIONS = {
     # name: (parameter dtype, autocast dtype or None), as torch attribute names

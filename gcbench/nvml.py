@@ -35,13 +35,19 @@ def nvml_device(cuda_index: int) -> Iterator[tuple[Any, Any] | None]:
 
     try:
         pynvml.nvmlInit()
+        ready = True
     except pynvml.NVMLError:
+        ready = False
+    if not ready:
         yield None
         return
     try:
         yield _handle(pynvml, cuda_index)
     finally:
-        pynvml.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass  # never in place of the block's own error (a step's out-of-memory is a result)
 
 
 def _handle(pynvml, cuda_index: int) -> tuple[Any, Any] | None:
@@ -174,7 +180,8 @@ class GpuWindow:
             return {"gpu_window": None, "gpu_throttled": None}
         a, b = self._start, self._end
         window_ms = (b["t"] - a["t"]) * 1e3
-        held = {k: (b[k] - a[k]) / 1e6 if a[k] is not None and b[k] is not None else None
+        # a counter that went back (a GPU reset, a driver reload in between) says nothing about the window
+        held = {k: (b[k] - a[k]) / 1e6 if a[k] is not None and b[k] is not None and b[k] >= a[k] else None
                 for k in ("power_ns", "thermal_ns")}
         clocks = [c for c, _ in self._samples if c is not None]
         reasons = [r for _, r in self._samples if r is not None]

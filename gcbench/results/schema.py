@@ -164,7 +164,7 @@ class Record(TypedDict, total=False):
     paired_rounds: int
     paired_stop: str  # as steps_stop
     paired_error: str  # why a policy that ran was not paired
-    wall_ms: float  # CUDA: host wall time of the measured steps, synchronized
+    wall_ms: list[float]  # CUDA: host wall time between the returns of consecutive timed steps (not synchronized)
     compile_ms: float  # budget policy: first step minus a compiled step
     # peaks, bytes
     peak_allocated_bytes: int  # CUDA: torch.cuda.max_memory_allocated over a whole step
