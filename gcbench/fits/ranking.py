@@ -4,14 +4,14 @@ within TIED of each other are not told apart; without a card, by FLOPs per token
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
 from gcbench.fits.predict import spec_at
 
-if TYPE_CHECKING:
-    from gcbench.fits.levers import Row
+# levers.Row, which ranking only reads: named loosely so that the data flows one way (levers imports ranking)
+Row = Any
 
 TIED = 0.03  # predicted tokens/s this close (relative) are not told apart: the time model's rates are not that sure
 # Full fine-tuning and adapters are ranked apart: an adapter trains a different thing (the base is frozen).
