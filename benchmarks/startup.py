@@ -12,6 +12,10 @@ alike, and the figure is the median of the pairs' ratios:
             the floor: bare_step.py's imports and build, to its model built (not its exit).
   estimate  `gcbench estimate --model llama-7b --seq 4096 --policy none,full,sqrtn --method simulate`, paired with
             the same floor, and with --fit also `gcbench estimate --model llama-7b --seq 4096 --fit --gpu h100-80gb`.
+            `--method analytic` of the same, paired with the libraries' import floor (`import torch,
+            transformers`): the analytic model still builds the model on the meta device, so its modeling code.
+  suites    (only with --only suites: 15-20 minutes on 2 cores) the README's test command and the slow set, each
+            once, as CI runs them: wall, tests passed, and the slowest tests pytest reports.
   optimum   with --optimum-python PY (an interpreter that has optimum-benchmark installed, in its own environment:
             `pip install optimum-benchmark`): its training scenario on the same tiny llama (benchmarks/
             optimum_training.py), paired against the same `gcbench run`.
@@ -41,6 +45,9 @@ RUN_ARGS = ["run", "--model", "tiny-llama", "--seq", "32", "--policy", "none", "
             "--device", "cpu"]
 SWEEP_CONFIGS = 8
 ESTIMATE = ["estimate", "--model", "llama-7b", "--seq", "4096", "--policy", "none,full,sqrtn", "--method", "simulate"]
+ESTIMATE_ANALYTIC = [*ESTIMATE[:-1], "analytic"]
+LIBRARIES = [PYTHON, "-c", "import torch, transformers"]
+SUITES = (("the default suite", []), ("the slow set", ["-m", "slow"]))
 ESTIMATE_FIT = ["estimate", "--model", "llama-7b", "--seq", "4096", "--fit", "--gpu", "h100-80gb"]
 # The parts of a run, in order, as the marks name them (see marked_run)
 RUN_PARTS = ("imports", "spec", "prediction", "build", "steps", "record")
@@ -200,8 +207,30 @@ def estimate_figures(fit: bool, repeat: int) -> list[str]:
              f"build): "
              f"{statistics.median(floors):.2f} s, the estimate "
              f"{statistics.median(t - f for t, f in zip(times, floors)):+.2f} s above it"]
+    times, floors = paired(lambda: wall([*GCBENCH, *ESTIMATE_ANALYTIC]), lambda: wall(LIBRARIES), repeat)
+    lines.append(f"estimate --method analytic: median {statistics.median(times):.2f} s of {repeat}; `import torch, "
+                 f"transformers` paired: {statistics.median(floors):.2f} s, the estimate "
+                 f"{statistics.median(t - f for t, f in zip(times, floors)):+.2f} s above it")
     if fit:
         lines.append(f"estimate --fit (llama-7b, seq 4096, h100-80gb): {wall([*GCBENCH, *ESTIMATE_FIT]):.2f} s")
+    return lines
+
+
+def suite_figures() -> list[str]:
+    """Each pytest set once, a whole process from this checkout's root (its pyproject.toml's options: one worker
+    per core), with pytest's own summary line and its five slowest tests."""
+    lines = []
+    for name, args in SUITES:
+        start = time.perf_counter()
+        done = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5", *args],
+                              capture_output=True, text=True, cwd=HERE.parent)
+        seconds = time.perf_counter() - start
+        out = done.stdout.splitlines()
+        summary = out[-1].strip("= ") if out else "no output"
+        at = next((i for i, line in enumerate(out) if "slowest" in line), None)
+        slowest = out[at + 1:at + 6] if at is not None else []
+        lines.append(f"{name}: {seconds:.0f} s wall, exit {done.returncode}; {summary}")
+        lines += [f"  {line.strip()}" for line in slowest]
     return lines
 
 
@@ -228,7 +257,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="sweeps and estimates timed (their median)")
     ap.add_argument("--fit", action="store_true", help="also time estimate --fit, once (about 25 s)")
     ap.add_argument("--optimum-python", help="an interpreter with optimum-benchmark installed")
-    ap.add_argument("--only", choices=("run", "sweep", "estimate", "optimum"), action="append")
+    ap.add_argument("--only", choices=("run", "sweep", "estimate", "optimum", "suites"), action="append")
     ap.add_argument("--root", type=Path, help="time the gcbench of this checkout (e.g. a `git worktree` of an "
                                               "earlier commit) instead of this one")
     args = ap.parse_args()
@@ -244,6 +273,8 @@ def main() -> None:
             print("\n".join(sweep_figures(out, args.repeat)), flush=True)
         if "estimate" in only:
             print("\n".join(estimate_figures(args.fit, args.repeat)), flush=True)
+        if "suites" in only:
+            print("\n".join(suite_figures()), flush=True)
         if "optimum" in only:
             if args.optimum_python:
                 print("\n".join(optimum_figures(args.optimum_python, args.pairs, out)), flush=True)

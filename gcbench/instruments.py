@@ -7,7 +7,6 @@ counters both use (live-tensor tracker, statistics, FLOP peaks) are in measure.p
 
 from __future__ import annotations
 
-import gc
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import torch
 
 from gcbench.fields import DeviceKind
 from gcbench.gpus import peak_flops
-from gcbench.measure import LiveTensorTracker, PhasePeaks
+from gcbench.measure import LiveTensorTracker, PhasePeaks, collect_garbage
 from gcbench.nvml import GpuWindow, gpu_state, nvml_free_bytes
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
 
@@ -140,7 +139,7 @@ class CpuInstrument(Instrument):
 
     @contextmanager
     def session(self) -> Iterator[None]:
-        with cleanup_after(gc.collect):  # reference cycles of this run, before the next in-process one
+        with cleanup_after(collect_garbage):  # reference cycles of this run, before the next in-process one
             yield
 
     def free_bytes(self) -> int:
@@ -235,7 +234,7 @@ class CudaInstrument(Instrument):
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     def _release(self) -> None:
-        gc.collect()
+        collect_garbage()
         torch.cuda.empty_cache()  # the caching allocator's unused blocks, of every device
 
     def free_bytes(self) -> int:

@@ -128,7 +128,7 @@ def _copy_repo(root: Path) -> None:
         (root / name).write_text(f"# {name}\n\n{BEGIN}\nnothing yet\n{END}\n\nafter\n")
 
 
-def _rehearse(tmp_path: Path, selection: tuple[str, ...], deadline: str) -> tuple[Path, Path, dict]:
+def _rehearse(tmp_path: Path, deadline: str) -> tuple[Path, Path, dict]:
     """The smoke plan (tiny models) on the fake GPU under a fake clock (each reading 1 s after the last):
     predictions made beforehand; a first call stops at its deadline between configs (exit 75) with an archive;
     a second finishes. Returns the GPU side's results folder, the second archive and the call environment."""
@@ -138,7 +138,7 @@ def _rehearse(tmp_path: Path, selection: tuple[str, ...], deadline: str) -> tupl
     env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(REPO_ROOT), str(gpu_side))
 
     def validate(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*GCBENCH, "validate", "--smoke", *selection, *args], capture_output=True, text=True,
+        return subprocess.run([*GCBENCH, "validate", "--smoke", *args], capture_output=True, text=True,
                               cwd=gpu_side, env=env, timeout=900)
 
     predicted = validate("--predict")
@@ -169,24 +169,8 @@ def _rehearse(tmp_path: Path, selection: tuple[str, ...], deadline: str) -> tupl
     assert "cuBLAS workspace allocated by the backward" in (folder / "cuda-context.txt").read_text()
     for planned in Validation(tiers(smoke=True), folder, predicted=folder.parent / "predicted",
                               planning=True).steps:
-        if planned.tier.number <= 2 or "--tiers" not in selection:
-            assert planned.finished, planned.step.name  # every config and trial of those tiers is recorded
+        assert planned.finished, planned.step.name  # every config and trial is recorded
     return folder, next((tmp_path / "out2").glob("*.tar.gz")), env
-
-
-@pytest.mark.slow  # about a minute: two tiers of the plan in subprocesses; CI runs it
-def test_tiers_1_and_2_rehearsed_on_the_fake_gpu_stop_at_a_deadline_resume_and_come_home(tmp_path):
-    folder, archive, env = _rehearse(tmp_path, ("--tiers", "1,2"), deadline="20")
-    home = tmp_path / "home"
-    _copy_repo(home)
-    imported = subprocess.run([*GCBENCH, "validate", "--import", str(archive)], capture_output=True, text=True,
-                              cwd=home, env=env, timeout=300)
-    assert imported.returncode == 0, imported.stderr[-2000:]
-    mine = home / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
-    assert {f.name: len(read_records(f)) for f in mine.glob("*.jsonl")} == \
-        {f.name: len(read_records(f)) for f in folder.glob("*.jsonl")}
-    assert (mine / "report/report.html").exists() and "nothing quoted" in imported.stdout
-    assert "nothing yet" in (home / "README.md").read_text()  # fake-GPU numbers are never quoted
 
 
 @pytest.mark.slow  # about 6 s: keeps the default suite under 5 minutes (CI runs the slow set)
@@ -217,13 +201,31 @@ def test_a_real_gpu_archive_is_merged_once_and_its_numbers_quoted_from_the_recor
                                                                                 home / "docs/gpu.md"]
 
 
-@pytest.mark.slow  # the whole smoke plan: a few minutes on 2 cores
-def test_the_whole_plan_rehearsed_on_the_fake_gpu_runs_every_step_once(tmp_path):
-    folder, _, _ = _rehearse(tmp_path, (), deadline="40")
+@pytest.mark.slow  # the whole smoke plan: about two minutes on 2 cores
+def test_the_whole_plan_rehearsed_on_the_fake_gpu_stops_at_a_deadline_resumes_and_comes_home(tmp_path):
+    folder, archive, env = _rehearse(tmp_path, deadline="40")
     assert all((folder / f"{name}.txt").read_text().splitlines()[-1] == "exit 0"
                for name in ("cuda-context", "overhead", "timing-cv"))
     canonical = read_records(folder / "tiny-llama-canonical.jsonl")
     assert all("time_ratio" in r or r.get("paired_error") for r in canonical)
+    home = tmp_path / "home"
+    _copy_repo(home)
+    imported = subprocess.run([*GCBENCH, "validate", "--import", str(archive)], capture_output=True, text=True,
+                              cwd=home, env=env, timeout=300)
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    mine = home / "results/gpu-smoke/nvidia-h100-80gb-hbm3"
+    assert {f.name: len(read_records(f)) for f in mine.glob("*.jsonl")} == \
+        {f.name: len(read_records(f)) for f in folder.glob("*.jsonl")}
+    assert (mine / "report/report.html").exists() and "nothing quoted" in imported.stdout
+    assert "nothing yet" in (home / "README.md").read_text()  # fake-GPU numbers are never quoted
+
+
+def test_tiers_asked_for_are_the_only_ones_planned(tmp_path):
+    plan = tiers(smoke=True)
+    chosen = Validation(plan, tmp_path / "gpu", predicted=tmp_path / "predicted", tiers_wanted={2, 5},
+                        planning=True, python=sys.executable)  # tiers 1 and 3 would take seconds to price
+    assert {t.number for t in chosen.plan} == {2, 5} and len(plan) == 5
+    assert {p.tier.number for p in chosen.steps} == {2, 5}
 
 
 def test_import_refuses_an_archive_that_writes_outside_its_folder(tmp_path):

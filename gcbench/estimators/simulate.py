@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ from gcbench.estimators.shape import attention_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.estimators.step_clock import StepClock
 from gcbench.losses import CPU_TARGET
-from gcbench.measure import PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
+from gcbench.measure import PhasePeaks, collect_garbage, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import build_model, find_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, Policy
@@ -147,7 +146,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     start = time.perf_counter()
     # Reference cycles an earlier simulation left (SAC's caches make some) would otherwise be collected at a moment
     # of the garbage collector's choosing inside this one's tracked step: the same spec would give another peak.
-    gc.collect()
+    collect_garbage()
     # The fakes are CPU tensors whatever the target (autocast, too, must act on CPU tensors); see the module docstring.
     spec = resolve(spec).replace(device="cpu", memory_cap_bytes=None)
     cuda = target == "cuda"
