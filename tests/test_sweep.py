@@ -404,14 +404,17 @@ def test_kill_9_of_a_sweep_leaves_no_child_log_behind(tmp_path):
 
 
 def _config_child(pid: int) -> int | None:
-    """A process forked by the fork server among `pid`'s descendants (a config's child), if any."""
-    for server in _descendants(pid):
+    """A process forked by the fork server among `pid`'s descendants (a config's child), if any: a fork, so its
+    command line is the server's, not that of a program the server runs while it warms up (git, for the sha)."""
+    def forked(p: int) -> bool:
         try:
-            forked = b"forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()  # the children's too: forks
+            return b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()
         except OSError:
-            continue
-        if forked and (children := _descendants(server)):
-            return next(iter(children))
+            return False
+
+    for server in filter(forked, _descendants(pid)):
+        if children := [c for c in _descendants(server) if forked(c)]:
+            return children[0]
     return None
 
 
