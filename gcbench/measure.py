@@ -69,19 +69,15 @@ _count_kv_heads_as_query_heads()
 
 
 def collect_garbage() -> None:
-    """The reference cycles made since this process first called this, collected (gc.collect), before a run or a
-    simulation that must not see them freed inside its step. The first call collects the whole heap once, then
-    freezes what survives (gc.freeze: the gc module's permanent generation, never walked again): each later call
-    walks only what came after, not the ~10^6 objects of torch and transformers (0.22 s a call on 2 CPU cores, a
-    quarter of a tiny model's simulation). A cycle among the frozen objects is never freed, so never inside a step
-    either."""
+    """The reference cycles made since the heap was frozen, collected (gc.collect), before a run or a simulation
+    that must not see them freed inside its step. Where nothing froze it yet (the fork server does, for its
+    children), the first call collects the whole heap once, then freezes what survives (gc.freeze: the gc module's
+    permanent generation, never walked again): each later call walks only what came after, not the ~10^6 objects
+    of torch and transformers (0.22 s a call on 2 CPU cores, a quarter of a tiny model's simulation). A cycle among
+    the frozen objects is never freed, so never inside a step either."""
     gc.collect()
-    if not _frozen:
+    if not gc.get_freeze_count():
         gc.freeze()
-        _frozen.append(True)
-
-
-_frozen: list[bool] = []
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
