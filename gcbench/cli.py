@@ -21,7 +21,7 @@ from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption,
                                  print_warnings, step_progress, warm_children, with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
-from gcbench.gpus import memory_to_fit
+from gcbench.gpus import gpu as gpu_entry, memory_to_fit
 from gcbench.grid import one_value_each
 from gcbench.results.schema import Status
 from gcbench.spec import RunSpec
@@ -79,6 +79,7 @@ def run(
         from gcbench.grid import parse_options
         from gcbench.report.run_table import before_run_notes, print_run
         from gcbench.resolved import resolve
+        from gcbench.results.rewrite import compact_records
         from gcbench.results.store import append_record, check_appendable
         from gcbench.launch import run as run_spec
 
@@ -96,6 +97,7 @@ def run(
         except GcbenchError:
             typer.echo(json.dumps(record, default=str))  # the measurement is not lost: stdout has it
             raise
+        compact_records(out)  # versions of one record a killed sweep left there: one line each from now on
         if dropped is not None:
             typer.echo(f"gcbench: warning: {plain(out)}: removed a truncated last line left by an interrupted run "
                        f"({dropped[:60]!r}...)", err=True)
@@ -369,7 +371,8 @@ def estimate(
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
         with PredictionBar(err_console, "estimating") as bar:
-            results = estimate_grid(axes, methods, device, bar, memory, layers=one.get("layers"), attn=one.get("attn"))
+            results = estimate_grid(axes, methods, device, bar, memory, card=gpu_entry(gpu) if gpu else None,
+                                    layers=one.get("layers"), attn=one.get("attn"))
     rows = estimate_rows(results, memory, gpu, device)
     _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)
 

@@ -92,7 +92,7 @@ class Gpu:
     @property
     def workspace_bytes(self) -> int:
         """The cuBLAS workspaces a training step allocates on this card (counted by max_memory_allocated)."""
-        return CUBLAS_THREADS * cublas_workspace_bytes(self.capability)
+        return workspaces_on(self)
 
     @property
     def usable_bytes(self) -> int | None:
@@ -168,6 +168,20 @@ def gpu(name: str) -> Gpu:
         if g.name == name.strip().lower():
             return g
     raise GcbenchError(f"unknown --gpu {name!r}; known: {', '.join(g.name for g in known)} (or give --gpu-memory)")
+
+
+def workspaces_on(card: Gpu | None) -> int:
+    """The cuBLAS workspaces a training step holds in the caching allocator on `card`; None: a card known by its
+    memory only (--gpu-memory), taken as Hopper's, the larger size."""
+    return CUBLAS_THREADS * cublas_workspace_bytes(card.capability if card is not None else None)
+
+
+def max_memory_reserved(replayed: int, card: Gpu | None) -> int:
+    """What torch.cuda.max_memory_reserved reads for a step whose replayed caching allocator (the step's own
+    tensors) peaked at `replayed` bytes: that plus the cuBLAS workspaces, which PyTorch allocates through the same
+    allocator (CublasHandlePool.cpp) and keeps to the end. The one place a prediction of reserved memory adds them
+    (estimate, estimate --fit, benchmarks/published/check.py); budgets take them off the card's memory instead."""
+    return replayed + workspaces_on(card)
 
 
 def memory_to_fit(gpu_name: str | None, memory: int | None) -> int | None:

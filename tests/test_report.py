@@ -98,6 +98,7 @@ def test_dataframe_from_records_written_by_the_tool(results, records):
 def test_repeated_config_keeps_the_latest_record_never_an_average(tmp_path, records):
     again = copy.deepcopy(records[0])
     again["step_ms_median"] = records[0]["step_ms_median"] * 3
+    again["record_id"] = "f" * 32  # another record of the config (`run` twice), not a newer version of the first
     frame = results_frame(gcbench.load(write(tmp_path / "r.jsonl", [records[0], again])))
     assert len(frame) == 1 and frame["step_ms_median"].iloc[0] == again["step_ms_median"]
     assert frame.attrs["superseded"] == 1

@@ -43,7 +43,7 @@ class Stopped(BaseException):
     it, and the sweep writes nothing more on its way out)."""
 
 
-def test_each_record_is_on_disk_before_the_paired_timing_and_gets_it_as_a_newer_version(tmp_path, monkeypatch):
+def test_each_record_is_on_disk_before_the_paired_timing_and_gets_it_on_its_own_line(tmp_path, monkeypatch):
     out = tmp_path / "r.jsonl"
     at_pairing = []
     pair = InProcessRunner.paired
@@ -54,7 +54,7 @@ def test_each_record_is_on_disk_before_the_paired_timing_and_gets_it_as_a_newer_
     assert [r["policy"] for r in on_disk] == ["none", "full"]  # both finished configs, before their pairing
     assert all(r["paired_error"] == NOT_YET_PAIRED for r in on_disk)  # and they say what is still to come
     stored = read_records(out)
-    assert stored == records and len(lines(out)) == 4  # each written twice, read once: its newest version
+    assert stored == records and len(lines(out)) == 2  # each rewritten in place: one line per config
     assert [r["record_id"] for r in stored] == [r["record_id"] for r in on_disk]
     assert all("time_ratio" in r and "paired_error" not in r for r in stored)
 
@@ -78,7 +78,7 @@ def test_a_resumed_sweep_runs_no_finished_config_again_and_pairs_what_awaits_it(
     assert ran == []  # both were finished: not run again
     assert [r["sweep_id"] for r in records] == [r["sweep_id"] for r in first]
     assert all("time_ratio" in r and "paired_error" not in r for r in records)  # paired now
-    assert read_records(out) == records and len(lines(out)) == 4
+    assert read_records(out) == records and len(lines(out)) == 2
 
 
 def test_waiting_for_a_locked_results_file_says_for_what_and_ctrl_c_ends_it(tmp_path, monkeypatch):

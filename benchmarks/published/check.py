@@ -156,7 +156,7 @@ def _on_card(row: dict[str, Any], pub: float, reserved: int) -> Outcome:
                                                            "cuBLAS workspace size is not known")
     context = 0 if row["figure"] != "device" else card.context if "context_mib" not in row else \
         int(row["context_mib"] * UNITS["MiB"])  # the source's own reading of its context, where it gives one
-    return Outcome(row, "predicted", pub, reserved + card.workspace_bytes + context)
+    return Outcome(row, "predicted", pub, gpus.max_memory_reserved(reserved, card) + context)
 
 
 def summary(outcomes: list[Outcome]) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from gcbench.compiled import UNPREDICTED
 from gcbench.errors import GcbenchError
 from gcbench.fields import default_precision
+from gcbench.gpus import Gpu, max_memory_reserved
 from gcbench.estimators import analytic, fake_ranks, per_rank, plan, sharing, simulate
 from gcbench.estimators.caching_allocator import OutOfMemory
 from gcbench.estimators.estimates import Estimate, Progress, Unavailable
@@ -82,7 +83,8 @@ def _refuse_compiled(spec: RunSpec | ResolvedRun) -> None:
 
 
 def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",
-                  progress: Progress | None = None, capacity: int | None = None, **spec_fields: Any
+                  progress: Progress | None = None, capacity: int | None = None, card: Gpu | None = None,
+                  **spec_fields: Any
                   ) -> list[tuple[ResolvedRun, Estimate | Unavailable]]:
     """Every combination of the `axes` (RunSpec field -> its values: model, seq_len, batch_size, policy, precision,
     optimizer, ...), by every method. All specs are validated before anything runs, so bad input fails at once and
@@ -92,7 +94,8 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     (or "") = bf16 for a CUDA target, fp32 for CPU, as `gcbench run` picks; spec_fields: the same for every config
     (layers, attn). The simulations run side by side where the machine has the cores (sharing.py); `progress` is
     told of each cell predicted. `capacity`: the bytes a card leaves to the caching allocator: each simulated
-    cell of a CUDA target then has the allocator replayed on that card (`with_reserved`)."""
+    cell of a CUDA target then has the allocator replayed on that card (`with_reserved`); `card`: the card named,
+    whose cuBLAS workspaces the reserved peak adds (None: Hopper's, gpus.max_memory_reserved)."""
     methods = list(methods)
     for method in methods:
         if method not in METHODS:
@@ -127,7 +130,7 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     if replays:
         total = len(jobs) + replays
         cells = with_reserved(cells, capacity, lambda done, text: progress and progress(len(jobs) + done, total,
-                                                                                        text))
+                                                                                        text), card)
         if progress is not None:
             progress(total, total, "")
     if all(isinstance(cell, Unavailable) for _, cell in cells):
@@ -150,10 +153,11 @@ def estimate_rows(cells: Cells, memory: int | None, gpu_name: str | None, target
             for (spec, e), times in zip(cells, grid_time_fields(cells, gpu_name, target))]
 
 
-def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], Any] | None = None) -> Cells:
+def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], Any] | None = None,
+                  card: Gpu | None = None) -> Cells:
     """The cells with PyTorch's caching allocator replayed on a card that leaves it `capacity` bytes
     (simulate.replay_allocator), once per config that a cell simulated: its `reserved_bytes`
-    (max_memory_reserved), and `runs_out` on every cell of that config, whichever the method, so that a config
+    (max_memory_reserved as `card` reads it, its cuBLAS workspaces included: gpus.max_memory_reserved), and `runs_out` on every cell of that config, whichever the method, so that a config
     fits or not whatever the row (a sharded config's: rank 0's, FSDP2 itself over a fake world). A config the
     replay does not take (a paged optimizer, a simulation that stood in for the analytic model, a sharded one in a
     process that holds a process group) keeps its peak against the memory."""
@@ -163,7 +167,7 @@ def with_reserved(cells: Cells, capacity: int, progress: Callable[[int, str], An
             progress(len(replayed), f"{spec.policy} (the allocator on the card)")
         try:
             _, allocator = simulate.replay_allocator(plan.with_mix(spec, "cuda"), capacity)
-            replayed[spec] = (allocator.peak_reserved, False)
+            replayed[spec] = (max_memory_reserved(allocator.peak_reserved, card), False)
         except OutOfMemory:
             replayed[spec] = (None, True)
         except GcbenchError:

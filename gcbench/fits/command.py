@@ -14,7 +14,7 @@ from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_
     canonical_policy
 from gcbench.estimators.estimates import Progress
 from gcbench.fits.predict import predict_each, spec_at
-from gcbench.gpus import gpu
+from gcbench.gpus import gpu, max_memory_reserved
 from gcbench.grid import RUN_OPTIONS, one_value_each
 from gcbench.fields import default_precision, run_field
 from gcbench.resolved import resolve
@@ -135,7 +135,8 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
                      "predictions": found.predictions, "flops": found.flops, "budget_bytes": cap,
                      # the allocator replayed (--method simulate): its reserved peak, and the allocated peak's answer
-                     **({"reserved": found.reserved, "allocated_only": found.allocated_only}
+                     **({"reserved": max_memory_reserved(found.reserved, card) if found.reserved else None,
+                         "allocated_only": found.allocated_only}
                         if found.allocated_only is not None else {}),
                      "gpu": card.name if card else None, "time_basis": basis})
     where = card.budget_words() if card else f"--gpu-memory {fmt_bytes(memory)}"

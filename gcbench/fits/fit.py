@@ -34,6 +34,7 @@ from gcbench.paired import choose_baseline, pairable
 from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
 from gcbench.results.schema import SHAPE_FIELDS, Status, config_key, config_label, fastest, peak_bytes, policy_label
+from gcbench.results.rewrite import compact_records
 from gcbench.results.store import append_record, check_appendable, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
@@ -206,6 +207,7 @@ class Fit:
                     if id(record) not in written:
                         append_record(spec.out, record)
                         written.add(id(record))
+                compact_records(spec.out)  # versions of one record a killed sweep left there: one line each
         return fits, recommend([f.best for f in fits if f.best is not None], self._command)
 
     def _search(self, fit: PolicyFit, runner, view: SweepProgress) -> None:

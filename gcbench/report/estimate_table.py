@@ -136,8 +136,10 @@ def _fits_note(rows: list[dict[str, Any]], memory_bytes: int) -> str:
     the card, whether cudaMalloc would run out (the reserved column: max_memory_reserved; past: it runs out)."""
     if not any(r.get("runs_out") is not None for r in rows):
         return f"fits = peak <= {fmt_bytes(memory_bytes)}"
-    return (f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the step (simulate rows); "
-            f"fits = the allocator stays within {fmt_bytes(memory_bytes)} (past: it runs out), else peak <= it")
+    return (f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the step, its cuBLAS "
+            f"workspaces included (simulate rows); fits = the step's own tensors stay within "
+            f"{fmt_bytes(memory_bytes)}, the card less its context and those workspaces (past: the allocator runs "
+            f"out there), else peak <= it")
 
 
 def _table(title: str, caption: str, columns: list[_Column]) -> Table:

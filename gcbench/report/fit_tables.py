@@ -73,7 +73,8 @@ def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, c
     replayed = any(r.get("allocated_only") is not None for r in rows)
     if replayed:
         changed = [f"{r['policy']}: {r['allocated_only']}" for r in rows if r.get("allocated_only") != r["value"]]
-        caption = [*caption, f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the card: "
+        caption = [*caption, f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the card, "
+                   f"its cuBLAS workspaces included: "
                    f"{word} + 1 runs out there" + (f" (by the allocated peak alone: {', '.join(changed)})"
                                                    if changed else "") + f"; its segments make that not monotone "
                    f"in the {word}: a smaller one can run out too (docs/methodology.md)"]

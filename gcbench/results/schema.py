@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -188,9 +189,9 @@ class Record(TypedDict, total=False):
     recompute_flops_ratio: float | None  # flops / model_flops - 1
     tokens_per_s: float
     mfu: float | None
+    record_id: str  # every record's own (new_record); a newer version of a record (its paired timing added) keeps it
     # a sweep's
     sweep_id: str
-    record_id: str  # a later line with the same id is a newer version of this record (its paired timing added)
     isolation: str
     device_slot: str  # --devices / --jobs: the GPU (cuda:N as the driver numbers them) or the cores it ran on
     parallel_jobs: int  # with device_slot: how many configs ran side by side
@@ -270,9 +271,10 @@ IDENTITY_KEYS = identity_columns()
 
 def new_record(spec_fields: Mapping[str, Any], status: str = Status.OK, error: str | None = None,
                **fields: Any) -> Record:
-    """The head every record starts with (schema version, the spec, status, error), then `fields`."""
+    """The head every record starts with (schema version, the spec, status, error, a new record_id), then
+    `fields`."""
     return {"schema_version": SCHEMA_VERSION, **spec_fields, "status": Status(status).value,  # type: ignore
-            "error": error, **fields}
+            "error": error, "record_id": uuid.uuid4().hex, **fields}
 
 
 # What a reader needs of every record, with its type: without these a record cannot be placed in a table.

@@ -5,8 +5,9 @@ flushed and fsynced; when the write fails (a full disk, Ctrl-C) the file is trun
 it is left exactly as it was. Readers and writers accept regular files only (not /dev/zero, a FIFO, a directory).
 Waiting for another writer's lock can be interrupted (Ctrl-C, SIGTERM), and says after a moment what it waits for.
 
-A record written again later (a sweep's record once its paired timing is added) carries the `record_id` of the
-first: readers get the newest version, where the first one stood.
+A record written again later (a sweep's record once its paired timing is added) replaces its own line (rewrite.py),
+so that the file holds each record once; where a killed writer or an older gcbench left two versions under one
+`record_id`, readers get the newest, where the first one stood, and the next writer compacts them.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
             break
         os.close(fd)  # the writer that held the lock removed the empty file it had made: open the path anew
     try:
-        with _signals_held():
+        with signals_held():
             dropped = _drop_torn_tail(fd)
             size = os.fstat(fd).st_size
             try:
@@ -239,7 +240,7 @@ def _drop_torn_tail(fd: int) -> str | None:
 
 
 @contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM while the file is changed and deliver them after (the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -271,7 +272,7 @@ def drop_truncated_last_line(path: Path) -> str | None:
         raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
     try:
         lock(fd, path)
-        with _signals_held():
+        with signals_held():
             dropped = _drop_torn_tail(fd)
             os.fsync(fd)
         return dropped
@@ -345,39 +346,27 @@ def _newest_versions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-def records_after(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """The whole records appended to `path` from byte `offset` on (a line boundary) and the offset after them: what
-    another writer added since. Lines that do not read as records are left to read_records to judge. A file now
-    shorter than `offset` (truncated back) is read from its start."""
+def records_after(path: Path, seen: set[str]) -> list[dict[str, Any]]:
+    """The whole records of `path` whose `record_id` is not in `seen` (added to it): what another writer added since
+    `seen` was filled. Lines that do not read as records, or carry no record_id, are left to read_records to judge.
+    Read by id, not by offset: a record rewritten in place (rewrite.py) moves the lines after it."""
     try:
         with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size < offset:
-                offset = 0
-            f.seek(offset)
             data = f.read()
     except FileNotFoundError:
-        return [], 0
+        return []
     except OSError as e:
         raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
-    whole = data.rfind(b"\n") + 1
     records = []
-    for line in data[:whole].splitlines():
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
         try:
             record = json.loads(line, parse_int=_record_int)
         except (ValueError, RecursionError):
             continue
-        if isinstance(record, dict):
+        if isinstance(record, dict) and isinstance(record.get("record_id"), str) and record["record_id"] not in seen:
+            seen.add(record["record_id"])
             records.append({**ADDED_SPEC_FIELDS, **record})
-    return records, offset + whole
-
-
-def end_of_records(path: Path) -> int:
-    """The offset after the last whole line of `path` (0 when it cannot be read: writing to it says why)."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return 0
-    return data.rfind(b"\n") + 1
+    return records
 
 
 def result_files(paths: Iterable[str | Path]) -> list[Path]:

@@ -1,6 +1,6 @@
 """Running a grid: resume from the output file, skip configs larger than one that ran out of memory, each record
 appended as its config ends, the policies of one configuration timed paired after each has run (their records
-appended again with it), sweeps sharing an output file running each configuration once (claims.py), Ctrl-C and
+rewritten in place with it), sweeps sharing an output file running each configuration once (claims.py), Ctrl-C and
 SIGTERM stop the running child and keep what is measured."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from gcbench.errors import DeadlineReached, GcbenchError, WontFit, raise_interru
 from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
 from gcbench.results.schema import STATUSES, Status, config_key, config_label, policy_label
-from gcbench.results.store import (append_record, drop_truncated_last_line, end_of_records, ensure_writable,
-                                   read_records, records_after)
+from gcbench.results.rewrite import compact_records, replace_record
+from gcbench.results.store import (append_record, drop_truncated_last_line, ensure_writable, read_records,
+                                   records_after)
 from gcbench.runner import check_fits, model_size
 from gcbench.resolved import ResolvedRun, resolve_record
 from gcbench.spec import RunSpec
@@ -42,9 +43,11 @@ from gcbench.sweeps.progress import SweepProgress
 # cluster jobs killed for host memory; an oom (measured, or predicted past the cap) is a result and stays (--rerun
 # runs it).
 RETRIED = (Status.ERROR, Status.TIMEOUT)
-# What a record awaiting its paired timing says until the timing is added (a newer version of the record): true
-# of it when the sweep is stopped (Ctrl-C, kill -9) before then.
-NOT_YET_PAIRED = "not paired: the sweep stopped before the paired timing of its seq and batch"
+# What a record awaiting its paired timing says until the timing replaces it (a newer version of the record, on
+# its line): what stays when the sweep is stopped (Ctrl-C, kill -9) before then, for a resumed sweep to pair.
+NOT_YET_PAIRED = "not paired yet: the paired timing of its seq and batch follows once every policy has run"
+# The same, as gcbench wrote it before (a resumed sweep pairs those records too).
+EARLIER_NOT_YET_PAIRED = ("not paired: the sweep stopped before the paired timing of its seq and batch",)
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,14 @@ class Sweep:
         self._existing, notes = _existing_records(grid.out)
         for note in notes:
             self._warn(note)
-        # Records other sweeps on the same file append while this one runs: read from here on, as they come.
-        self._seen, self._seen_lock, self._done_since = end_of_records(grid.out), threading.Lock(), {}
+        # Records other sweeps on the same file write while this one runs: those not there now, as they come.
+        self._seen_lock, self._done_since = threading.Lock(), {}
+        self._seen = {r["record_id"] for r in self._existing if isinstance(r.get("record_id"), str)}
+        # A config run again (--rerun, --retry-failed, --no-skip) keeps its record's id: the new record is a newer
+        # version of it and takes its line, so that the file holds each config once (a fit's trials are their own).
+        self._earlier_ids = {config_key(r): r["record_id"] for r in self._existing
+                             if isinstance(r.get("record_id"), str) and not r.get("fit_id")}
+        self._rerun_ids = set(self._earlier_ids.values())
         # The configs to run that cannot fit at all, known before the first child starts (warned about by run()).
         # On a cluster the job's child checks against its node's memory; this machine's says nothing about it.
         to_run = [p.spec for p in self.plan() if p.done is None]
@@ -118,6 +127,7 @@ class Sweep:
         out = self.grid.out
         ensure_writable(out)
         self._warn_torn(drop_truncated_last_line(out))
+        compact_records(out)  # versions of one record a killed writer left: one line each from now on
         plan = self.plan()
         if self.unfit:
             first = next(iter(self.unfit.values()))
@@ -176,7 +186,7 @@ class Sweep:
         if all(p.done is not None for p in group):
             return group
         with self._seen_lock:
-            new, self._seen = records_after(self.grid.out, self._seen)
+            new = records_after(self.grid.out, self._seen)
             self._done_since.update((config_key(r), r) for r in new if r.get("status") in STATUSES)
         fresh = [p if p.done is not None else
                  PlannedConfig(p.spec, self._done_since.get(config_key(p.spec.as_record()))) for p in group]
@@ -193,7 +203,8 @@ class Sweep:
         collected: dict[str, dict[str, Any]] = {}
 
         def write(record: dict[str, Any]) -> None:
-            self._warn_torn(append_record(self.grid.out, record))
+            record["record_id"] = self._earlier_ids.get(config_key(record)) or record.get("record_id")
+            self._append(record)
             collected[config_key(record)] = record
 
         with _sigterm_raises_interrupt(), SweepProgress(self.console, sum(map(len, groups)),
@@ -205,8 +216,8 @@ class Sweep:
     def _run_group(self, group: list[PlannedConfig], runner, slot: int, frontier: OomFrontier,
                    envs: dict[tuple[str, int], dict], view: SweepProgress) -> list[dict[str, Any]]:
         """The configs of one model/seq/batch (its policies) in `slot`, each record appended as soon as its config
-        ends, then their paired timing, appended as a newer version of each record (the same record_id). Whatever
-        stops it first (Ctrl-C, an error, kill -9), the records written stay, unpaired, and say so."""
+        ends, then their paired timing, written over each record's line as its newer version (the same record_id).
+        Whatever stops it first (Ctrl-C, an error, kill -9), the records written stay, unpaired, and say so."""
         pending: list[tuple[ResolvedRun, dict[str, Any], dict[str, Any]]] = []  # spec, record, the record as written
         earlier: list[tuple[ResolvedRun, dict[str, Any]]] = []  # in the file already (a resumed sweep)
         records = []
@@ -242,11 +253,15 @@ class Sweep:
                 if not paired and "paired_error" not in record and "paired_error" in written:
                     record["paired_error"] = written["paired_error"]  # stopped before its pairing: still true
                 if record != written:
-                    self._append(record)
+                    self._warn_torn(replace_record(self.grid.out, record))
         return records
 
     def _append(self, record: dict[str, Any]) -> None:
-        self._warn_torn(append_record(self.grid.out, record))  # another writer killed mid-line meanwhile
+        """A config's record, appended; over its earlier record's line when the config ran again."""
+        if record.get("record_id") in self._rerun_ids:
+            self._warn_torn(replace_record(self.grid.out, record))
+        else:
+            self._warn_torn(append_record(self.grid.out, record))  # another writer killed mid-line meanwhile
 
     def _pair(self, pending: list[tuple[ResolvedRun, dict[str, Any]]],
               earlier: list[tuple[ResolvedRun, dict[str, Any]]],
@@ -332,7 +347,8 @@ class Sweep:
         if len(self.slots) > 1:
             record.update(side_by_side_fields(record, self.slots[slot], len(self.slots)))
         # config_wall_ms: the whole config as the sweep saw it (child start, build, all steps), in ms.
-        return {**record, "sweep_id": self.sweep_id, "record_id": uuid.uuid4().hex,
+        rid = self._earlier_ids.get(config_key(spec.as_record())) or record.get("record_id") or uuid.uuid4().hex
+        return {**record, "sweep_id": self.sweep_id, "record_id": rid,
                 "isolation": self.grid.isolation, "config_wall_ms": wall_ms, "env": env}
 
     def _warn_torn(self, dropped: str | None) -> None:
@@ -359,7 +375,8 @@ def run_as_job(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _awaits_pairing(record: dict[str, Any]) -> bool:
     """A record written by a sweep stopped before the paired timing of its seq and batch."""
-    return record.get("paired_error") == NOT_YET_PAIRED and isinstance(record.get("record_id"), str)
+    return record.get("paired_error") in (NOT_YET_PAIRED, *EARLIER_NOT_YET_PAIRED) \
+        and isinstance(record.get("record_id"), str)
 
 
 def _policy_free_key(spec: ResolvedRun) -> str:

@@ -1,0 +1,164 @@
+"""Rewriting a results file in place: a record's newer version over its own line, and the lines a killed writer
+left superseded compacted away, so that the file holds each record once.
+
+A results file is read by plain tools too (`jq`, `pandas.read_json(lines=True)`), which take every line as a record:
+a record written again (a sweep's record once its paired timing is in) must replace its line, not follow it. Under
+the lock every writer takes (store.lock), the whole file is written anew beside it and renamed over it (os.replace,
+then the folder fsynced): a reader sees the old file or the new one, never a mix, and a kill at any moment leaves
+one of the two, whole. A writer that waited for the lock on the replaced file finds it unlinked and opens the path
+anew (store.append_record). Lines that do not read as records are kept as they are, for read_records to judge.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gcbench.errors import GcbenchError
+from gcbench.results.schema import config_key
+from gcbench.results.store import append_record, check_regular, lock, signals_held
+
+
+def replace_record(path: Path, record: dict[str, Any]) -> str | None:
+    """Write `record` over the line of the record with its `record_id` (and config), in place, and drop any other
+    version of it a killed writer left; appended when the file has none (or no file is there). Returns a torn last
+    line that was cut off (a writer killed mid-line), for the caller to warn about."""
+    rid = record.get("record_id")
+    if not isinstance(rid, str):
+        raise ValueError("replace_record needs a record with a record_id")
+    data = (json.dumps(record, default=str) + "\n").encode()
+    key = config_key(record)
+    found = False
+
+    def replaced(lines: list[bytes]) -> list[bytes]:
+        nonlocal found
+        out = []
+        for line in lines:
+            if _identity(line) == (rid, key):
+                if not found:
+                    out.append(data)
+                found = True
+            else:
+                out.append(line)
+        return out
+
+    outcome = _rewrite(path, replaced)
+    if outcome is None or not found:
+        return append_record(path, record)
+    return outcome[0]
+
+
+def compact_records(path: Path) -> int:
+    """Keep each record of `path` once: where several lines hold versions of one record (same `record_id` and
+    config: a writer killed between the two writes of a replacement cannot leave them, an older gcbench did), the
+    newest takes the first one's place. Returns how many lines went; the file is not touched when none would."""
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except OSError:
+        return 0
+    if len(lines) == len(_compacted(lines)):
+        return 0  # the common case, decided without the lock: nothing to write
+    outcome = _rewrite(path, _compacted)
+    return 0 if outcome is None else outcome[1]
+
+
+def _compacted(lines: list[bytes]) -> list[bytes]:
+    at: dict[tuple[str, str], int] = {}
+    out: list[bytes] = []
+    for line in lines:
+        identity = _identity(line)
+        if identity is not None and identity in at:
+            out[at[identity]] = line if line.endswith(b"\n") else line + b"\n"
+            continue
+        if identity is not None:
+            at[identity] = len(out)
+        out.append(line)
+    return out
+
+
+def _identity(line: bytes) -> tuple[str, str] | None:
+    """A line's record_id and config, or None for a line without a record_id (or not a record)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("record_id"), str):
+        return None
+    return record["record_id"], config_key(record)
+
+
+def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> tuple[str | None, int] | None:
+    """Apply `change` to the lines of `path` under its lock and write the result atomically in its place (nothing
+    written when the lines stay the same). Returns the torn last line cut off, if any, and how many lines went;
+    None when there is no file."""
+    check_regular(path)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
+        try:
+            lock(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if os.fstat(fd).st_nlink:
+            break
+        os.close(fd)  # replaced or removed while we waited: the path names another file now
+    try:
+        with signals_held():
+            size = os.fstat(fd).st_size
+            text = os.pread(fd, size, 0)
+            lines = text.splitlines(keepends=True)
+            dropped = None
+            if lines and not lines[-1].endswith(b"\n"):
+                try:
+                    whole = isinstance(json.loads(lines[-1]), dict)
+                except (ValueError, RecursionError):
+                    whole = False
+                if whole:  # a whole object without its newline (written by hand): kept, with one
+                    lines[-1] += b"\n"
+                else:
+                    dropped = lines.pop().decode(errors="replace")
+            changed = change(lines)
+            if changed == lines and dropped is None and text.endswith(b"\n"):
+                return None, 0
+            _replace_file(path, fd, b"".join(changed))
+            return dropped, len(lines) - len(changed)
+    except OSError as e:
+        why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or str(e)
+        raise GcbenchError(f"cannot write results to {str(path)!r}: {why}; the file is left as it was") from None
+    finally:
+        os.close(fd)
+
+
+def _replace_file(path: Path, fd: int, data: bytes) -> None:
+    """`data` written to a new file beside `path` (its mode), fsynced, renamed over `path`, the folder fsynced."""
+    mode = os.fstat(fd).st_mode & 0o7777
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".rewrite")
+    try:
+        os.fchmod(handle, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(handle, view):]
+        os.fsync(handle)
+        os.close(handle)
+        handle = -1
+        os.replace(temp, path)
+    except BaseException:
+        if handle >= 0:
+            os.close(handle)
+        Path(temp).unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
