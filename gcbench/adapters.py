@@ -1,5 +1,6 @@
 """`--adapter`: a frozen base with trainable low-rank adapters (LoRA, DoRA) through peft, or QLoRA (LoRA on a base
-whose targeted linear layers are 4-bit NF4 with double quantisation, bitsandbytes' Linear4bit).
+whose linear layers are 4-bit NF4 with double quantisation, bitsandbytes' Linear4bit: every one transformers would
+quantise, whichever carry adapters; nf4.py).
 
 Parsed once where a run is resolved (resolved.py); applied to the model right after it is built and before the
 policy wraps its blocks (runner.py, paired.py, the simulation's fake model). Imports nothing heavy: the command line
@@ -8,6 +9,7 @@ reads it. See docs/levers.md, "Adapters".
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import re
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gcbench.errors import GcbenchError, quiet_logger
-from gcbench.meta_init import made_on, materialise
+from gcbench.meta_init import materialise
+from gcbench.nf4 import count_gemm_4bit_flops, nf4_bytes, quantise_base, quantised_linears
 from gcbench.text import plain
 
 if TYPE_CHECKING:
@@ -28,45 +31,6 @@ NAMES = ("none", "lora", "dora", "qlora")
 ALL_LINEAR = "all-linear"  # peft's own value: every linear layer but the output layer (LM head)
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
-# The 4-bit base QLoRA uses (Dettmers et al. 2023), as bitsandbytes lays it out (functional.py quantize_4bit and
-# quantize_blockwise; nn/modules.py Params4bit's defaults): per weight of n elements, two 4-bit values per byte; one
-# absmax per block of 64 elements, itself quantised to uint8 (compress_statistics, double quantisation) in blocks of
-# 256 with an fp32 absmax each, an fp32 offset (the mean subtracted first), the 16-entry fp32 NF4 code and a copy of
-# the 256-entry fp32 dynamic map (`code.to(A.device, copy=True)`) per weight.
-NF4_BLOCK, NESTED_BLOCK, NF4_CODE_BYTES, NESTED_CODE_BYTES = 64, 256, 16 * 4, 256 * 4
-
-
-def nf4_bytes(n: int) -> int:
-    """Bytes bitsandbytes keeps for one NF4 weight of `n` elements with double quantisation (see above)."""
-    blocks = math.ceil(n / NF4_BLOCK)
-    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 + NF4_CODE_BYTES + NESTED_CODE_BYTES
-
-
-# bitsandbytes' CUDA kernel for a 4-bit matmul (backends/cuda/ops.py, the "bitsandbytes::gemm_4bit" kernel) runs
-# its fused kernel for at most this many rows (_gemm_4bit_custom_max_m); past it, _dequant_linear_fallback
-# dequantises the whole weight first. Below it, bitsandbytes chooses per GPU architecture
-# (_gemm_4bit_use_custom_cuda): the prediction assumes the fused kernel there.
-GEMM_4BIT_FUSED_MAX_ROWS = 1536
-
-
-def gemm_4bit_workspace_bytes(block_bytes: int, a: torch.Tensor, b: torch.Tensor, shape_b: list[int],
-                              absmax: torch.Tensor, blocksize: int, *rest: Any,
-                              absmax_8bit: torch.Tensor | None = None, **kwargs: Any) -> int:
-    """What the CUDA kernel of one 4-bit matmul (`bitsandbytes::gemm_4bit`, arguments as its schema names them)
-    allocates inside the op, where no dispatch mode sees it, at its fullest: none in the fused kernel; in
-    _dequant_linear_fallback the dequantised absmax (fp32, one per block), its sum with the offset (fp32) and the
-    weight dequantised to A's dtype, all alive through the F.linear; each rounded up to `block_bytes`."""
-    from gcbench.units import round_up
-
-    if a.numel() // a.shape[-1] <= GEMM_4BIT_FUSED_MAX_ROWS:
-        return 0
-    if absmax_8bit is None and len(rest) > 2:  # (bias, absmax_8bit, ...) given by position
-        absmax_8bit = rest[1]
-    n = math.prod(shape_b)
-    absmax_bytes = 2 * round_up(math.ceil(n / blocksize) * 4, block_bytes) if absmax_8bit is not None else 0
-    return absmax_bytes + round_up(n * a.element_size(), block_bytes)
-
-
 @dataclass(frozen=True)
 class Adapter:
     """One `--adapter` value: `none`, or `lora` | `dora` | `qlora` with its options."""
@@ -76,6 +40,9 @@ class Adapter:
     alpha: float = 32.0  # the adapter's output is scaled by alpha / r
     dropout: float = 0.05  # on the adapter's input (peft's lora_dropout): kept as a mask/noise for backward
     targets: tuple[str, ...] = (ALL_LINEAR,)  # module names (peft's suffix match), or every linear but the head
+    # qlora: module names kept out of the 4-bit base beside those transformers keeps there (the head, tied weights):
+    # nf4.kept_in_compute_dtype, matched as transformers matches llm_int8_skip_modules
+    skip: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -85,18 +52,23 @@ class Adapter:
     def quantised(self) -> bool:
         return self.name == "qlora"
 
+    def as_lora(self) -> Adapter:
+        """LoRA with the same options (qlora's skip= aside): the adapters and FLOPs of this adapter's run."""
+        return dataclasses.replace(self, name="lora", skip=())
+
     def __str__(self) -> str:
         """The value as the record keeps it: the name, and only the options that differ from their defaults."""
         default = Adapter()
         options = [f"r={self.r}" if self.r != default.r else "",
                    f"alpha={self.alpha:g}" if self.alpha != default.alpha else "",
                    f"dropout={self.dropout:g}" if self.dropout != default.dropout else "",
-                   f"targets={'+'.join(self.targets)}" if self.targets != default.targets else ""]
+                   f"targets={'+'.join(self.targets)}" if self.targets != default.targets else "",
+                   f"skip={'+'.join(self.skip)}" if self.skip else ""]
         options = [o for o in options if o]
         return f"{self.name}:{','.join(options)}" if options and self.active else self.name
 
     def build_device(self, device: str) -> str:
-        """Where the run builds its base before apply_adapter. A qlora base: on the meta device, then each targeted
+        """Where the run builds its base before apply_adapter. A qlora base: on the meta device, then each 4-bit
         layer made, initialised and quantised on `device` one at a time, and the rest materialised there and
         initialised by transformers, as transformers loads a 4-bit checkpoint (modeling_utils.py:
         _move_missing_keys_from_meta_to_device, then initialize_weights). So the unquantised base never takes GPU
@@ -120,7 +92,10 @@ class Adapter:
         if missing:  # every missing package at once: one install, not one refusal after another
             raise GcbenchError(f"--adapter {self.name} needs {' and '.join(m for m, _ in missing)}, which "
                                f"{'is' if len(missing) == 1 else 'are'} not installed: "
-                               f"pip install 'gcbench[{','.join(e for _, e in missing)}]'")
+                               f"pip install 'gcbench[{','.join(e for _, e in missing)}]'"
+                               + (" (to estimate too, on a machine without a GPU: the simulation runs bitsandbytes' "
+                                  "own 4-bit layer on fake tensors)" if any(m == "bitsandbytes" for m, _ in missing)
+                                  else ""))
 
     def lora_config(self) -> Any:
         from peft import LoraConfig
@@ -136,8 +111,8 @@ class Adapter:
 
 
 def parse_adapter(text: str | None) -> Adapter:
-    """`none` or `name[:r=16,alpha=32,dropout=0.05,targets=all-linear|a+b]`; GcbenchError (one line) naming
-    --adapter for an unknown name, option or value."""
+    """`none` or `name[:r=16,alpha=32,dropout=0.05,targets=all-linear|a+b]` (qlora also `skip=a+b`); GcbenchError
+    (one line) naming --adapter for an unknown name, option or value."""
     name, _, rest = (text or "none").partition(":")
     name = name.strip()
     if name not in NAMES:
@@ -178,32 +153,41 @@ def _option(name: str, key: str, value: str) -> Any:
     except ValueError:
         want = {"r": "an integer from 1 to 4096", "alpha": "a number above 0", "dropout": "a number in [0, 1)"}[key]
         raise GcbenchError(f"--adapter {name}: {key} must be {want}, got {shown!r}") from None
-    if key == "targets":
-        targets = tuple(sorted({t.strip() for t in value.split("+")}))  # one spelling: q+v, v+q, q+q+v alike
-        if targets != (ALL_LINEAR,) and not all(_MODULE_NAME.fullmatch(t) for t in targets):
-            raise GcbenchError(f"--adapter {name}: targets must be all-linear or module names joined by '+' "
-                               f"(q_proj+v_proj), got {shown!r}")
-        return targets
-    raise GcbenchError(f"--adapter {name}: unknown option {plain(key)!r} (r, alpha, dropout, targets)")
+    if key in ("targets", "skip"):
+        if key == "skip" and name != "qlora":
+            raise GcbenchError(f"--adapter {name}: skip is qlora's (the linear layers kept out of its 4-bit base)")
+        names = tuple(sorted({t.strip() for t in value.split("+")}))  # one spelling: q+v, v+q, q+q+v alike
+        if (key == "skip" or names != (ALL_LINEAR,)) and not all(_MODULE_NAME.fullmatch(t) for t in names):
+            raise GcbenchError(f"--adapter {name}: {key} must be {'all-linear or ' if key == 'targets' else ''}"
+                               f"module names joined by '+' (q_proj+v_proj), got {shown!r}")
+        return names
+    raise GcbenchError(f"--adapter {name}: unknown option {plain(key)!r} (r, alpha, dropout, targets"
+                       f"{', skip' if name == 'qlora' else ''})")
 
 
-_TARGETS_FOUND: dict[tuple, bool] = {}  # (config class, architectures, targets) -> whether any layer matches
+_UNMATCHED: dict[tuple, str | None] = {}  # (kind of model, targets, skip) -> what matches no linear layer
 
 
 def check_targets(adapter: Adapter, config: Any, build_meta_model: Callable[[Any], nn.Module]) -> None:
-    """GcbenchError (one line) when the adapter's named targets match no linear layer of the model: found on a meta
-    build (`build_meta_model`: models.build_meta_model, which sits above this module), once per kind of model and
-    targets, so that the run is refused before anything runs."""
-    if not adapter.active or adapter.targets == (ALL_LINEAR,):
+    """GcbenchError (one line) when the adapter's named targets, or a name in qlora's skip, match no linear layer
+    of the model: found on a meta build (`build_meta_model`: models.build_meta_model, which sits above this module),
+    once per kind of model, targets and skip, so that the run is refused before anything runs."""
+    if not adapter.active or (adapter.targets == (ALL_LINEAR,) and not adapter.skip):
         return
     # the head is part of the kind of model: a classifier's `score` is a linear layer an LM does not have
     key = (type(config).__name__, tuple(getattr(config, "architectures", None) or ()),
-           getattr(config, "problem_type", None), adapter.targets)
-    if key not in _TARGETS_FOUND:
-        _TARGETS_FOUND[key] = bool(targeted_linears(build_meta_model(config), adapter))
-    if not _TARGETS_FOUND[key]:
-        raise GcbenchError(f"--adapter {adapter.name}: targets {plain('+'.join(adapter.targets))} name no linear "
-                           f"layer of this {config.model_type} model")
+           getattr(config, "problem_type", None), adapter.targets, adapter.skip)
+    if key not in _UNMATCHED:
+        model = build_meta_model(config)
+        if adapter.targets != (ALL_LINEAR,) and not targeted_linears(model, adapter):
+            _UNMATCHED[key] = f"targets {plain('+'.join(adapter.targets))} name"
+        else:  # a skipped name: a layer the base would quantise without it (transformers' match)
+            linears = {full for full, *_ in quantised_linears(model)}
+            missed = [s for s in adapter.skip if {f for f, *_ in quantised_linears(model, (s,))} == linears]
+            _UNMATCHED[key] = f"skip {plain(missed[0])} names" if missed else None
+    if _UNMATCHED[key]:
+        raise GcbenchError(f"--adapter {adapter.name}: {_UNMATCHED[key]} no linear layer of this {config.model_type} "
+                           f"model" + (" that its 4-bit base quantises" if _UNMATCHED[key].startswith("skip") else ""))
 
 
 def compute_dtype(spec: Any) -> torch.dtype:
@@ -232,8 +216,9 @@ def targeted_linears(model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module
 def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype, device: str) -> nn.Module:
     """The model with the adapter applied in place (the same object; peft's wrapper is not kept: the step, the
     policies and the estimators see the model they always see): the base frozen, the adapters trainable. qlora
-    first makes each targeted nn.Linear a 4-bit Linear4bit (NF4, double quantisation, `compute_dtype`), quantised
-    on `device`. On a meta model only lora and dora apply (a meta weight cannot be quantised)."""
+    first makes its base 4-bit (nf4.quantise_base: every linear layer transformers would quantise, NF4, double
+    quantisation, `compute_dtype`), quantised on `device`; on a meta model its weights stay meta (quantise_fakes).
+    Then peft puts the adapters on the `targets`, 4-bit or not."""
     if not adapter.active:
         return model
     adapter.check_installed()
@@ -241,7 +226,7 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
         from peft import get_peft_model
     if adapter.quantised:
         count_gemm_4bit_flops()
-        _quantise_targets(model, adapter, compute_dtype, device)
+        quantise_base(model, adapter.skip, compute_dtype, device)
         if str(device) != "meta":
             materialise(model, device)
         model.is_loaded_in_4bit = True  # what transformers sets on a 4-bit model: peft then wraps Linear4bit as such
@@ -260,117 +245,11 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
     return model
 
 
-_GEMM_4BIT_COUNTED = False
-
-
-def count_gemm_4bit_flops() -> None:
-    """Teach torch's FLOP counter (torch/utils/flop_counter.py: flop_registry, read by FlopCounterMode and by
-    estimators/shortcuts.FlopTally) the forward matmul of a 4-bit layer: bitsandbytes' `gemm_4bit` op is one custom
-    op the counter cannot see into, so a qlora step counted only the backward's matmuls (aten.mm on the dequantised
-    weight). 2 x rows x out x in FLOPs, as aten.mm's formula counts the same product; once per process."""
-    global _GEMM_4BIT_COUNTED
-    if _GEMM_4BIT_COUNTED:
-        return
-    import torch
-    from torch.utils.flop_counter import register_flop_formula
-
-    with quiet_logger("bitsandbytes"):
-        import bitsandbytes  # noqa: F401 - defines torch.ops.bitsandbytes
-
-    @register_flop_formula(torch.ops.bitsandbytes.gemm_4bit)
-    def gemm_4bit_flops(a_shape, b_shape, shape_b, *args, **kwargs) -> int:
-        return 2 * math.prod(a_shape[:-1]) * shape_b[0] * shape_b[1]
-
-    _GEMM_4BIT_COUNTED = True
-
-
-def _quantise_targets(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype, device: str) -> None:
-    with quiet_logger("bitsandbytes"):  # its CPU backend warns at import about optional kernels
-        from bitsandbytes.nn import Linear4bit, Params4bit
-    from torch import nn
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    targets = targeted_linears(model, adapter)
-    if not targets:
-        raise GcbenchError(f"--adapter qlora: no linear layer of {type(model).__name__} matches targets "
-                           f"{'+'.join(adapter.targets)}")
-    while targets:  # each original dropped as soon as its 4-bit layer is in place: one unquantised weight at a time
-        parent, attr, linear = targets.pop(0)
-        if not isinstance(linear, nn.Linear):
-            raise GcbenchError(f"--adapter qlora quantises nn.Linear layers; {type(model).__name__}'s {attr} is a "
-                               f"{type(linear).__name__}: use lora")
-        with unset_fake_temporarily():  # a meta Params4bit made inside a fake mode would be a fake (see below)
-            layer = Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                               compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-                               device="meta")
-        if linear.weight.is_meta and str(device) != "meta":  # a meta-built base (build_device): made here
-            linear = made_on(model, linear, device)
-        # quantised from the compute dtype (as a checkpoint loaded in bnb_4bit_compute_dtype is), so that the
-        # dequantised weight is made in the dtype the matmul uses
-        weight = linear.weight.data.to(compute_dtype)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-        layer.weight = Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
-                                  module=layer)
-        # .to quantises it there (Params4bit._quantize); on the meta device it stays a meta weight: quantise_fakes
-        setattr(parent, attr, layer.to(device))
-        del linear, weight, layer
-
-
-def quantise_fakes(model: nn.Module) -> None:
-    """Quantise the 4-bit layers of a model whose meta weights materialise_as_fakes made fakes (the simulation's
-    qlora: apply_adapter on the meta model, then fakes, then this, inside the fake mode)."""
-    for module in model.modules():
-        weight = module._parameters.get("weight")  # bitsandbytes' layer, not peft's wrapper of the same name
-        if type(module).__name__ == "Linear4bit" and weight is not None and is_fake(weight) \
-                and getattr(weight, "quant_state", None) is None:
-            module.weight = _fake_params4bit(weight, module)
-
-
-def _fake_params4bit(weight: torch.Tensor, layer: nn.Module) -> nn.Parameter:
-    """What Params4bit._quantize makes of `weight`, for a fake tensor: a fake cannot become a Params4bit (a tensor
-    subclass of its own), so the packed weight is a plain fake parameter carrying the attributes Linear4bit and peft
-    read, and its QuantState is bitsandbytes' own, made by quantize_4bit, whose ops have fake implementations
-    (bitsandbytes/_ops.py)."""
-    from bitsandbytes import functional as F
-    from torch import nn
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():  # the 8-bit map is cached for every later call:
-        if "dynamic" not in F.name2qmap:  # made from real values, never as a fake
-            F.name2qmap["dynamic"] = F.create_dynamic_map()
-    packed, state = F.quantize_4bit(weight, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4")
-    param = nn.Parameter(packed, requires_grad=False)
-    for key, value in dict(quant_state=state, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4",
-                           quant_storage=packed.dtype, bnb_quantized=True, module=layer).items():
-        setattr(param, key, value)
-    layer.quant_state = state
-    return param
-
-
-def is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake as fake
-
-    return fake(t)
-
-
 def frozen_bytes(module: nn.Module, elem: int) -> int:
     """Bytes of `module`'s frozen parameters (an adapter's base) on a meta model, nothing yet quantised: `elem`
     bytes per element, a 4-bit weight (qlora) at its NF4 bytes."""
     return sum(nf4_bytes(p.numel()) if type(p).__name__ == "Params4bit" else p.numel() * elem
                for p in module.parameters() if not p.requires_grad)
-
-
-def quantisation_state(model: nn.Module) -> list[torch.Tensor]:
-    """The tensors of each 4-bit weight's quantisation state (absmax, code, offset and the nested ones): device
-    memory that is neither a parameter nor a buffer."""
-    out = []
-    for p in model.parameters():
-        state = getattr(p, "quant_state", None)
-        while state is not None:
-            out += [t for t in (state.absmax, state.code, state.offset) if t is not None]
-            state = state.state2
-    return out
 
 
 def adapter_params(model: nn.Module) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gcbench.losses import loss_of, parse_loss
-from gcbench.adapters import quantisation_state
+from gcbench.nf4 import quantisation_state
 from gcbench.optimizers import optimizer_kind
 from gcbench.fsdp import rank_and_world
 

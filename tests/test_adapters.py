@@ -7,12 +7,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gcbench.adapters import (
-    Adapter, adapter_params, apply_adapter, gemm_4bit_workspace_bytes, nf4_bytes, parse_adapter)
+from gcbench.adapters import Adapter, adapter_params, apply_adapter, parse_adapter
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, estimate, estimate_grid
 from gcbench.models import build_model, find_blocks
+from gcbench.nf4 import gemm_4bit_workspace_bytes, nf4_bytes
 from gcbench.runner import model_size, run
 from gcbench.step import make_batch, model_state_bytes
 from tests.families import FAMILIES, FAMILY_CONFIGS

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from gcbench.adapters import gemm_4bit_workspace_bytes
+from gcbench.nf4 import gemm_4bit_workspace_bytes
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, cuda_kernel
 from gcbench.measure import Listening, LiveTensorTracker, listening_to_host_moves
 from gcbench.units import round_up

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gcbench.adapters import apply_adapter, compute_dtype, param_count, parse_adapter, quantise_fakes
+from gcbench.adapters import apply_adapter, compute_dtype, param_count, parse_adapter
+from gcbench.nf4 import quantise_fakes
 from gcbench.errors import GcbenchError, quiet_logger
 from gcbench.estimators.caching_allocator import AllocationReplay, CachingAllocator, OutOfMemory
 from gcbench.estimators.cuda_target import AllocatorModel, cuda_kernels, kernel_workspace_bytes

@@ -169,7 +169,7 @@ class StepClock(Listening):
     def _gemm_4bit(self, a, b, shape_b, absmax, *rest, **kwargs) -> None:
         """bitsandbytes' 4-bit matmul on CUDA past its fused-kernel rows: the weight dequantised whole (the packed
         weight and its absmax read, the weight written in A's dtype), then an ordinary matmul."""
-        from gcbench.adapters import GEMM_4BIT_FUSED_MAX_ROWS
+        from gcbench.nf4 import GEMM_4BIT_FUSED_MAX_ROWS
 
         rows = math.prod(a.shape[:-1])
         n, k = shape_b[0], shape_b[1]

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gcbench.adapters import parse_adapter
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, estimate, step_flops
 from gcbench.estimators.estimates import Progress
@@ -74,9 +75,8 @@ def _adapter_kind(value: Any) -> str:
 
 
 def _as_lora(value: Any) -> str:
-    """QLoRA's adapter as LoRA's (the same options): its class."""
-    text = str(value)
-    return "lora" + text[len("qlora"):] if _adapter_kind(text) == "qlora" else text
+    """QLoRA's adapter as LoRA's (the same options; skip= only keeps layers out of the 4-bit base): its class."""
+    return str(parse_adapter(str(value)).as_lora()) if _adapter_kind(value) == "qlora" else str(value)
 
 
 @dataclass
