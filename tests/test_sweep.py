@@ -22,7 +22,7 @@ from gcbench.results.store import read_records
 from gcbench.spec import RunSpec
 from gcbench.results.schema import config_key as spec_key
 from gcbench.grid import SweepSpec
-from gcbench.sweeps.orchestrate import OomFrontier
+from gcbench.sweeps.orchestrate import NOT_YET_PAIRED, OomFrontier
 from gcbench.runner import run
 from tests.helpers import policy_examples
 
@@ -371,7 +371,7 @@ def test_kill_9_loses_no_finished_config_and_the_resume_runs_it_not_again(tmp_pa
     assert _wait_gone(family) == set()
     [kept] = read_records(out)
     assert kept["policy"] == "none" and kept["status"] == "ok"
-    assert kept["paired_error"] == "not paired: the sweep stopped before the paired timing of its seq and batch"
+    assert kept["paired_error"] == NOT_YET_PAIRED
 
     records = gcbench.sweep(model="tiny-llama", seq=32, batch=1, policy=["none", "full"], out=out, progress=False,
                             **FAST)
