@@ -354,7 +354,7 @@ def estimate(
     with domain_errors():
         if output_format not in ("table", "json"):
             raise GcbenchError(f"unknown --format {output_format!r} (table, json)")
-        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        memory = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
         grid, _ = parse_options(spec_values, fields=ESTIMATE_FIELDS)
         if "model" not in grid:
             raise GcbenchError("no --model given: which model to estimate (see `gcbench models`)")
@@ -380,13 +380,16 @@ def estimate(
 def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
                   device: str, output_format: str, methods: list[str]) -> None:
     """`gcbench estimate --fit`: per policy, the largest size predicted to fit a GPU, and its predicted step time."""
-    from gcbench.fits.command import predicted_fits
+    from gcbench.fits.command import command_apart, predicted_fits
     from gcbench.report.fit_tables import predicted_fit_table
 
     with PredictionBar(err_console, "predicting") as bar:
         rows, field_name, title, caption = predicted_fits(grid, memory, gpu_name, vary, headroom, device,
                                                           bar, methods)
+    caption, command = command_apart(caption)
     _print_rows(rows, output_format, lambda: predicted_fit_table(rows, field_name, title, caption), piped_width=100)
+    if command is not None and output_format == "table":
+        console.print(command, highlight=False, soft_wrap=True)  # one line, never wrapped: pasted, it runs
 
 
 app.command(name="validate")(validate_command.validate)  # its options and work: validate/command.py (no torch)

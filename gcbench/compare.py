@@ -255,7 +255,7 @@ def print_comparison(console: Console, c: Comparison, thresholds: dict[str, floa
         if specs:
             console.print(f"[bold]{title}:[/] {len(specs)}")
             for spec in specs:
-                console.print(f"  {markup(spec)}")
+                _print_label(console, spec, "  ")
     if c.not_compared:
         console.print(f"[bold]step times not compared (never a regression):[/] {len(c.not_compared)}")
         skipped = c.matched[c.matched["time_why_not"].map(given)]
@@ -265,7 +265,7 @@ def print_comparison(console: Console, c: Comparison, thresholds: dict[str, floa
             for r in part.to_dict("records"):
                 label = f"seq {r['seq_len']} · batch {r['batch_size']} · {r['policy_label']}" if one_table \
                     else spec_label(r)
-                console.print(f"    {markup(label)}")
+                _print_label(console, label, "    ")
     if c.within_noise:
         console.print(f"[yellow]{len(c.within_noise)} change(s) past --fail {markup(fail)} but inside the noise of a "
                       "run (not failed; --strict fails them):[/]")
@@ -277,6 +277,21 @@ def print_comparison(console: Console, c: Comparison, thresholds: dict[str, floa
             console.print(f"  {markup(line)}")
     elif thresholds:
         console.print(f"[green]no regression past --fail {markup(fail)}[/]")
+
+
+def _print_label(console: Console, label: str, indent: str) -> None:
+    """A spec's label after `indent`, broken after a ' · ' into lines of the console's width, each later line two
+    spaces further in: a label wrapped by the terminal ran past 80 columns or restarted at the margin (issue 48)."""
+    words, hang = label.split(" · "), indent + "  "
+    lines = [indent + words[0]]
+    for word in words[1:]:  # room kept on each line for the ' ·' that ends it where the next word does not fit
+        if len(lines[-1]) + len(" · ") + len(word) + len(" ·") > console.width:
+            lines[-1] += " ·"
+            lines.append(hang + word)
+        else:
+            lines[-1] += " · " + word
+    for line in lines:
+        console.print(markup(line), highlight=False)
 
 
 def comparison_tables(c: Comparison, thresholds: dict[str, float], width: int | None = None) -> list[Table]:

@@ -18,15 +18,17 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "P
 MAX_BYTES = 2**60  # 1 EiB: a size past this is a typo, and past 2**63 no longer an int64
 
 
-def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '500MB' -> 500000000 (GiB = 2**30, GB = 10**9; a bare number is bytes)."""
+def parse_bytes(text: str, option: str = "") -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000 (GiB = 2**30, GB = 10**9; a bare number is bytes). `option`: the
+    option it was given to (--memory), named first in the error."""
+    lead = f"{option}: " if option else ""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
-        raise GcbenchError(f"cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
+        raise GcbenchError(f"{lead}cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
     value = float(m.group(1)) * _UNITS[m.group(2).upper()]
     if not 1 <= value <= MAX_BYTES:
-        raise GcbenchError(f"size {text!r} must be at least 1 byte" if value < 1 else
-                           f"size {text!r} is beyond any memory (at most {fmt_bytes(MAX_BYTES)})")
+        raise GcbenchError(f"{lead}size {text!r} must be at least 1 byte" if value < 1 else
+                           f"{lead}size {text!r} is beyond any memory (at most {fmt_bytes(MAX_BYTES)})")
     return int(value)
 
 

@@ -57,7 +57,7 @@ def test_a_model_path_that_reads_as_rich_markup_is_shown_as_it_is(tmp_path, monk
     assert estimate.exit_code == 0 and "m[1][/1]" in estimate.stdout, estimate.output
     fit = runner.invoke(app, ["estimate", "--model", "m[1][/1]", "--seq", "16", "--fit", "--gpu", "l4-24gb",
                               "--policy", "none", "--method", "analytic"])
-    assert fit.exit_code == 0 and "gcbench fit --model m[1][/1]" in " ".join(fit.stdout.split()), fit.output
+    assert fit.exit_code == 0 and "gcbench fit --model 'm[1][/1]'" in fit.stdout, fit.output
 
 
 def test_an_escape_sequence_in_a_path_never_reaches_the_terminal(tmp_path, monkeypatch):

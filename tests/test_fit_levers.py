@@ -222,6 +222,9 @@ def test_fit_levers_on_cpu_prints_a_ranked_plan_and_verifies_the_winner(tmp_path
 
 @pytest.mark.parametrize("args, message", [
     (["--levers", "policy,colour", "--memory", "12MiB"], "unknown lever 'colour'"),
+    (["--levers", "policy,policy", "--memory", "12MiB"], "lever 'policy' named twice"),  # issue 48
+    (["--levers", "auto,auto", "--memory", "12MiB"], "auto (every lever) stands alone"),
+    (["--levers", "auto,loss", "--memory", "12MiB"], "auto (every lever) stands alone"),
     (["--levers", "policy", "--policy", "full", "--memory", "12MiB"], "--levers names policy and --policy fixes"),
     (["--levers", "auto"], "give --memory"),
     (["--levers", "policy", "--batch", "8", "--memory", "12MiB"], "add grad_accum to --levers"),
@@ -375,19 +378,29 @@ def test_a_group_with_nothing_ranked_is_one_line(monkeypatch):
                                "state 13.00 MiB > budget (2)")
 
 
-def test_the_caption_is_short_and_says_its_reasons():
+def test_the_caption_says_each_reason_whole_wrapped_at_80_columns():
+    """docs/reporting.md: nothing is cropped. A reason longer than a line is wrapped, never cut with an ellipsis
+    (issue 48)."""
     plan = make_plan(TINY, "policy,optimizer,loss", 12 * 2**20, "cpu", None)
     rows = _predicted(plan.rows)
-    for i, row in enumerate(rows[:5]):  # five reasons, one candidate each: four shown, one more on a line
-        row.reason = f"not predicted: reason number {i} " + "and a long tail of words " * 5
+    reasons = [f"not predicted: reason number {i} " + "and a long tail of words " * 5 + "END" for i in range(5)]
+    for row, reason in zip(rows, reasons):  # five reasons, one candidate each: four on their own lines, one more
+        row.reason = reason
     text = _render(lever_tables(plan, ranked(rows), ["budget 12.00 MiB"], None)[0])
     lines = text.splitlines()
-    assert all(len(line) <= 80 for line in lines)
-    assert "not ranked: 1 more candidate, 1 other reason: not predicted: reason number…" in text
+    assert all(len(line) <= 80 for line in lines) and "…" not in text
+    whole = _one_line(text)
+    assert all(_one_line(reason) in whole for reason in reasons)
+    assert "not ranked: 1 more candidate, 1 other reason: not predicted: reason number 4 and a long" in whole
     assert "batch 6 x 1 = micro-batch x accumulation" in text  # said once what the batch column means (the top's)
     assert text.count("micro-batch x accumulation") == 1
-    caption = lines[lines.index(next(line for line in lines if line.startswith("budget"))):]
-    assert len(caption) == 1 + 2 + 4 + 1  # the budget, what was predicted, four reasons, the rest
+    assert whole.count("not ranked (1): ") == 4 and whole.count("not ranked: ") == 1
+    # a group with nothing ranked: its one line keeps the reason whole too
+    for row in rows:
+        row.reason = reasons[0]
+    alone = _render(lever_tables(plan, ranked(rows), ["budget 12.00 MiB"], None)[0])
+    assert "…" not in alone and _one_line(reasons[0]) in _one_line(alone)
+    assert all(len(line) <= 80 for line in alone.splitlines())
 
 
 @pytest.mark.parametrize("given", [{"loss": ("chunked:n=0", "ce")}, {"adapter": ("lora:r=0", "qlora:bogus=1")},

@@ -207,17 +207,28 @@ def test_the_next_report_cleans_up_after_a_killed_one(tmp_path):
     (stale / "new" / "figures" / "1-a.png").write_text("half")
     (out / ".gcbench-report-mine").mkdir()  # a folder of the user's that only looks like one
     (out / ".gcbench-report-mine" / "keep.txt").write_text("mine")
-    # An earlier gcbench made its scratch folder beside the directory; a stranger's folder of that name stays.
-    legacy = tmp_path / ".gcbench-report-old1"
-    (legacy / "figures").mkdir(parents=True)
-    (legacy / "figures" / "1-peak-vs-seq.png").write_bytes(b"png")
-    (legacy / "report.md").write_text("# gcbench report")
     stranger = tmp_path / ".gcbench-report-notes"
     stranger.mkdir()
     (stranger / "todo.txt").write_text("mine")
     pub.publish(out, maker(NEW))
-    assert not stale.exists() and not legacy.exists() and (stranger / "todo.txt").read_text() == "mine"
+    assert not stale.exists() and (stranger / "todo.txt").read_text() == "mine"
     assert (out / ".gcbench-report-mine" / "keep.txt").read_text() == "mine"
+
+
+def test_a_users_folder_beside_the_directory_is_never_removed(tmp_path):
+    """A backup of a report beside DIR, named like an earlier gcbench's scratch folder (tempfile.mkdtemp: 8 letters,
+    mode 0o700) and holding only a report's files, is the user's: nothing marks it as gcbench's (issue 48)."""
+    out, _ = report_dir(tmp_path)
+    backup = tmp_path / ".gcbench-report-mybackup"
+    (backup / "figures").mkdir(parents=True)
+    (backup / "figures" / "1-peak-vs-seq.png").write_bytes(b"my old figure")
+    (backup / "report.md").write_text("# my old report")
+    backup.chmod(0o700)
+    empty = tmp_path / ".gcbench-report-mountpnt"
+    empty.mkdir()
+    pub.publish(out, maker(NEW))
+    assert snapshot(backup) == {"figures/1-peak-vs-seq.png": b"my old figure", "report.md": b"# my old report"}
+    assert empty.is_dir() and (out / "report.md").read_text() == "new md"
 
 
 def test_two_reports_into_one_directory_do_not_interleave(tmp_path):

@@ -4,6 +4,7 @@ GcbenchError, before anything runs) and the rows of predicted fits. The CLI prin
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from gcbench.estimators.estimates import Progress
 from gcbench.fits.predict import predict_each, spec_at
 from gcbench.gpus import gpu, max_memory_reserved
 from gcbench.grid import RUN_OPTIONS, one_value_each
-from gcbench.fields import default_precision, run_field
+from gcbench.fields import RUN_FIELDS, default_precision, run_field
 from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
 from gcbench.text import markup
@@ -85,8 +86,8 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
     if -(-lo // multiple_of) * multiple_of > hi:
         raise GcbenchError(f"--range {lo}..{hi} holds no multiple of {multiple_of}")
     job = Fit(FitSpec(fields, tuple(policies), field_name, lo, hi, multiple_of,
-                      parse_bytes(memory) if memory is not None else None, parse_fraction(headroom, "--headroom"),
-                      out, timeout, isolation, paired), console=console)
+                      parse_bytes(memory, "--memory") if memory is not None else None,
+                      parse_fraction(headroom, "--headroom"), out, timeout, isolation, paired), console=console)
     return job, fields
 
 
@@ -149,12 +150,32 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
                        "replays it on the card, size by size (seconds to minutes per policy)")
     best = max((r for r in rows if r["tokens_per_s"]), key=lambda r: r["tokens_per_s"], default=None)
-    if best is not None:
-        caption.append(f"predicted fastest: {best['policy']} at {vary} {best['value']}; measure it on the card "
-                       f"with: gcbench fit --model {fields['model']} ... --policy {best['policy']}")
+    if best is not None:  # the command last, alone on its line: the CLI prints it outside the table (`fit_command`)
+        caption += [f"predicted fastest: {best['policy']} at {vary} {best['value']}; measure it on the card with:",
+                    fit_command({**fields, "policy": best["policy"]}, field_name, headroom if cap < usable else None)]
     title = f"{fields['model']} · largest {vary} predicted to fit · " + (
         f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
     return rows, field_name, markup(title), [markup(line) for line in caption]
+
+
+def fit_command(fields: dict[str, Any], field_name: str, headroom: str | None) -> str:
+    """The `gcbench fit` that measures `fields`' setup on the card, searching `field_name`: a line a shell runs as
+    printed (every given option spelt out, each value quoted for the shell)."""
+    words = ["gcbench", "fit"]
+    for declared in RUN_FIELDS:
+        value = fields.get(declared.name)
+        if value is not None and declared.name not in (field_name, "device", "memory_cap_bytes"):
+            words += [f"--{declared.flag}", shlex.quote(declared.kind.show(value))]
+    return " ".join(words + (["--vary", "seq"] if field_name == "seq_len" else [])
+                    + (["--headroom", shlex.quote(headroom)] if headroom else []))
+
+
+def command_apart(caption: list[str]) -> tuple[list[str], str | None]:
+    """(the caption, its `gcbench fit` command, or None) of `predicted_fits`: a terminal wraps a long command inside
+    a table's caption and pads it with spaces; printed apart, it is one line a user can paste."""
+    if caption and caption[-1].startswith("gcbench fit "):
+        return caption[:-1], caption[-1]
+    return caption, None
 
 
 def _step_time(fixed: dict[str, Any], policy: str, field_name: str, found: Any, device: str,

@@ -76,7 +76,7 @@ def fit_levers(spec_values: dict[str, Any], levers: str, memory: str | None, hea
     here = target == DeviceKind.CUDA and _cuda_here()
     if memory is None and not here:
         raise GcbenchError("--levers needs the budget: give --memory (e.g. --memory 24GiB)")
-    total = parse_bytes(memory) if memory is not None else _free_memory(device)
+    total = parse_bytes(memory, "--memory") if memory is not None else _free_memory(device)
     budget = math.floor(total * (1 - parse_fraction(headroom, "--headroom")))
     batch = values.pop("batch_size", None)
     plan = make_plan({**values, "device": ("cpu",)}, levers, budget, target, batch[0] if batch else None)

@@ -1,7 +1,7 @@
 """The tables of a plan across levers (`gcbench fit --levers`, `gcbench estimate --fit --levers`): per group (full
-fine-tune, adapters) the top candidates by predicted tokens/s and a short caption (why the others are not ranked,
-each reason once, shortened); a group with nothing ranked is one line. And the lines that hold the winner's real
-run against its prediction. Plain values in, rich renderables and text out."""
+fine-tune, adapters) the top candidates by predicted tokens/s and a short caption (why the others are not ranked:
+each reason once, whole: the terminal wraps it); a group with nothing ranked is one line. And the lines that hold
+the winner's real run against its prediction. Plain values in, rich renderables and text out."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from gcbench.results.schema import Status, peak_bytes
 from gcbench.text import markup, plain
 from gcbench.units import fmt_bytes, plural
 
-REASONS_SHOWN = 4  # lines of "not ranked" reasons under a table; the rest on one line
-WIDTH = 80  # a caption line is shortened to this (piped output is 80 columns)
+REASONS_SHOWN = 4  # "not ranked" reasons under a table, each on its own line; the rest together on one
 # the install hint of an optimizer's or an adapter's check_installed
 _NOT_INSTALLED = re.compile(r", which (?:is|are) not installed: (pip install \S+)")
 
@@ -41,7 +40,7 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
         if not fitting:
             if rows or missing:
                 reasons = _by_reason(rows)
-                why = [_short(reason, 72) + (f" ({len(rs)})" if len(reasons) > 1 else "")
+                why = [_whole(reason) + (f" ({len(rs)})" if len(reasons) > 1 else "")
                        for reason, rs in reasons[:REASONS_SHOWN]]
                 why += [plural(len(reasons) - REASONS_SHOWN, "more reason")] if len(reasons) > REASONS_SHOWN else []
                 head = f"none of {plural(len(rows), 'candidate')} ranked" if rows else "not searched"
@@ -69,8 +68,7 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
         lines += _reasons(rows)
         lines += [f"not ranked: {text}" for text, _ in missing]  # whole: the line says what to install
         if plan.refused and group == FULL:
-            lines.append(_line(f"not candidates ({len(plan.refused)}): a run refuses them, e.g. ", plan.refused[0],
-                               ""))
+            lines.append(f"not candidates ({len(plan.refused)}): a run refuses them, e.g. {_whole(plan.refused[0])}")
         shown.append(Group(table, Text(plain("\n".join(lines), lines=True))))
     return shown
 
@@ -84,32 +82,20 @@ def _by_reason(rows: Sequence[Row]) -> list[tuple[str, list[Row]]]:
 
 
 def _reasons(rows: Sequence[Row]) -> list[str]:
-    """The reasons of the rows not ranked, each once, shortened to a line, with how many and one example."""
+    """The reasons of the rows not ranked, each once and whole, with how many and one example."""
     reasons = _by_reason(rows)
-    lines = [_line(f"not ranked ({len(rs)}): ", reason, f" (e.g. {rs[0].words()})")
+    lines = [f"not ranked ({len(rs)}): {_whole(reason)} (e.g. {rs[0].words()})"
              for reason, rs in reasons[:REASONS_SHOWN]]
     if rest := reasons[REASONS_SHOWN:]:
         head = (f"not ranked: {plural(sum(len(rs) for _, rs in rest), 'more candidate')}, "
                 f"{plural(len(rest), 'other reason')}: ")
-        lines.append(_line(head, "; ".join(_short(reason, 30) for reason, _ in rest), ""))
+        lines.append(head + "; ".join(_whole(reason) for reason, _ in rest))
     return lines
 
 
-def _short(text: str, width: int) -> str:
-    """`text` cut at a word to at most `width` characters, an ellipsis where cut."""
-    text = " ".join(str(text).split())
-    if len(text) <= width:
-        return text
-    cut = text[:max(width - 1, 1)]
-    return (cut[:cut.rfind(" ")] if " " in cut[width // 2:] else cut).rstrip(" ,;:") + "…"
-
-
-def _line(head: str, reason: str, tail: str) -> str:
-    """head + reason + tail in one line of WIDTH, the reason shortened (the tail dropped where it leaves no room)."""
-    room = WIDTH - len(head) - len(tail)
-    if room < 50:
-        tail, room = "", WIDTH - len(head)
-    return head + _short(reason, room) + tail
+def _whole(text: str) -> str:
+    """`text` on one line (its runs of white space one space): the terminal wraps it, nothing is cut (issue 48)."""
+    return " ".join(str(text).split())
 
 
 def verification_lines(row: Row, record: Mapping[str, Any], out: Any) -> list[str]:

@@ -172,17 +172,20 @@ def lever_space(levers: str, given: Mapping[str, tuple[Any, ...]], target: str
     """(the levers searched -> their candidates, the levers fixed -> their value) from --levers (auto or
     comma-separated names) and the values given on the command line (field -> values): one value fixes a lever
     (not searched; an error where --levers names it), several are its candidates."""
-    names = AUTO if levers.strip() == "auto" else tuple(n.strip().replace("-", "_") for n in levers.split(","))
-    unknown = [n for n in names if n not in LEVERS]
-    if unknown or not names:
-        raise GcbenchError(f"--levers {levers!r}: unknown lever {unknown[0] if unknown else '(none)'!r} (auto, or "
-                           f"some of {', '.join(LEVERS)})")
+    words = tuple(n.strip().replace("-", "_") for n in levers.split(","))
+    unknown = [n for n in words if n not in (*LEVERS, "auto")]
+    twice = [n for i, n in enumerate(words) if n in words[:i]]
+    why = (f"unknown lever {unknown[0]!r}" if unknown else "auto (every lever) stands alone: give auto or lever names"
+           if "auto" in words and len(words) > 1 else f"lever {twice[0]!r} named twice" if twice else None)
+    if why:
+        raise GcbenchError(f"--levers {levers!r}: {why} (auto, or some of {', '.join(LEVERS)})")
+    names = AUTO if words == ("auto",) else words
     searched: dict[str, tuple[Any, ...]] = {}
     fixed: dict[str, Any] = {}
     for name in names:
         values = tuple(given.get(name, ()))
         if len(values) == 1:
-            if levers.strip() != "auto":
+            if words != ("auto",):
                 raise GcbenchError(f"--levers names {run_field(name).flag} and --{run_field(name).flag} fixes it to "
                                    f"{values[0]}: search it (leave --{run_field(name).flag} out or give several "
                                    "values) or leave it out of --levers")
@@ -205,7 +208,6 @@ def lever_space(levers: str, given: Mapping[str, tuple[Any, ...]], target: str
 
 def _declared(name: str, target: str) -> tuple[Any, ...]:
     """The table's candidates of a lever that its field declares (and that run on the target)."""
-    declared = run_field(name)
     values = []
     for value in CANDIDATES[name]:
         if target != "cuda" and value in CUDA_ONLY:
@@ -213,7 +215,7 @@ def _declared(name: str, target: str) -> tuple[Any, ...]:
         if name == "precision" and target != "cuda":
             value = CPU_PRECISIONS[value]
         try:
-            declared.parse(value)
+            run_field(name).parse(value)
         except GcbenchError:  # not declared (yet) by its field
             continue
         values.append(value)
@@ -265,7 +267,6 @@ def predict_plan(plan: LeverPlan, card: Any = None, progress: Progress | None = 
     prediction; its total, the most the plan can make, falls as classes end early. A group with fewer than `top`
     that fit gets its runners-up predicted too (`_runners_up`)."""
     from gcbench.estimators.card_rates import rates_for
-
     from gcbench.estimators.sharing import sharing_cores, side_by_side
     from gcbench.models import build_model
 

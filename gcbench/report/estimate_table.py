@@ -17,7 +17,8 @@ from gcbench.units import byte_unit, fmt_bytes, plural
 from gcbench.values import Switch
 
 LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> its column's heading
-# Left out first when the table is too wide: derivable from the others (B/p, grads ~ params), then the least asked.
+# Left out first when the table is too wide: derivable from the others (B/p, grads ~ params), then the least asked
+# (the method shortened to a letter instead where the rows have several).
 SPARE = ("B/p", "tok/s", "in", "grads", "method", "err")
 
 
@@ -47,14 +48,19 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     sharded = any(r.get("shard") not in (None, "none") for r in rows)
     columns = _columns(rows, varying, len(models) > 1, scale, memory_bytes)
     left_out = []
-    for header in SPARE:
+    several_methods = len({r["method"] for r in rows}) > 1
+    # several methods: a config's rows differ in the method alone: shortened last, never left out (issue 48)
+    for header in sorted(SPARE, key=lambda h: h == "method" and several_methods):
         if fits(_table(title, "", columns), width):
             break
-        if any(c.header == header for c in columns):
+        if header == "method" and several_methods:
+            columns = [_Column("m", True, [r["method"][0] + ("†" if r.get("stands_in") else "") for r in rows])
+                       if c.header == "method" else c for c in columns]
+        elif any(c.header == header for c in columns):
             columns = [c for c in columns if c.header != header]
             left_out.append(header)
     shown = {c.header for c in columns}
-    words = {"activ.": "activ. = everything else at the peak",
+    words = {"m": "m = the method: a(nalytic), s(imulate)", "activ.": "activ. = everything else at the peak",
              "in": "in = the phase that reaches the peak (opt: the optimizer step, which checkpointing cannot lower)",
              "paged": "paged = optimizer state in CUDA managed memory (bitsandbytes), not in the peak",
              "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else ""),

@@ -29,7 +29,9 @@ from gcbench.results.store import missing_folders, remove_empty
 from gcbench.text import plain
 
 MANIFEST = ".gcbench-report.json"
-STAGING = ".gcbench-report-"  # + a random id: the staging folder, inside DIR (earlier versions: beside it)
+# + a random id: the staging folder, inside DIR. Earlier versions made theirs beside DIR (tempfile.mkdtemp) with no
+# mark of their own: a user's folder can look the same, so one a kill left there is never removed (issue 48).
+STAGING = ".gcbench-report-"
 STAGING_NAME = re.compile(r"\.gcbench-report-[0-9a-f]{8}")
 FIGURE_NAME = re.compile(r"figures/[1-9]-[a-z0-9-]+\.(png|svg)")  # what write_figures names its files
 PAGES = ("report.md", "report.html")  # moved last: a reader opens these
@@ -58,7 +60,6 @@ def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
         for old in sorted(out.glob(STAGING + "*")):  # none can be live: their writers held this lock
             if _is_staging(old):
                 recover(out, old)
-        _remove_legacy_scratch(out.parent)
         _refuse_theirs(out, PAGES)  # before the figures are drawn: the common refusal, at once
         stage = out / (STAGING + secrets.token_hex(4))
         (stage / "new").mkdir(parents=True)
@@ -208,19 +209,6 @@ def _is_staging(folder: Path) -> bool:
     if not STAGING_NAME.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
         return False
     return {p.name for p in folder.iterdir()} <= {"new", "old", "journal.json"}
-
-
-def _remove_legacy_scratch(parent: Path) -> None:
-    """Scratch folders an earlier gcbench left beside a report's directory when it was killed: each removed if it
-    holds nothing but a report's files."""
-    for scratch in parent.glob(STAGING + "*"):
-        try:
-            names = {p.relative_to(scratch).as_posix() for p in scratch.rglob("*")}
-        except OSError:
-            continue
-        if scratch.is_dir() and not scratch.is_symlink() \
-                and all(n in (*PAGES, "figures") or FIGURE_NAME.fullmatch(n) for n in names):
-            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _keep(path: Path, kept: Path) -> None:

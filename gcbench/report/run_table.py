@@ -140,7 +140,7 @@ def before_run_notes(spec: Any) -> list[str]:
     if (policy.hidden_from_dispatch_modes or blocks) and spec.device_kind is DeviceKind.CPU:
         notes.append(f"{name} on CPU: peak memory and FLOPs are not measured (the live-tensor tracker and the "
                      "FLOP counter would make torch.compile run the blocks uncompiled); its step time and the bytes it "
-                     "saves for backward are")
+                     "saves for backward are measured")
     return notes
 
 
