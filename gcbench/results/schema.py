@@ -280,6 +280,11 @@ REQUIRED = {**{f.name: int if f.kind.python_type == "int" else str for f in RUN_
             "status": str}
 
 
+# A sweep's record written before the paired timing of its seq and batch: a later version of it (the same record_id)
+# adds that timing, never the other way round.
+NOT_YET_PAIRED = "not paired: the sweep stopped before the paired timing of its seq and batch"
+
+
 def record_problem(record: Mapping[str, Any]) -> str | None:
     """Why `record` is not a record readers can use (a field missing or of the wrong type, an unknown status, a
     measurement that is not a number); None when it is one."""

@@ -25,7 +25,7 @@ from gcbench.grid import SweepSpec
 from gcbench.errors import DeadlineReached, GcbenchError, WontFit, raise_interrupt
 from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
-from gcbench.results.schema import STATUSES, Status, config_key, config_label, policy_label
+from gcbench.results.schema import NOT_YET_PAIRED, STATUSES, Status, config_key, config_label, policy_label
 from gcbench.results.store import (append_record, drop_truncated_last_line, end_of_records, ensure_writable,
                                    read_records, records_after)
 from gcbench.runner import check_fits, model_size
@@ -44,7 +44,6 @@ from gcbench.sweeps.progress import SweepProgress
 RETRIED = (Status.ERROR, Status.TIMEOUT)
 # What a record awaiting its paired timing says until the timing is added (a newer version of the record): true
 # of it when the sweep is stopped (Ctrl-C, kill -9) before then.
-NOT_YET_PAIRED = "not paired: the sweep stopped before the paired timing of its seq and batch"
 
 
 @dataclass(frozen=True)
