@@ -113,7 +113,7 @@ class Adapter:
 def parse_adapter(text: str | None) -> Adapter:
     """`none` or `name[:r=16,alpha=32,dropout=0.05,targets=all-linear|a+b]` (qlora also `skip=a+b`); GcbenchError
     (one line) naming --adapter for an unknown name, option or value."""
-    name, _, rest = (text or "none").partition(":")
+    name, colon, rest = (text or "none").partition(":")
     name = name.strip()
     if name not in NAMES:
         raise GcbenchError(f"--adapter: unknown adapter {plain(name)!r} ({', '.join(NAMES)})")
@@ -121,8 +121,13 @@ def parse_adapter(text: str | None) -> Adapter:
         if rest.strip():
             raise GcbenchError("--adapter none takes no options")
         return Adapter()
+    if colon and not rest.replace(",", "").strip():  # `lora:` or `lora:,`: options promised, none given
+        raise GcbenchError(f"--adapter {name}: nothing after ':' (give key=value options, or {name} alone)")
     values: dict[str, Any] = {}
-    for piece in (p.strip() for p in rest.split(",") if p.strip()):
+    for piece in (p.strip() for p in rest.split(",")) if colon else ():
+        if not piece:
+            raise GcbenchError(f"--adapter {name}: an empty option in {plain(rest)!r} (options are key=value, "
+                               "separated by single commas)")
         key, eq, value = (s.strip() for s in piece.partition("="))
         if not eq or not value:
             raise GcbenchError(f"--adapter {name}: expected key=value, got {plain(piece)!r}")

@@ -79,14 +79,14 @@ def run(
         from gcbench.grid import parse_options
         from gcbench.report.run_table import before_run_notes, print_run
         from gcbench.resolved import resolve
-        from gcbench.results.rewrite import compact_records
-        from gcbench.results.store import append_record, check_appendable
+        from gcbench.results.rewrite import open_for_writing
+        from gcbench.results.store import append_record
         from gcbench.launch import run as run_spec
 
         check_format(output_format)
         values, _ = parse_options(spec_values, fields=tuple(BY_NAME))
         spec = resolve(RunSpec(**one_value_each(values, "gcbench run measures one config; a grid is `gcbench sweep`")))
-        check_appendable(out)  # before measuring: an output that cannot take the record is known now
+        open_for_writing(out)  # before measuring: an output that cannot take the record is known now
         print_warnings(before_run_notes(spec))
         # --steps auto: how many steps is not known in advance; the bar pulses and the text counts them
         fixed = spec.budget.fixed
@@ -97,7 +97,6 @@ def run(
         except GcbenchError:
             typer.echo(json.dumps(record, default=str))  # the measurement is not lost: stdout has it
             raise
-        compact_records(out)  # versions of one record a killed sweep left there: one line each from now on
         if dropped is not None:
             typer.echo(f"gcbench: warning: {plain(out)}: removed a truncated last line left by an interrupted run "
                        f"({dropped[:60]!r}...)", err=True)
@@ -369,10 +368,9 @@ def estimate(
             return _estimate_fit(grid, memory, gpu, vary, headroom, device, output_format, methods)
         memory = memory_to_fit(gpu, memory)  # --gpu NAME: a fits column against what that card leaves usable
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
-        axes = {k: v for k, v in grid.items() if k in ESTIMATE_AXES}
-        with PredictionBar(err_console, "estimating") as bar:
-            results = estimate_grid(axes, methods, device, bar, memory, card=gpu_entry(gpu) if gpu else None,
-                                    layers=one.get("layers"), attn=one.get("attn"))
+        with PredictionBar(err_console, "estimating") as bar:  # a card named: its workspaces in reserved
+            results = estimate_grid({k: v for k, v in grid.items() if k in ESTIMATE_AXES}, methods, device, bar,
+                                    memory, card=gpu_entry(gpu) if gpu else None, **one)
     rows = estimate_rows(results, memory, gpu, device)
     _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)
 

@@ -42,7 +42,9 @@ def test_values_parse_to_one_spelling_and_bad_ones_name_the_option():
     for bad, says in [("lorra", "unknown adapter"), ("lora:r=0", "r must be"), ("lora:rank=4", "unknown option"),
                       ("lora:dropout=1", "dropout must be"), ("lora:alpha=-1", "alpha must be"),
                       ("lora:targets=q_proj;v", "targets must be"), ("none:r=2", "takes no options"),
-                      ("lora:r", "expected key=value"), ("lora:r=4,r=8", "given twice")]:
+                      ("lora:r", "expected key=value"), ("lora:r=4,r=8", "given twice"),
+                      ("lora:", "nothing after ':'"), ("dora:,", "nothing after ':'"), ("lora:r=8,", "empty option"),
+                      ("lora:r=8,,alpha=4", "empty option")]:
         with pytest.raises(GcbenchError, match=says) as e:
             parse_adapter(bad)
         assert str(e.value).startswith("--adapter") and "\n" not in str(e.value)

@@ -16,6 +16,7 @@ from gcbench.estimators.bands import Band, band_fields, band_for, bands, class_o
 from gcbench.estimators.measured_bands import BANDS
 from gcbench.fields import ATTENTION, HEADS
 from gcbench.losses import LOSSES
+from gcbench.optimizers import OPTIMIZERS
 from gcbench.resolved import resolve
 from gcbench.spec import RunSpec
 from tests.helpers import load_script
@@ -36,10 +37,24 @@ def test_a_band_is_the_classes_lowest_and_highest_error_and_their_median():
 
 def test_the_written_table_is_consistent():
     assert BANDS
-    for (family, precision, adapter, shard, attention, loss, head, method), (n, median, low, high) in BANDS.items():
+    for (family, precision, adapter, shard, attention, loss, head, optimizer, method), (n, median, low, high) \
+            in BANDS.items():
         assert method in METHODS and shard in ("none", "fsdp2:1", "fsdp2:n") and family and precision and adapter
+        assert optimizer in OPTIMIZERS
         assert attention in ATTENTION and loss in LOSSES and head in HEADS
         assert n >= 1 and low <= high and 0 <= median <= max(abs(low), abs(high))
+
+
+def test_an_optimizer_never_borrows_another_optimizers_band():
+    """8-bit AdamW and Adafactor keep other state than AdamW: each shows the band measured under it, and where none
+    was (gpt2 has AdamW records only), none."""
+    def band(model, optimizer):
+        return band_for(resolve(RunSpec(model, 1024, 1, optimizer=optimizer, precision="bf16", device="cpu")),
+                        "simulate")
+
+    adamw, adafactor, eight_bit = (band("llama-7b", name) for name in ("adamw", "adafactor", "adamw8bit"))
+    assert adamw and adafactor and eight_bit and len({adamw, adafactor, eight_bit}) == 3
+    assert band("gpt2", "adamw") is not None and band("gpt2", "adafactor") is None
 
 
 def _reserved_accuracy():
@@ -106,7 +121,7 @@ def test_estimate_shows_the_band_in_its_table_and_json():
                       "--method", "analytic")
     assert " err" in table and "err = the peak's lowest..highest error" in " ".join(table.split())
     assert max(len(line) for line in table.splitlines()) <= 80
-    band = BANDS[("llama", "bf16", "none", "none", "sdpa", "ce", "lm", "analytic")]
+    band = BANDS[("llama", "bf16", "none", "none", "sdpa", "ce", "lm", "adamw", "analytic")]
     shown = f"{band[2]:+.1f}..{band[3]:+.1f}%" if band[2] != band[3] else f"{band[2]:+.1f}%"
     assert shown in table
     row = json.loads(_estimate("--model", "tiny-bert", "--seq", "64", "--method", "analytic", "--format",

@@ -20,7 +20,8 @@ from gcbench.results.schema import config_key
 from gcbench.results.store import read_records
 from gcbench.validate import cost
 from gcbench.validate.execute import Validation
-from gcbench.validate.home import BEGIN, END, gpu_results_block, import_archive
+from gcbench.validate.home import import_archive
+from gcbench.validate.quote import BEGIN, END, gpu_results_block
 from gcbench.validate.plan import COMMAND_LIMIT_S, PLAN_LIMIT_S, PREDICTED, StepKind, results_folder, tiers
 from tests.fake_cuda import REPO_ROOT, subprocess_env
 
@@ -123,6 +124,7 @@ def test_fit_on_a_gpu_without_memory_takes_the_free_memory_after_the_context_as_
 def _copy_repo(root: Path) -> None:
     for part in ("gcbench", "benchmarks", "tests"):
         shutil.copytree(REPO_ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__", "predicted"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", root / "pyproject.toml")  # what makes it a checkout to import into
     for name in ("README.md", "docs/gpu.md"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"# {name}\n\n{BEGIN}\nnothing yet\n{END}\n\nafter\n")
@@ -176,7 +178,7 @@ def _rehearse(tmp_path: Path, deadline: str) -> tuple[Path, Path, dict]:
 @pytest.mark.slow  # about 6 s: keeps the default suite under 5 minutes (CI runs the slow set)
 def test_a_real_gpu_archive_is_merged_once_and_its_numbers_quoted_from_the_records(tmp_path):
     """An archive of results/gpu/<gpu>/ (here built from this project's CPU records of one config): imported, its
-    records added once (a second import adds nothing), the report rendered into docs/gpu-report/, and the README's
+    records added once (a second import adds nothing), the report rendered into docs/gpu-report/<gpu>/, the README's
     gpu-results block rewritten from the records, the text around it kept."""
     _copy_repo(home := tmp_path / "home")
     lines = [line for line in (REPO_ROOT / "results/cpu/policies-beyond.jsonl").read_text().splitlines()
@@ -197,7 +199,7 @@ def test_a_real_gpu_archive_is_merged_once_and_its_numbers_quoted_from_the_recor
     readme = (home / "README.md").read_text()
     assert "nothing yet" not in readme and "| full |" in readme and readme.endswith("after\n")
     assert "Harness overhead: ratio gcbench / bare:  1.0311" in readme
-    assert (home / "docs/gpu-report/report.md").exists() and result.quoted == [home / "README.md",
+    assert (home / "docs/gpu-report/nvidia-h100-80gb-hbm3/report.md").exists() and result.quoted == [home / "README.md",
                                                                                 home / "docs/gpu.md"]
 
 
@@ -233,6 +235,7 @@ def test_import_refuses_an_archive_that_writes_outside_its_folder(tmp_path):
     with tarfile.open(bad, "w:gz") as tar:
         (tmp_path / "x").write_text("x")
         tar.add(tmp_path / "x", arcname="results/gpu/a/../../../../etc/x")
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")  # a checkout (tests/test_import.py: more)
     done = subprocess.run([*GCBENCH, "validate", "--import", str(bad)], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "unexpected entry" in done.stderr

@@ -12,9 +12,11 @@ A class is what the evidence says decides the error: the model's family (gpt2 mi
 does not take), the precision (autocast's casts), the adapter (peft's and bitsandbytes' tensors), sharding (the
 per-rank model), the attention implementation and the loss (each keeps other tensors: LitGPT's rows, eager attention
 and `--loss litgpt`, say nothing of transformers' SDPA and `ce`), the head (a classifier has no vocabulary-wide
-logits) and the method. Policy, sizes and optimizer are not
-in it: within a class the measured errors do not follow them, and a band over all of them is the worst seen among
-them. A config whose class has no measurement has no band, and says so ("-"), rather than borrowing another's.
+logits), the optimizer (each keeps its own state: AdamW's two fp32 moments, Adafactor's factored rows and
+columns, bitsandbytes' 8-bit blocks; a band measured under AdamW says nothing of Adafactor) and the method.
+Policy and sizes are not in it: within a class the measured errors do not follow them, and a band over all of
+them is the worst seen among them. A config whose class has no measurement has no band, and says so ("-"),
+rather than borrowing another's.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from gcbench.estimators.estimates import Estimate, Unavailable
 from gcbench.losses import parse_loss
 from gcbench.resolved import ResolvedRun
 
-# family, precision, adapter name, sharding (_sharding), attention implementation, loss name, head, method
-Class = tuple[str, str, str, str, str, str, str, str]
+# family, precision, adapter name, sharding (_sharding), attention implementation, loss name, head, optimizer, method
+Class = tuple[str, str, str, str, str, str, str, str, str]
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def class_of(spec: ResolvedRun, method: str) -> Class:
     config, family = spec.model_config()
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
     return (family, spec.precision, parse_adapter(spec.adapter).name, _sharding(spec), attention,
-            parse_loss(spec.loss).name, spec.head, method)
+            parse_loss(spec.loss).name, spec.head, spec.optimizer, method)
 
 
 def _sharding(spec: ResolvedRun) -> str:

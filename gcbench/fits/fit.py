@@ -34,8 +34,8 @@ from gcbench.paired import choose_baseline, pairable
 from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
 from gcbench.results.schema import SHAPE_FIELDS, Status, config_key, config_label, fastest, peak_bytes, policy_label
-from gcbench.results.rewrite import compact_records
-from gcbench.results.store import append_record, check_appendable, read_records
+from gcbench.results.rewrite import open_for_writing
+from gcbench.results.store import append_record, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
 from gcbench.resolved import ResolvedRun
@@ -130,7 +130,7 @@ class Fit:
                        cap_name=self.cap_name)
         except WontFit as e:
             raise GcbenchError(f"the budget is below what the model needs before any activation: {e}") from None
-        check_appendable(spec.out)
+        open_for_writing(spec.out)
         self.earlier = self._earlier_trials()
         if self.earlier:  # a resumed fit goes on under the id its trials have
             self.fit_id = self.earlier[-1]["fit_id"]
@@ -207,7 +207,6 @@ class Fit:
                     if id(record) not in written:
                         append_record(spec.out, record)
                         written.add(id(record))
-                compact_records(spec.out)  # versions of one record a killed sweep left there: one line each
         return fits, recommend([f.best for f in fits if f.best is not None], self._command)
 
     def _search(self, fit: PolicyFit, runner, view: SweepProgress) -> None:

@@ -190,14 +190,13 @@ def verify(plan: LeverPlan, row: Row, device: str, out: Path, timeout: float, is
     """Run `row` for real on `device` under the budget as its memory cap (as a fit's trial runs); its record is
     appended to `out` and returned."""
     from gcbench.launch import launcher
-    from gcbench.results.rewrite import compact_records
-    from gcbench.results.store import append_record, check_appendable
+    from gcbench.results.rewrite import open_for_writing
+    from gcbench.results.store import append_record
 
-    check_appendable(out)
+    open_for_writing(out)
     spec = spec_at({**candidate_fields(plan, row), "device": device, "memory_cap_bytes": plan.budget,
                     "grad_accum": row.accum},
                    row.spec_fields["policy"], "batch_size", row.micro_batch)
     record = launcher(isolation, timeout, models=[row.spec_fields["model"]])(spec, lambda phase: None)
     append_record(out, record)
-    compact_records(out)  # versions of one record a killed sweep left there: one line each from now on
     return record

@@ -21,7 +21,15 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import config_key
-from gcbench.results.store import append_record, check_regular, lock, signals_held
+from gcbench.results.store import append_record, check_appendable, check_regular, lock, signals_held
+
+
+def open_for_writing(path: Path) -> None:
+    """What a command that appends to `path` does before its work: store.check_appendable (everything that would
+    stop the record, refused now), then the versions of one record a killed writer or an older gcbench left there
+    compacted (compact_records), so that the file it leaves holds each record once."""
+    check_appendable(path)
+    compact_records(path)
 
 
 def replace_record(path: Path, record: dict[str, Any]) -> str | None:

@@ -282,6 +282,14 @@ REQUIRED = {**{f.name: int if f.kind.python_type == "int" else str for f in RUN_
             "status": str}
 
 
+# What a sweep's record awaiting its paired timing says until the timing replaces it (a newer version of the record,
+# the same record_id, on its line; never the other way round): what stays when the sweep is stopped (Ctrl-C, kill -9)
+# before then, for a resumed sweep to pair. EARLIER_NOT_YET_PAIRED: the same, as gcbench wrote it before.
+NOT_YET_PAIRED = "not paired yet: the paired timing of its seq and batch follows once every policy has run"
+EARLIER_NOT_YET_PAIRED = ("not paired: the sweep stopped before the paired timing of its seq and batch",)
+AWAITING_PAIRING = (NOT_YET_PAIRED, *EARLIER_NOT_YET_PAIRED)
+
+
 def record_problem(record: Mapping[str, Any]) -> str | None:
     """Why `record` is not a record readers can use (a field missing or of the wrong type, an unknown status, a
     measurement that is not a number); None when it is one."""

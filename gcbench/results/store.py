@@ -291,6 +291,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise GcbenchError(f"{str(path)!r} is not a results file (not UTF-8 text)") from None
+    records = [record for _, record in parse_records(lines, str(path))]
+    return [records[i] for i in newest_positions(records)]
+
+
+def parse_records(lines: list[str], where: str) -> list[tuple[int, dict[str, Any]]]:
+    """Each record of a file's `lines` with its line number (from 1), as read_records reads them (one that
+    imports records checks them before they are written: validate --import)."""
     records = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -300,21 +307,21 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             if not isinstance(record, dict):
                 raise ValueError("not an object")
         except BeyondRecords as e:  # a whole line, not one cut short: refused wherever it stands
-            raise GcbenchError(f"{path}:{i}: corrupt results line ({e})") from None
+            raise GcbenchError(f"{where}:{i}: corrupt results line ({e})") from None
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than the JSON parser follows
             if i == len(lines):
-                warnings.warn(f"{path}:{i}: ignoring a truncated last line (an interrupted run)", stacklevel=2)
+                warnings.warn(f"{where}:{i}: ignoring a truncated last line (an interrupted run)", stacklevel=3)
                 continue
-            raise GcbenchError(f"{path}:{i}: corrupt results line (not a JSON object)") from None
+            raise GcbenchError(f"{where}:{i}: corrupt results line (not a JSON object)") from None
         version = record.get("schema_version")
         if version not in READABLE_VERSIONS or isinstance(version, bool):  # true == 1 in Python, not in a schema
             newer = isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION
             raise GcbenchError(
-                f"{path}:{i}: schema_version {version!r}, but this gcbench reads versions "
+                f"{where}:{i}: schema_version {version!r}, but this gcbench reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))}"
                 + (" (written by a newer gcbench: upgrade to read or add to it)" if newer else ""))
-        records.append({**ADDED_SPEC_FIELDS, **record})
-    return _newest_versions(records)
+        records.append((i, {**ADDED_SPEC_FIELDS, **record}))
+    return records
 
 
 class BeyondRecords(ValueError):
@@ -330,19 +337,21 @@ def _record_int(text: str) -> int:
     return value
 
 
-def _newest_versions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def newest_positions(records: list[dict[str, Any]]) -> list[int]:
+    """Which of `records` (in file order) a reader gets: a record written again is read once, its newest version
+    where the first one stood (positions into `records`, in the order they are read)."""
     # A later version of a record is the same config (a random record_id, and the config checked too: a record
     # never replaces another config's, even in a file a person or a script merged by hand).
     at: dict[str, int] = {}
-    kept: list[dict[str, Any]] = []
-    for record in records:
+    kept: list[int] = []
+    for i, record in enumerate(records):
         rid = record.get("record_id")
-        if isinstance(rid, str) and rid in at and config_key(kept[at[rid]]) == config_key(record):
-            kept[at[rid]] = record
+        if isinstance(rid, str) and rid in at and config_key(records[kept[at[rid]]]) == config_key(record):
+            kept[at[rid]] = i
             continue
         if isinstance(rid, str):
             at[rid] = len(kept)
-        kept.append(record)
+        kept.append(i)
     return kept
 
 

@@ -25,7 +25,8 @@ from gcbench.grid import SweepSpec
 from gcbench.errors import DeadlineReached, GcbenchError, WontFit, raise_interrupt
 from gcbench.instruments import free_without_context
 from gcbench.paired import choose_baseline, pairable
-from gcbench.results.schema import STATUSES, Status, config_key, config_label, policy_label
+from gcbench.results.schema import (AWAITING_PAIRING, NOT_YET_PAIRED, STATUSES, Status, config_key, config_label,
+                                    policy_label)
 from gcbench.results.rewrite import compact_records, replace_record
 from gcbench.results.store import (append_record, drop_truncated_last_line, ensure_writable, read_records,
                                    records_after)
@@ -43,11 +44,6 @@ from gcbench.sweeps.progress import SweepProgress
 # cluster jobs killed for host memory; an oom (measured, or predicted past the cap) is a result and stays (--rerun
 # runs it).
 RETRIED = (Status.ERROR, Status.TIMEOUT)
-# What a record awaiting its paired timing says until the timing replaces it (a newer version of the record, on
-# its line): what stays when the sweep is stopped (Ctrl-C, kill -9) before then, for a resumed sweep to pair.
-NOT_YET_PAIRED = "not paired yet: the paired timing of its seq and batch follows once every policy has run"
-# The same, as gcbench wrote it before (a resumed sweep pairs those records too).
-EARLIER_NOT_YET_PAIRED = ("not paired: the sweep stopped before the paired timing of its seq and batch",)
 
 
 @dataclass(frozen=True)
@@ -375,8 +371,7 @@ def run_as_job(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _awaits_pairing(record: dict[str, Any]) -> bool:
     """A record written by a sweep stopped before the paired timing of its seq and batch."""
-    return record.get("paired_error") in (NOT_YET_PAIRED, *EARLIER_NOT_YET_PAIRED) \
-        and isinstance(record.get("record_id"), str)
+    return record.get("paired_error") in AWAITING_PAIRING and isinstance(record.get("record_id"), str)
 
 
 def _policy_free_key(spec: ResolvedRun) -> str:

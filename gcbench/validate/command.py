@@ -28,8 +28,9 @@ def validate(
     archive: Annotated[Path | None, Opt(help="then pack the results: one .tar.gz + summary.txt", metavar="<dir>")]
     = None,
     predict: Annotated[bool, Opt("--predict", help="(CPU) make the plan's predictions beforehand")] = False,
-    import_: Annotated[Path | None, Opt("--import", help="merge a GPU archive here: records, report, README numbers",
-                                        metavar="<archive>")] = None,
+    import_: Annotated[Path | None, Opt("--import", metavar="<archive>",
+                                        help="merge a GPU archive into this checkout: records, report, quoted numbers"
+                                        )] = None,
     gpu: Annotated[str | None, Opt(help="card to plan for: h100-80gb (default), h200-141gb")] = None,
     smoke: Annotated[bool, Opt("--smoke", help="the plan on tiny models, into results/gpu-smoke/")] = False,
 ) -> None:
@@ -138,11 +139,11 @@ def _summary(validation, outcome, gpu_name: str) -> str:
 
 
 def _import(archive: Path, console: Console) -> int:
-    from gcbench.validate.home import import_archive
+    from gcbench.validate.home import checkout_root, import_archive
 
     if not archive.is_file():
         raise GcbenchError(f"--import {str(archive)[:200]!r}: not a file")
-    result = import_archive(archive)
+    result = import_archive(archive, checkout_root(Path.cwd()))
     console.print(f"imported {result.files} file(s) into {result.folder}/ ({result.records_added} new record(s)); "
                   f"report in {result.report}/", markup=False, highlight=False)
     if result.smoke:

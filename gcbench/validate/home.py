@@ -1,6 +1,11 @@
 """Bringing a GPU window's results home in one move: the archive `gcbench validate --archive` wrote on the GPU
-machine is merged into results/gpu/<gpu>/ here, the report re-rendered into docs/gpu-report/, and the GPU numbers
-the README and docs/gpu.md quote regenerated from the records (between their `gpu-results` markers; never by hand).
+machine is checked whole (unpack.py), then merged into results/gpu/<gpu>/ of this checkout, that GPU's report
+re-rendered into docs/gpu-report/<gpu>/, and the GPU numbers the README and docs/gpu.md quote regenerated from the
+records of every GPU folder (between their `gpu-results` markers; never by hand). A refused archive leaves the tree
+as it was: nothing is written before every member has been read and checked.
+
+The checkout is the folder the command runs in, or the nearest one above it whose pyproject.toml is gcbench's (as
+git finds its repository): results and reports land beside the README that quotes them, never in a stray folder.
 
 A smoke archive (results/gpu-smoke/..., the fake GPU or tiny models) is merged and reported into its own folder and
 never quoted: those are no GPU numbers.
@@ -8,24 +13,23 @@ never quoted: those are no GPU numbers.
 
 from __future__ import annotations
 
+import json
+import os
 import re
-import statistics
-import tarfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import Status, peak_bytes, policy_label
-from gcbench.results.store import read_records
-from gcbench.units import fmt_bytes
-from gcbench.validate.plan import ROOT, SMOKE_ROOT
+from gcbench.results.schema import AWAITING_PAIRING
+from gcbench.results.store import newest_positions, parse_records
+from gcbench.validate.quote import BEGIN, END, quoted_block
+from gcbench.validate.unpack import Staged, stage_archive
 
 QUOTED = ("README.md", "docs/gpu.md")  # the files whose GPU numbers come from the records
-BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
-REPORT = Path("docs/gpu-report")
-MAX_MEMBER_BYTES = 256 * 2**20
-_PLAIN = re.compile(r"[A-Za-z0-9._-]+")  # the names validate writes (gpu_slug, step names, report files)
+REPORTS = Path("docs/gpu-report")  # one report per GPU: docs/gpu-report/<gpu>/
+_PROJECT = re.compile(r'^name\s*=\s*"gcbench"\s*$', re.M)
 
 
 @dataclass
@@ -38,71 +42,121 @@ class Imported:
     quoted: list[Path] = field(default_factory=list)
 
 
-def import_archive(archive: Path, root: Path = Path(".")) -> Imported:
-    """Merge `archive` into `root`/results/gpu[-smoke]/<gpu>/ (records are added, never removed: a line already
-    here is not added twice), then render the report and update the quotes. Bad archives are refused before
-    anything is written."""
-    members = _members(archive)
-    prefix = PurePosixPath(*PurePosixPath(members[0][0].name).parts[:3])
-    result = Imported(root / prefix, smoke=prefix.parts[1] == SMOKE_ROOT.name)
-    result.folder.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive, "r:gz") as tar:
-        for member, relative in members:
-            data = tar.extractfile(member).read()  # type: ignore[union-attr]
-            target = result.folder / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.suffix == ".jsonl":
-                result.records_added += _merge_lines(target, data.decode())
-            else:
-                _write_bytes(target, data)
-            result.files += 1
-    from gcbench.report.document import write_report
-    from gcbench.results.frame import load_results, results_frame
+def checkout_root(start: Path) -> Path:
+    """The gcbench checkout `start` is in: itself or the nearest folder above holding gcbench's pyproject.toml;
+    GcbenchError where there is none (an import belongs beside the README that quotes it)."""
+    for folder in (start.absolute(), *start.absolute().parents):
+        if is_checkout(folder):
+            return folder
+    raise GcbenchError(f"{str(start)[:200]!r} is not in a gcbench checkout (no pyproject.toml of gcbench here or "
+                       "above): run validate --import in the checkout the results belong to")
 
-    result.report = result.folder / "report" if result.smoke else root / REPORT
-    frame, _ = load_results([result.folder])
-    write_report(results_frame(frame), result.report)
-    if not result.smoke:
-        block = gpu_results_block(result.folder, shown=prefix.as_posix())
-        for name in QUOTED:
-            if update_quote(root / name, block):
-                result.quoted.append(root / name)
+
+def is_checkout(folder: Path) -> bool:
+    try:
+        return _PROJECT.search((folder / "pyproject.toml").read_text(errors="replace")) is not None
+    except OSError:
+        return False
+
+
+def import_archive(archive: Path, root: Path = Path(".")) -> Imported:
+    """Merge `archive` into `root`/results/gpu[-smoke]/<gpu>/ (each record once: a record already here is not added
+    twice, a newer version of one replaces it where it stood), then render that GPU's report and update the quotes.
+    Bad archives, and archives that cannot be merged into this tree, are refused before anything is written."""
+    if not is_checkout(root):
+        raise GcbenchError(f"{str(root)[:200]!r} is not a gcbench checkout (no pyproject.toml of gcbench)")
+    staged = stage_archive(archive)
+    result = Imported(root / staged.folder, smoke=staged.smoke)
+    writes = _planned_writes(staged, root, result)
+    for target, data in writes.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_bytes(target, data)
+    result.files = len(staged.texts)
+    result.report, result.quoted = render(root, result.folder, result.smoke)
     return result
 
 
-def _members(archive: Path) -> list[tuple[tarfile.TarInfo, PurePosixPath]]:
-    """The archive's files with their paths inside the GPU's folder; GcbenchError for anything else."""
+def render(root: Path, folder: Path, smoke: bool = False) -> tuple[Path, list[Path]]:
+    """`folder`'s report and the quoted blocks (README.md, docs/gpu.md) made again from the records as they stand:
+    after an import, or after records were moved to results/gpu/superseded/. Returns the report's folder and the
+    files whose block changed."""
+    from gcbench.report.document import write_report
+    from gcbench.results.frame import load_results, results_frame
+
+    report = folder / "report" if smoke else root / REPORTS / folder.name
+    frame, _ = load_results([folder])
+    frame["source"] = [os.path.relpath(source, root) for source in frame["source"]]  # named from the checkout
+    write_report(results_frame(frame), report)
+    quoted = []
+    if not smoke:
+        block = quoted_block(root)
+        quoted = [root / name for name in QUOTED if update_quote(root / name, block)]
+    return report, quoted
+
+
+def _planned_writes(staged: Staged, root: Path, result: Imported) -> dict[Path, bytes]:
+    """Each file the import changes and its new bytes (files left as they are left out); GcbenchError where the
+    tree cannot take them (a file where a folder must go, or a results file here that does not read)."""
+    writes: dict[Path, bytes] = {}
+    for relative, text in sorted(staged.texts.items()):
+        target = result.folder / relative
+        _check_room(target, root)
+        old = target.read_bytes() if target.exists() else None
+        if relative in staged.records:
+            data, added = _merged(target, old, text, staged.records[relative])
+            result.records_added += added
+        else:
+            data = text.encode()
+        if data != old:
+            writes[target] = data
+    if not result.smoke:
+        _check_room(root / REPORTS / result.folder.name / "report.md", root)
+    return writes
+
+
+def _check_room(target: Path, root: Path) -> None:
+    """`target` can be written as a regular file: every folder on its way from `root` is a folder (or absent) and
+    it is a regular file or absent."""
+    for folder in reversed(target.parents):
+        if folder.is_relative_to(root) and folder != root and (folder.is_symlink() or folder.exists()) \
+                and not folder.is_dir():
+            raise GcbenchError(f"cannot import into {str(folder)!r}: a file stands where a folder must go")
+    if target.is_symlink() or (target.exists() and not target.is_file()):
+        raise GcbenchError(f"cannot import into {str(target)!r}: not a regular file")
+
+
+def _merged(target: Path, old: bytes | None, text: str, incoming: list[tuple[int, dict[str, Any]]]) \
+        -> tuple[bytes, int]:
+    """`target`'s records and the archive's (its newest versions), each record once, as read_records reads them: a
+    line equal to one before it dropped, a record's newer version (the same record_id and config) where its first
+    one stood. Lines are kept as written (one JSON object each). Returns the new bytes and how many are new."""
     try:
-        with tarfile.open(archive, "r:gz") as tar:
-            members = tar.getmembers()
-    except (OSError, tarfile.TarError, EOFError) as e:
-        raise GcbenchError(f"{str(archive)[:200]!r}: not an archive gcbench validate --archive wrote ({e})") from None
-    found = []
-    folders = set()
-    for member in members:
-        path = PurePosixPath(member.name)
-        parts = path.parts
-        if not member.isfile() or path.is_absolute() or ".." in parts or len(parts) < 4 \
-                or parts[0] != "results" or parts[1] not in (ROOT.name, SMOKE_ROOT.name) \
-                or not re.fullmatch(r"[a-z0-9-]+", parts[2]) or not all(_PLAIN.fullmatch(p) for p in parts[3:]) \
-                or member.size > MAX_MEMBER_BYTES:
-            raise GcbenchError(f"{str(archive)[:200]!r}: unexpected entry {member.name[:120]!r} (an archive of "
-                               "gcbench validate holds results/gpu/<gpu>/ files only)")
-        folders.add(parts[:3])
-        found.append((member, PurePosixPath(*parts[3:])))
-    if len(folders) != 1:
-        raise GcbenchError(f"{str(archive)[:200]!r}: holds {len(folders)} GPU folders, expected one")
-    return found
-
-
-def _merge_lines(target: Path, text: str) -> int:
-    """Append the archive's lines that `target` lacks; how many were added."""
-    have = target.read_text().splitlines() if target.exists() else []
-    known = set(have)
-    new = [line for line in text.splitlines() if line.strip() and line not in known]
-    if new:
-        _write_bytes(target, ("".join(f"{line}\n" for line in have + new)).encode())
-    return len(new)
+        have_lines = old.decode().splitlines() if old is not None else []
+    except UnicodeDecodeError:
+        raise GcbenchError(f"{str(target)!r} is not a results file (not UTF-8 text); the archive is not merged into "
+                           "it") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a torn last line here is dropped, as the next append would
+        have = [(have_lines[n - 1], r) for n, r in parse_records(have_lines, str(target))]
+    lines = text.splitlines()
+    theirs = [(lines[n - 1], r) for n, r in incoming]
+    theirs = [theirs[i] for i in newest_positions([r for _, r in theirs])]
+    # A version awaiting its paired timing is older than one with it, whichever file it comes in (an archive of an
+    # earlier call of the same window, imported late).
+    paired = {r.get("record_id") for _, r in have if r.get("paired_error") not in AWAITING_PAIRING}
+    theirs = [(line, r) for line, r in theirs if r.get("paired_error") not in AWAITING_PAIRING
+              or not isinstance(r.get("record_id"), str) or r["record_id"] not in paired]
+    # A line equal to one here (any version of it, even one a later line replaced) is nothing new: re-importing an
+    # archive, or an older one, never puts back a version this file already moved past.
+    pairs, seen = [], set()
+    for line, record in have + theirs:
+        same = json.dumps(record, sort_keys=True, default=str)
+        if same not in seen:
+            seen.add(same)
+            pairs.append((line.strip(), record))
+    kept = newest_positions([record for _, record in pairs])
+    before = len(newest_positions([record for _, record in have]))
+    return "".join(f"{pairs[i][0]}\n" for i in kept).encode(), len(kept) - before
 
 
 def _write_bytes(target: Path, data: bytes) -> None:
@@ -122,55 +176,3 @@ def update_quote(path: Path, block: str) -> bool:
         return False
     _write_bytes(path, pattern.sub(lambda _: f"{BEGIN}\n{block.rstrip()}\n{END}", text).encode())
     return True
-
-
-def gpu_results_block(folder: Path, shown: str | None = None) -> str:
-    """The markdown the README and docs/gpu.md quote: per policy of tier 1's config the measured peak, the
-    prediction and its error, the step time and its ratio to none; then the harness overhead. From the records.
-    `shown`: the folder as the text names it (its path from the repository root)."""
-    tier1 = sorted(folder.glob("*-policies.jsonl"))
-    records = [r for path in tier1 for r in read_records(path) if r.get("status") == Status.OK]
-    if not records:
-        return "No GPU record yet: no GPU window has run tier 1 of the plan."
-    env = {k: v for k, v in (records[-1].get("env") or {}).items() if v is not None}
-    first = records[0]
-    lines = [f"Measured on {env.get('gpu_name', 'a GPU')} (torch {env.get('torch', '?')}, CUDA "
-             f"{env.get('cuda', '?')}, driver {env.get('driver', '?')}), gcbench {str(env.get('git_sha', '?'))[:8]}: "
-             f"{first['model']} with "
-             f"{first.get('layers') or 'all'} blocks, seq {first['seq_len']}, batch {first['batch_size']}, "
-             f"{first.get('precision')}; records in `{shown or folder.as_posix()}/`.", "",
-             "| policy | peak allocated | predicted | error | step | time x none |", "|---|---:|---:|---:|---:|---:|"]
-    none = next((r for r in records if policy_label(r) == "none"), None)
-    none_ms = _median(none) if none else None
-    errors = []
-    for r in records:
-        peak, predicted = peak_bytes(r), r.get("predicted_peak_bytes")
-        error = (predicted - peak) / peak if peak and predicted else None
-        if error is not None:
-            errors.append(abs(error))
-        ms = _median(r)
-        lines.append(f"| {policy_label(r)} | {fmt_bytes(peak) if peak else '-'} | "
-                     f"{fmt_bytes(predicted) if predicted else '-'} ({r.get('prediction_method') or '-'}) | "
-                     f"{f'{error:+.1%}' if error is not None else '-'} | {f'{ms:.1f} ms' if ms else '-'} | "
-                     f"{f'{ms / none_ms:.2f}' if ms and none_ms else '-'} |")
-    if errors:
-        lines += ["", f"Prediction error (predicted vs max_memory_allocated): median {statistics.median(errors):.1%}, "
-                      f"worst {max(errors):.1%} over {len(errors)} policies."]
-    overhead = _overhead_ratio(folder / "overhead.txt")
-    if overhead:
-        lines += ["", f"Harness overhead: {overhead}."]
-    return "\n".join(lines)
-
-
-def _median(record: dict[str, Any]) -> float | None:
-    steps = record.get("step_ms") or []
-    return statistics.median(steps) if steps else None
-
-
-def _overhead_ratio(path: Path) -> str | None:
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    line = next((line for line in text.splitlines() if "ratio gcbench / bare" in line), None)
-    return line.strip() if line else None
