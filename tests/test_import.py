@@ -178,10 +178,15 @@ def test_an_import_from_a_subfolder_lands_in_its_checkout(home, tmp_path):
 
 @pytest.mark.slow  # two imports, each rendering a report (about 15 s each on 2 cores)
 def test_another_gpus_archive_adds_its_own_section_and_report_and_each_record_once(home, tmp_path):
-    """An archive of an A100 (the H200's gpt2 records, which hold an older version of each record before its newer
-    one): merged into results/gpu/nvidia-a100/ with each record once, its newest version; its report beside the
+    """An archive of an A100 (the H200's gpt2 records, each with an older version before it: awaiting its paired
+    timing): merged into results/gpu/nvidia-a100/ with each record once, its newest version; its report beside the
     H200's, which stays as it was; the quoted block keeps the H200's section and adds the A100's."""
-    source = (REPO_ROOT / H200 / "gpt2.jsonl").read_bytes()
+    from gcbench.results.schema import NOT_YET_PAIRED
+
+    lines = (REPO_ROOT / H200 / "gpt2.jsonl").read_text().splitlines()
+    older = [json.dumps({k: v for k, v in json.loads(line).items() if not k.startswith("time_ratio")}
+                        | {"paired_error": NOT_YET_PAIRED}) for line in lines]
+    source = "\n".join([*older, *lines, ""]).encode()
     folder = "results/gpu/nvidia-a100-sxm4-80gb"
     archive = tar_gz(tmp_path / "a100.tar.gz", [(f"./{folder}/gpt2.jsonl", source),
                                                 (f"./{folder}/calibration.ndjson", b'{"kind": "gemm"}\n')])
@@ -204,23 +209,30 @@ def test_another_gpus_archive_adds_its_own_section_and_report_and_each_record_on
 
 
 def test_a_merge_keeps_the_newest_version_and_never_puts_an_older_one_back(home, tmp_path):
-    """The committed gpt2.jsonl holds an older version of each record before its newer one: importing the file
-    over itself leaves each record once, its newest version where the first stood; an archive holding only the
-    older versions then changes nothing."""
+    """gpt2.jsonl imported over itself leaves each record once; versions older than the ones here (awaiting their
+    paired timing, or from an earlier sweep whose config a later one ran again under the same record_id) change
+    nothing, whichever order they come in; a later sweep's version takes its record's line."""
+    from gcbench.results.schema import NOT_YET_PAIRED
+    from gcbench.results.store import parse_records
     from gcbench.validate.home import _merged
 
     target = home / H200 / "gpt2.jsonl"
     lines = target.read_text().splitlines()
-    from gcbench.results.store import parse_records
-
-    incoming = parse_records(lines, "archive")
-    data, added = _merged(target, target.read_bytes(), target.read_text(), incoming)
-    assert added == 0 and [json.loads(x)["record_id"] for x in data.decode().splitlines()] == \
-        [r["record_id"] for r in read_records(target)]
-    target.write_bytes(data)
-    older = "\n".join(lines[:len(lines) // 2])  # the first versions, written before the paired timing
-    data_again, _ = _merged(target, data, older, parse_records(older.splitlines(), "archive"))
-    assert data_again == data
+    data, added = _merged(target, target.read_bytes(), target.read_text(), parse_records(lines, "archive"))
+    assert added == 0 and data == target.read_bytes()
+    records = read_records(target)
+    unpaired = [{k: v for k, v in r.items() if not k.startswith("time_ratio")} | {"paired_error": NOT_YET_PAIRED}
+                for r in records]
+    earlier = [r | {"sweep_id": "20000101-000000-0000", "step_ms_median": 1.0} for r in records]
+    for older in (unpaired, earlier):
+        text = "\n".join(json.dumps(r) for r in older)
+        again, added = _merged(target, data, text, parse_records(text.splitlines(), "archive"))
+        assert again == data and added == 0
+    later = records[1] | {"sweep_id": "29991231-000000-0000", "step_ms_median": 2.0}
+    text = json.dumps(later)
+    merged, added = _merged(target, data, text, parse_records([text], "archive"))
+    kept = [json.loads(x) for x in merged.decode().splitlines()]
+    assert added == 0 and len(kept) == len(records) and kept[1]["step_ms_median"] == 2.0
 
 
 def test_the_quoted_block_leads_with_configs_where_the_policy_changes_the_peak():

@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -17,10 +19,11 @@ from gcbench.errors import DeadlineReached
 from gcbench.fits.fit import Fit, FitSpec
 from gcbench.grid import SweepSpec
 from gcbench.launch.inline import InProcessRunner
-from gcbench.results import store
+from gcbench.launch import failure_record
+from gcbench.results import rewrite, store
 from gcbench.results.rewrite import compact_records, replace_record
-from gcbench.results.schema import config_key, new_record
-from gcbench.results.store import append_record, read_records
+from gcbench.results.schema import ADDED_SPEC_FIELDS, config_key, new_record
+from gcbench.results.store import append_record, read_records, records_after
 from gcbench.sweeps.orchestrate import NOT_YET_PAIRED, Sweep
 from tests.helpers import tiny_spec
 
@@ -145,9 +148,20 @@ def test_replacing_a_record_rewrites_its_line_atomically_keeping_the_files_mode(
     assert [r["record_id"] for r in read_plainly(out)] == ["a", "b", "c", "d"]
 
 
+def test_a_results_file_behind_a_link_is_rewritten_where_it_is(tmp_path):
+    real = tmp_path / "kept" / "r.jsonl"
+    real.parent.mkdir()
+    link = tmp_path / "r.jsonl"
+    link.symlink_to(real)
+    append_record(link, versions("a"))
+    replace_record(link, versions("a", time_ratio=1.2))
+    assert link.is_symlink() and [r.get("time_ratio") for r in read_plainly(real)] == [1.2]
+
+
 def test_a_writer_that_waited_for_the_lock_of_a_replaced_file_writes_to_the_new_one(tmp_path, monkeypatch):
     out = tmp_path / "r.jsonl"
     append_record(out, versions("a"))
+    os.link(out, tmp_path / "another-name")  # the old file keeps a link after the rename: no st_nlink test
     lock, raced = store.lock, []
 
     def lock_after_a_rewrite(fd, path, *args, **kwargs):
@@ -176,3 +190,68 @@ def test_the_next_writer_compacts_what_a_killed_writer_left(tmp_path):
                                                                                  (32, None, None)]
     before = out.read_bytes()
     assert compact_records(out) == 0 and out.read_bytes() == before  # nothing to do: the file is not touched
+
+
+def test_another_sweep_sees_a_record_rewritten_in_place(tmp_path):
+    """A sweep reads what others wrote by line: a config run again elsewhere keeps its record's id, and its new
+    version is new to a sweep that saw the old one (else it would run the config a second time)."""
+    out = tmp_path / "r.jsonl"
+    append_record(out, versions("a", status="error"))
+    seen = set()
+    assert [r["status"] for r in records_after(out, seen)] == ["error"] and records_after(out, seen) == []
+    replace_record(out, versions("a", status="ok"))
+    assert [r["status"] for r in records_after(out, seen)] == ["ok"]
+
+
+def test_an_older_schemas_line_is_replaced_by_its_newer_version(tmp_path):
+    out = tmp_path / "r.jsonl"
+    old = {k: v for k, v in versions("a").items() if k not in ADDED_SPEC_FIELDS} | {"schema_version": 4}
+    out.write_text(json.dumps(old) + "\n")
+    replace_record(out, versions("a", time_ratio=1.3))
+    assert [(r["schema_version"], r["time_ratio"]) for r in read_plainly(out)] == [(5, 1.3)]
+    out.write_text(json.dumps(old) + "\n" + json.dumps(versions("a", time_ratio=1.3)) + "\n")
+    assert compact_records(out) == 1 and len(read_plainly(out)) == 1
+
+
+def test_a_folder_that_takes_no_new_file_gets_the_newer_version_appended(tmp_path, monkeypatch):
+    """A read-only or sticky folder of another user's: the rename cannot happen, the measurement is not lost."""
+    out = tmp_path / "r.jsonl"
+    append_record(out, versions("a"))
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(rewrite.tempfile, "mkstemp", refused)
+    replace_record(out, versions("a", time_ratio=1.4))
+    assert [r.get("time_ratio") for r in read_plainly(out)] == [None, 1.4]
+    assert [r["time_ratio"] for r in read_records(out)] == [1.4]
+
+
+def test_a_rewrite_removes_what_a_killed_rewrite_left_and_archives_leave_hidden_files_out(tmp_path):
+    from gcbench.validate.execute import archive
+
+    folder = tmp_path / "results" / "gpu" / "nvidia-h200"
+    folder.mkdir(parents=True)
+    out = folder / "r.jsonl"
+    append_record(out, versions("a"))
+    stale = folder / ".r.jsonl.k1ll3d.rewrite"
+    stale.write_text("half")
+    packed = archive(folder, tmp_path / "out", "summary")
+    with tarfile.open(packed) as tar:
+        assert [Path(name).name for name in tar.getnames()] == ["r.jsonl"]
+    replace_record(out, versions("a", time_ratio=1.1))
+    assert not stale.exists() and sorted(p.name for p in folder.iterdir()) == ["r.jsonl"]
+
+
+def test_a_config_run_again_never_puts_a_failure_over_an_ok_record(tmp_path, monkeypatch):
+    out = tmp_path / "r.jsonl"
+    one = {**GRID, "seq": 16, "batch": 1, "policy": "none"}
+    [first] = gcbench.sweep(out=out, **one)
+
+    def failing(self, spec, on):
+        return failure_record(spec, "error", "RuntimeError: a transient failure")
+
+    monkeypatch.setattr(InProcessRunner, "__call__", failing)
+    [again] = gcbench.sweep(out=out, rerun=True, **one)
+    assert again["record_id"] != first["record_id"]  # a line of its own: the ok measurement stays
+    assert [r["status"] for r in read_plainly(out)] == ["ok", "error"]

@@ -5,9 +5,11 @@ Tiny presets, seq 32, one warm-up and one timed step: each config is a fraction 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -384,8 +386,9 @@ def test_kill_9_loses_no_finished_config_and_the_resume_runs_it_not_again(tmp_pa
 @pytest.mark.slow  # a fresh interpreter and fork server: two imports of torch + transformers
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to find the child processes")
 def test_kill_9_of_a_sweep_leaves_no_child_log_behind(tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # short: the fork server's socket lives in TMPDIR, and an AF_UNIX path has 107 bytes at most (pytest's tmp_path
+    # under a clean clone's CI folder and a high pytest-N ran past it)
+    temp = Path(tempfile.mkdtemp(prefix="k9-", dir="/tmp"))
     proc = subprocess.Popen([sys.executable, "-m", "gcbench", "sweep", "--model", "tiny-llama", "--seq", "32",
                              "--batch", "1", "--policy", "none", "--device", "cpu", "--steps", "100000",
                              "--max-time", "600", "--timeout", "600", "--out", str(tmp_path / "r.jsonl")],
@@ -400,7 +403,9 @@ def test_kill_9_of_a_sweep_leaves_no_child_log_behind(tmp_path):
     proc.communicate()
     assert _wait_gone(family) == set(), "children outlived a killed sweep"
     assert child in family
-    assert sorted(p.name for p in temp.rglob("gcbench-child-*")) == []
+    left = sorted(p.name for p in temp.rglob("gcbench-child-*"))
+    shutil.rmtree(temp, ignore_errors=True)
+    assert left == []
 
 
 def _config_child(pid: int) -> int | None:

@@ -5,23 +5,28 @@ A results file is read by plain tools too (`jq`, `pandas.read_json(lines=True)`)
 a record written again (a sweep's record once its paired timing is in) must replace its line, not follow it. Under
 the lock every writer takes (store.lock), the whole file is written anew beside it and renamed over it (os.replace,
 then the folder fsynced): a reader sees the old file or the new one, never a mix, and a kill at any moment leaves
-one of the two, whole. A writer that waited for the lock on the replaced file finds it unlinked and opens the path
-anew (store.append_record). Lines that do not read as records are kept as they are, for read_records to judge.
+one of the two, whole. A writer that waited for the lock on the replaced file finds that the path names another
+file now and opens it anew (store.append_record). A folder that takes no new file (read-only, or sticky and another
+user's) gets the newer version appended instead, as an older gcbench wrote it. Lines that do not read as records are kept as they are, for read_records to judge.
 """
 
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import config_key
-from gcbench.results.store import append_record, check_appendable, check_regular, lock, signals_held
+from gcbench.results.schema import ADDED_SPEC_FIELDS, config_key
+from gcbench.results.store import append_record, check_appendable, check_regular, lock, same_file, signals_held
+
+TEMPORARY_SUFFIX = ".rewrite"  # the new file beside the old one until it is renamed over it
 
 
 def open_for_writing(path: Path) -> None:
@@ -40,7 +45,7 @@ def replace_record(path: Path, record: dict[str, Any]) -> str | None:
     if not isinstance(rid, str):
         raise ValueError("replace_record needs a record with a record_id")
     data = (json.dumps(record, default=str) + "\n").encode()
-    key = config_key(record)
+    key = config_key({**ADDED_SPEC_FIELDS, **record})
     found = False
 
     def replaced(lines: list[bytes]) -> list[bytes]:
@@ -56,9 +61,12 @@ def replace_record(path: Path, record: dict[str, Any]) -> str | None:
         return out
 
     outcome = _rewrite(path, replaced)
-    if outcome is None or not found:
-        return append_record(path, record)
-    return outcome[0]
+    dropped = outcome.dropped if outcome is not None else None
+    if outcome is None or not found or not outcome.written:
+        # no line of it here, or the folder takes no new file (a sticky or read-only folder): the newer version
+        # appended, which readers take (and the next writer that can compacts)
+        dropped = append_record(path, record) or dropped
+    return dropped
 
 
 def compact_records(path: Path) -> int:
@@ -72,7 +80,7 @@ def compact_records(path: Path) -> int:
     if len(lines) == len(_compacted(lines)):
         return 0  # the common case, decided without the lock: nothing to write
     outcome = _rewrite(path, _compacted)
-    return 0 if outcome is None else outcome[1]
+    return outcome.removed if outcome is not None and outcome.written else 0
 
 
 def _compacted(lines: list[bytes]) -> list[bytes]:
@@ -97,14 +105,22 @@ def _identity(line: bytes) -> tuple[str, str] | None:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("record_id"), str):
         return None
-    return record["record_id"], config_key(record)
+    return record["record_id"], config_key({**ADDED_SPEC_FIELDS, **record})  # an older schema's line as read
 
 
-def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> tuple[str | None, int] | None:
+@dataclass(frozen=True)
+class Rewritten:
+    dropped: str | None  # a torn last line cut off (a writer killed mid-line)
+    removed: int  # lines that went
+    written: bool  # False: nothing to change, or the folder took no new file (the file left as it was)
+
+
+def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> Rewritten | None:
     """Apply `change` to the lines of `path` under its lock and write the result atomically in its place (nothing
-    written when the lines stay the same). Returns the torn last line cut off, if any, and how many lines went;
-    None when there is no file."""
+    written when the lines stay the same); None when there is no file. A link is followed: the file it names is the
+    one replaced, not the link."""
     check_regular(path)
+    path = Path(os.path.realpath(path))
     while True:
         try:
             fd = os.open(path, os.O_RDWR)
@@ -117,13 +133,13 @@ def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> tuple[
         except BaseException:
             os.close(fd)
             raise
-        if os.fstat(fd).st_nlink:
+        if same_file(path, fd):
             break
         os.close(fd)  # replaced or removed while we waited: the path names another file now
     try:
         with signals_held():
-            size = os.fstat(fd).st_size
-            text = os.pread(fd, size, 0)
+            _remove_stale_temporaries(path)  # under the lock: a writer killed mid-rewrite left them
+            text = _read_all(fd)
             lines = text.splitlines(keepends=True)
             dropped = None
             if lines and not lines[-1].endswith(b"\n"):
@@ -137,9 +153,12 @@ def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> tuple[
                     dropped = lines.pop().decode(errors="replace")
             changed = change(lines)
             if changed == lines and dropped is None and text.endswith(b"\n"):
-                return None, 0
-            _replace_file(path, fd, b"".join(changed))
-            return dropped, len(lines) - len(changed)
+                return Rewritten(None, 0, False)
+            try:
+                _replace_file(path, fd, b"".join(changed))
+            except PermissionError:
+                return Rewritten(None, 0, False)
+            return Rewritten(dropped, len(lines) - len(changed), True)
     except OSError as e:
         why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or str(e)
         raise GcbenchError(f"cannot write results to {str(path)!r}: {why}; the file is left as it was") from None
@@ -147,12 +166,38 @@ def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> tuple[
         os.close(fd)
 
 
+def _read_all(fd: int) -> bytes:
+    """The whole file: pread returns at most about 2 GiB a call on Linux."""
+    size, chunks, at = os.fstat(fd).st_size, [], 0
+    while at < size:
+        chunk = os.pread(fd, min(size - at, 1 << 30), at)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        at += len(chunk)
+    return b"".join(chunks)
+
+
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    for stale in path.parent.glob(f"{glob.escape(_temporary_prefix(path))}*{TEMPORARY_SUFFIX}"):
+        stale.unlink(missing_ok=True)
+
+
 def _replace_file(path: Path, fd: int, data: bytes) -> None:
-    """`data` written to a new file beside `path` (its mode), fsynced, renamed over `path`, the folder fsynced."""
-    mode = os.fstat(fd).st_mode & 0o7777
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".rewrite")
+    """`data` written to a new file beside `path` (its mode and group), fsynced, renamed over `path`, the folder
+    fsynced."""
+    st = os.fstat(fd)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path), suffix=TEMPORARY_SUFFIX)
     try:
-        os.fchmod(handle, mode)
+        os.fchmod(handle, st.st_mode & 0o7777)
+        try:
+            os.fchown(handle, -1, st.st_gid)  # a shared file stays its group's (the owner is whoever writes)
+        except OSError:
+            pass
         view = memoryview(data)
         while view:
             view = view[os.write(handle, view):]

@@ -290,6 +290,13 @@ EARLIER_NOT_YET_PAIRED = ("not paired: the sweep stopped before the paired timin
 AWAITING_PAIRING = (NOT_YET_PAIRED, *EARLIER_NOT_YET_PAIRED)
 
 
+def version_order(record: Mapping[str, Any]) -> tuple[str, bool]:
+    """How versions of one record (the same record_id) follow each other: by the sweep that wrote them (a config
+    run again keeps its record's id; a sweep_id begins with the time its sweep started), then by the paired timing,
+    added later in the same sweep."""
+    return str(record.get("sweep_id") or ""), record.get("paired_error") not in AWAITING_PAIRING
+
+
 def record_problem(record: Mapping[str, Any]) -> str | None:
     """Why `record` is not a record readers can use (a field missing or of the wrong type, an unknown status, a
     measurement that is not a number); None when it is one."""

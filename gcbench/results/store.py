@@ -120,9 +120,11 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
         except BaseException:
             os.close(fd)  # never holding the lock, it removes nothing: the file may be another writer's now
             raise
-        if os.fstat(fd).st_nlink:
+        if same_file(path, fd):
             break
-        os.close(fd)  # the writer that held the lock removed the empty file it had made: open the path anew
+        # the writer that held the lock removed the empty file it had made, or rewrote the file (rewrite.py) and
+        # renamed the new one over it: open the path anew
+        os.close(fd)
     try:
         with signals_held():
             dropped = _drop_torn_tail(fd)
@@ -355,10 +357,10 @@ def newest_positions(records: list[dict[str, Any]]) -> list[int]:
     return kept
 
 
-def records_after(path: Path, seen: set[str]) -> list[dict[str, Any]]:
-    """The whole records of `path` whose `record_id` is not in `seen` (added to it): what another writer added since
-    `seen` was filled. Lines that do not read as records, or carry no record_id, are left to read_records to judge.
-    Read by id, not by offset: a record rewritten in place (rewrite.py) moves the lines after it."""
+def records_after(path: Path, seen: set[bytes]) -> list[dict[str, Any]]:
+    """The whole records of `path` whose line is not in `seen` (added to it): what another writer added or rewrote
+    (a newer version of a record, rewrite.py) since `seen` was filled. Lines that do not read as records are left to
+    read_records to judge. Read by line, not by offset: a rewrite moves the lines after the one it replaces."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -368,12 +370,14 @@ def records_after(path: Path, seen: set[str]) -> list[dict[str, Any]]:
         raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
     records = []
     for line in data[:data.rfind(b"\n") + 1].splitlines():
+        if line in seen:
+            continue
+        seen.add(line)
         try:
             record = json.loads(line, parse_int=_record_int)
         except (ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("record_id"), str) and record["record_id"] not in seen:
-            seen.add(record["record_id"])
+        if isinstance(record, dict):
             records.append({**ADDED_SPEC_FIELDS, **record})
     return records
 

@@ -88,14 +88,14 @@ class Sweep:
         self._existing, notes = _existing_records(grid.out)
         for note in notes:
             self._warn(note)
-        # Records other sweeps on the same file write while this one runs: those not there now, as they come.
-        self._seen_lock, self._done_since = threading.Lock(), {}
-        self._seen = {r["record_id"] for r in self._existing if isinstance(r.get("record_id"), str)}
+        # Records other sweeps on the same file write while this one runs: lines not there now, as they come.
+        self._seen_lock, self._done_since, self._seen = threading.Lock(), {}, set()
+        records_after(grid.out, self._seen)
         # A config run again (--rerun, --retry-failed, --no-skip) keeps its record's id: the new record is a newer
         # version of it and takes its line, so that the file holds each config once (a fit's trials are their own).
-        self._earlier_ids = {config_key(r): r["record_id"] for r in self._existing
-                             if isinstance(r.get("record_id"), str) and not r.get("fit_id")}
-        self._rerun_ids = set(self._earlier_ids.values())
+        self._earlier = {config_key(r): r for r in self._existing
+                         if isinstance(r.get("record_id"), str) and not r.get("fit_id")}
+        self._rerun_ids = {r["record_id"] for r in self._earlier.values()}
         # The configs to run that cannot fit at all, known before the first child starts (warned about by run()).
         # On a cluster the job's child checks against its node's memory; this machine's says nothing about it.
         to_run = [p.spec for p in self.plan() if p.done is None]
@@ -199,7 +199,7 @@ class Sweep:
         collected: dict[str, dict[str, Any]] = {}
 
         def write(record: dict[str, Any]) -> None:
-            record["record_id"] = self._earlier_ids.get(config_key(record)) or record.get("record_id")
+            record["record_id"] = self._earlier_id(config_key(record), record) or record.get("record_id")
             self._append(record)
             collected[config_key(record)] = record
 
@@ -252,8 +252,7 @@ class Sweep:
                     self._warn_torn(replace_record(self.grid.out, record))
         return records
 
-    def _append(self, record: dict[str, Any]) -> None:
-        """A config's record, appended; over its earlier record's line when the config ran again."""
+    def _append(self, record: dict[str, Any]) -> None:  # over its earlier record's line when the config ran again
         if record.get("record_id") in self._rerun_ids:
             self._warn_torn(replace_record(self.grid.out, record))
         else:
@@ -343,9 +342,17 @@ class Sweep:
         if len(self.slots) > 1:
             record.update(side_by_side_fields(record, self.slots[slot], len(self.slots)))
         # config_wall_ms: the whole config as the sweep saw it (child start, build, all steps), in ms.
-        rid = self._earlier_ids.get(config_key(spec.as_record())) or record.get("record_id") or uuid.uuid4().hex
+        rid = self._earlier_id(config_key(spec.as_record()), record) or record.get("record_id") or uuid.uuid4().hex
         return {**record, "sweep_id": self.sweep_id, "record_id": rid,
                 "isolation": self.grid.isolation, "config_wall_ms": wall_ms, "env": env}
+
+    def _earlier_id(self, key: str, record: dict[str, Any]) -> str | None:
+        """The id of the config's earlier record, whose line its record run again takes; None (both kept) where no
+        measurement (skipped, an oom not run, an error) would replace an ok one."""
+        earlier = self._earlier.get(key)
+        if earlier is None or (earlier.get("status") == Status.OK and record.get("status") != Status.OK):
+            return None
+        return earlier["record_id"]
 
     def _warn_torn(self, dropped: str | None) -> None:
         if dropped is not None:
@@ -369,8 +376,7 @@ def run_as_job(task: dict[str, Any]) -> list[dict[str, Any]]:
     return Sweep(grid).run()
 
 
-def _awaits_pairing(record: dict[str, Any]) -> bool:
-    """A record written by a sweep stopped before the paired timing of its seq and batch."""
+def _awaits_pairing(record: dict[str, Any]) -> bool:  # written by a sweep stopped before its paired timing
     return record.get("paired_error") in AWAITING_PAIRING and isinstance(record.get("record_id"), str)
 
 

@@ -311,7 +311,10 @@ def archive(folder: Path, into: Path, summary: str) -> Path:
     partial = path.with_name(path.name + ".part")
     with tarfile.open(partial, "w:gz") as tar:
         for file in sorted(folder.rglob("*")):
-            if file.is_file() and not file.name.endswith(".part"):
+            # no hidden file (a rewrite's temporary a killed writer left) and no half-written one: what an import
+            # takes (validate/unpack.py)
+            if file.is_file() and not file.name.endswith(".part") and \
+                    not any(part.startswith(".") for part in file.relative_to(folder).parts):
                 tar.add(file, arcname=file.as_posix())
     partial.replace(path)
     (into / "summary.txt").write_text(summary)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.results.schema import AWAITING_PAIRING
+from gcbench.results.schema import version_order
 from gcbench.results.store import newest_positions, parse_records
 from gcbench.validate.quote import BEGIN, END, quoted_block
 from gcbench.validate.unpack import Staged, stage_archive
@@ -141,11 +142,14 @@ def _merged(target: Path, old: bytes | None, text: str, incoming: list[tuple[int
     lines = text.splitlines()
     theirs = [(lines[n - 1], r) for n, r in incoming]
     theirs = [theirs[i] for i in newest_positions([r for _, r in theirs])]
-    # A version awaiting its paired timing is older than one with it, whichever file it comes in (an archive of an
-    # earlier call of the same window, imported late).
-    paired = {r.get("record_id") for _, r in have if r.get("paired_error") not in AWAITING_PAIRING}
-    theirs = [(line, r) for line, r in theirs if r.get("paired_error") not in AWAITING_PAIRING
-              or not isinstance(r.get("record_id"), str) or r["record_id"] not in paired]
+    # A version older than one here never replaces it, whichever file it comes in (an archive of an earlier call of
+    # the same window, or of an earlier window whose config a later one ran again, imported late).
+    newest: dict[str, tuple[str, bool]] = {}
+    for _, r in have:
+        if isinstance(r.get("record_id"), str):
+            newest[r["record_id"]] = max(newest.get(r["record_id"], version_order(r)), version_order(r))
+    theirs = [(line, r) for line, r in theirs if not isinstance(r.get("record_id"), str)
+              or version_order(r) >= newest.get(r["record_id"], version_order(r))]
     # A line equal to one here (any version of it, even one a later line replaced) is nothing new: re-importing an
     # archive, or an older one, never puts back a version this file already moved past.
     pairs, seen = [], set()
@@ -160,9 +164,21 @@ def _merged(target: Path, old: bytes | None, text: str, incoming: list[tuple[int
 
 
 def _write_bytes(target: Path, data: bytes) -> None:
-    partial = target.with_name(target.name + ".part")
-    partial.write_bytes(data)
-    partial.replace(target)
+    """`target` replaced whole: the new bytes written beside it, fsynced, renamed over it (a failure leaves it as it
+    was, and no partial file)."""
+    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(handle, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~umask)  # not mkstemp's 600
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 def update_quote(path: Path, block: str) -> bool:
