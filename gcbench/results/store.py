@@ -364,7 +364,7 @@ def records_after(path: Path, seen: set[bytes]) -> list[dict[str, Any]]:
     try:
         with open(path, "rb") as f:
             data = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none yet (writing to it says what is wrong with the path)
         return []
     except OSError as e:
         raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
