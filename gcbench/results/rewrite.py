@@ -24,7 +24,8 @@ from typing import Any
 
 from gcbench.errors import GcbenchError
 from gcbench.results.schema import ADDED_SPEC_FIELDS, config_key
-from gcbench.results.store import append_record, check_appendable, check_regular, lock, same_file, signals_held
+from gcbench.results.store import (append_record, check_appendable, check_regular, drop_torn_tail, open_locked,
+                                   signals_held)
 
 TEMPORARY_SUFFIX = ".rewrite"  # the new file beside the old one until it is renamed over it
 
@@ -121,43 +122,22 @@ def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> Rewrit
     one replaced, not the link."""
     check_regular(path)
     path = Path(os.path.realpath(path))
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
-        try:
-            lock(fd, path)
-        except BaseException:
-            os.close(fd)
-            raise
-        if same_file(path, fd):
-            break
-        os.close(fd)  # replaced or removed while we waited: the path names another file now
+    if (opened := open_locked(path)) is None:
+        return None
+    fd = opened[0]
     try:
         with signals_held():
             _remove_stale_temporaries(path)  # under the lock: a writer killed mid-rewrite left them
-            text = _read_all(fd)
-            lines = text.splitlines(keepends=True)
-            dropped = None
-            if lines and not lines[-1].endswith(b"\n"):
-                try:
-                    whole = isinstance(json.loads(lines[-1]), dict)
-                except (ValueError, RecursionError):
-                    whole = False
-                if whole:  # a whole object without its newline (written by hand): kept, with one
-                    lines[-1] += b"\n"
-                else:
-                    dropped = lines.pop().decode(errors="replace")
+            dropped = drop_torn_tail(fd)  # a writer killed mid-line: cut off in place first
+            os.fsync(fd)
+            lines = _read_all(fd).splitlines(keepends=True)
             changed = change(lines)
-            if changed == lines and dropped is None and text.endswith(b"\n"):
-                return Rewritten(None, 0, False)
+            if changed == lines:
+                return Rewritten(dropped, 0, False)
             try:
                 _replace_file(path, fd, b"".join(changed))
             except PermissionError:
-                return Rewritten(None, 0, False)
+                return Rewritten(dropped, 0, False)
             return Rewritten(dropped, len(lines) - len(changed), True)
     except OSError as e:
         why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or str(e)

@@ -108,26 +108,14 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     after the record is in: `written` is called as soon as it is (fsynced)."""
     check_regular(path)
     data = (json.dumps(record, default=str) + "\n").encode()
-    while True:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            created = not path.exists()
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
-        except OSError as e:
-            raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
-        try:
-            lock(fd, path)  # concurrent writers: repairing or truncating back cuts only our own
-        except BaseException:
-            os.close(fd)  # never holding the lock, it removes nothing: the file may be another writer's now
-            raise
-        if same_file(path, fd):
-            break
-        # the writer that held the lock removed the empty file it had made, or rewrote the file (rewrite.py) and
-        # renamed the new one over it: open the path anew
-        os.close(fd)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
+    fd, created = open_locked(path, create=True)  # type: ignore[misc]
     try:
         with signals_held():
-            dropped = _drop_torn_tail(fd)
+            dropped = drop_torn_tail(fd)
             size = os.fstat(fd).st_size
             try:
                 _write_all(fd, data)
@@ -154,6 +142,29 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     finally:
         os.close(fd)
     return dropped
+
+
+def open_locked(path: Path, create: bool = False) -> tuple[int, bool] | None:
+    """`path` opened for appending with its exclusive lock held (concurrent writers: repairing or truncating back
+    then cuts only our own; Ctrl-C ends the wait) and whether this call created it; None: no file, `create` off.
+    Opened anew while the path names another file once the lock is held: the writer that held it removed the empty
+    file it had made, or renamed a rewrite over it (rewrite.py)."""
+    while True:
+        try:
+            created = create and not path.exists()
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0), 0o666)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError) and not create:
+                return None
+            raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
+        try:
+            lock(fd, path)
+        except BaseException:
+            os.close(fd)  # never holding the lock, it removes nothing: the file may be another writer's now
+            raise
+        if same_file(path, fd):
+            return fd, created
+        os.close(fd)
 
 
 def _remove_if_unused(path: Path, fd: int) -> None:
@@ -215,7 +226,7 @@ def lock_holder(fd: int) -> int | None:
     return None
 
 
-def _drop_torn_tail(fd: int) -> str | None:
+def drop_torn_tail(fd: int) -> str | None:
     """Cut the last line off the file when it lacks its newline and is not a whole JSON object; return it. A whole
     object without a newline (written by hand) stays: a newline is added after it."""
     size = os.fstat(fd).st_size
@@ -266,16 +277,12 @@ def drop_truncated_last_line(path: Path) -> str | None:
     """Cut a half-written last line (a writer killed mid-line) off `path`, under its lock, and return it; None when
     the file ends cleanly or does not exist."""
     check_regular(path)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND)
-    except FileNotFoundError:
+    if (opened := open_locked(path)) is None:
         return None
-    except OSError as e:
-        raise GcbenchError(f"cannot write results to {str(path)!r}: {e.strerror or e}") from None
+    fd = opened[0]
     try:
-        lock(fd, path)
         with signals_held():
-            dropped = _drop_torn_tail(fd)
+            dropped = drop_torn_tail(fd)
             os.fsync(fd)
         return dropped
     finally:
