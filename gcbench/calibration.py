@@ -9,6 +9,8 @@ time model itself counts for it (step_clock.StepClock on the same op: its FLOPs 
 reads off a measurement (benchmarks/calibration.py: the fraction of the datasheet reached) is defined exactly as
 the model then uses it:
 
+- a config's start, as a sweep's forked child pays it: its CUDA context, cuBLAS's first matmul, the model built on
+  the card, fixed and per block (what validate's plan charges per config: validate/cost.py);
 - matmuls: bf16 (and fp32) shapes with K from 256 to 8192 and M, N of transformer layers, after a soak of large
   matmuls that brings the clocks down to where a training run holds them (a power-limited card runs slower than
   its boost clock: mamf-finder's "sustainable" figure, Bekman, ml-engineering);
@@ -53,11 +55,15 @@ def calibrate(device: str = "cuda", quick: bool = False, soak_s: float = 10.0,
               progress: Callable[[str], None] = lambda text: None) -> list[dict[str, Any]]:
     """Every measurement, as JSON-ready dicts. `quick`: tiny shapes and few repetitions (a check that it runs,
     e.g. on the fake GPU of the tests): its numbers say nothing of a card."""
+    # first, before this process asks CUDA anything (even how many devices it has: PyTorch then refuses CUDA in a
+    # forked child) and so before it holds a context that a fork could not take along
+    progress("config start")
+    start = _start(device, quick)
     if not torch.cuda.is_available():
         raise GcbenchError("the calibration measures a CUDA GPU, and none is available")
     dev = torch.device(device)
     head = _head(dev, quick)
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = [{**head, **start}]
     size = 2**20 if quick else 256 * 2**20
     reps = 2 if quick else 20
     progress("soak")
@@ -92,6 +98,57 @@ def _head(dev: torch.device, quick: bool) -> dict[str, Any]:
     return {"kind": "calibration", "schema": SCHEMA, "gpu_name": props.name, "torch": torch.__version__,
             "cuda": torch.version.cuda, "quick": quick,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _start(device: str, quick: bool) -> dict[str, Any]:
+    """What a sweep's config pays before its first step, measured as a sweep's child pays it: a process forked with
+    torch, transformers and gcbench imported and no CUDA context, which then makes its context, runs cuBLAS's first
+    matmul and builds the model on the card (gcbench.models.build_model): 1 block of llama-7b (a tiny llama with
+    --quick) cold, then 1 and 3 blocks again: the part per block from the last two, the fixed part (what a cold
+    build pays once: kernels loaded, caches filled) from the first."""
+    import multiprocessing
+
+    model = "tiny-llama" if quick else "llama-7b"
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_start_child, args=(send, device, model))
+    child.start()
+    send.close()
+    try:
+        found = receive.recv() if receive.poll(600) else {"unavailable": "the child said nothing in 600 s"}
+    except EOFError:
+        found = {"unavailable": f"the child ended without a result (exit {child.exitcode})"}
+    child.join(60)
+    return {"what": "start", "model": model, **found}
+
+
+def _start_child(send: Any, device: str, model: str) -> None:
+    from gcbench.models import build_model
+    from gcbench.resolved import resolve
+    from gcbench.spec import RunSpec
+
+    try:
+        configs = [resolve(RunSpec(model=model, seq_len=128, batch_size=1, policy="none", device="cpu",
+                                   layers=n)).model_config()[0] for n in (1, 1, 3)]
+        begin = time.perf_counter()
+        torch.empty(1, device=device)
+        torch.cuda.synchronize(device)
+        context = time.perf_counter()
+        a = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+        torch.mm(a, a)
+        torch.cuda.synchronize(device)
+        cublas = time.perf_counter()
+        builds = []
+        for config in configs:
+            at = time.perf_counter()
+            built = build_model(config, device, torch.bfloat16)
+            torch.cuda.synchronize(device)
+            builds.append(time.perf_counter() - at)
+            del built
+        per_block = (builds[2] - builds[1]) / 2
+        send.send({"context_s": context - begin, "cublas_s": cublas - context, "build_fixed_s": builds[0] - per_block,
+                   "build_per_block_s": per_block})
+    except Exception as e:  # noqa: BLE001 - said in the line instead of a number
+        send.send({"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
 
 
 def _soak(dev: torch.device, seconds: float) -> None:

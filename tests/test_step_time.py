@@ -233,6 +233,10 @@ def test_the_calibration_runs_on_the_fake_gpu_and_counts_what_the_model_counts(f
     assert host[("sac", "forward")]["modes"] > 0 and host[("none", "forward")]["modes"] == 0
     assert all(x["host_ops"] > 0 and x["host_ms"] > 0 for x in host.values())
     assert all(math.isfinite(x["ms"]) for x in lines if "ms" in x)
+    # a config's start, measured first, in a forked child (the fake GPU's calls carried into it by the fork)
+    (start,) = [x for x in lines if x["what"] == "start"]
+    assert lines[0] is start and start["model"] == "tiny-llama" and "unavailable" not in start, start.get("unavailable")
+    assert start["context_s"] >= 0 and start["cublas_s"] >= 0 and start["build_fixed_s"] > 0
 
 
 def test_the_calibrated_rates_are_what_the_committed_calibrations_give():

@@ -56,7 +56,7 @@ def test_the_dry_run_prints_every_tier_and_a_total_within_the_budget():
 def test_no_single_config_or_trial_of_the_plan_is_longer_than_a_command(real_plan):
     for planned in real_plan.steps:
         for spec in planned.specs:
-            seconds = cost.config_seconds(spec, real_plan._params_of(spec), real_plan.peak)
+            seconds = cost.config_seconds(spec, real_plan.pricing)
             assert seconds < COMMAND_LIMIT_S / 2, (planned.step.name, spec, seconds)
 
 
@@ -68,10 +68,46 @@ def test_every_planned_config_has_its_prediction_made_beforehand_by_this_code(re
                for planned in real_plan.steps if planned.step.kind is StepKind.SWEEP for spec in planned.specs
                if stored_prediction(spec.as_record(), "cuda", REPO_ROOT / PREDICTED / "predictions.jsonl") is None]
     assert not missing, f"stale or missing predictions (run gcbench validate --predict): {missing[:3]}"
+    # so the plan prices every config's step by the time model, a fit's trials by its estimate --fit rows
+    untimed = [spec for planned in real_plan.steps for spec in planned.specs if real_plan._predicted_step_s(spec) is None]
+    assert not untimed, untimed[:3]
     for planned in real_plan.steps:
         if planned.step.kind is StepKind.FIT:
             rows = json.loads((REPO_ROOT / PREDICTED / f"estimate-fit-{planned.step.name}-h100-80gb.json").read_text())
             assert {r["policy"] for r in rows} == set(planned.step.options["policy"].split(","))
+
+
+def test_a_config_is_priced_by_the_time_model_and_the_start_its_card_measured(tmp_path):
+    """The plan's seconds for one config: its steps at the time model's prediction (with the plan's margin), else the
+    FLOPs rule; its start as assumed, or as the card's calibration measured it (a --quick one says nothing)."""
+    from gcbench.resolved import resolve
+    from gcbench.spec import RunSpec
+
+    spec = resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, policy="full", device="cpu", warmup_steps=2,
+                           measure_steps=5))
+    blocks = spec.model_config()[0].num_hidden_layers
+    timed = cost.Pricing(1e15, lambda s: 10**6, lambda s: 0.2)
+    steps = (2 + 5 + cost.EXTRA_STEPS) * 0.2 * cost.PLAN_TIME_MARGIN
+    assumed = cost.CONFIG_START_S + cost.BUILD_S_PER_BLOCK * blocks
+    assert cost.config_seconds(spec, timed) == pytest.approx(assumed + steps)
+    untimed = cost.Pricing(1e15, lambda s: 10**6)
+    flops_rule = max(cost.step_flops(spec, 10**6) / (1e15 * cost.PLAN_EFFICIENCY), blocks * cost.STEP_FLOOR_S_PER_BLOCK)
+    assert untimed.step_seconds(spec) == pytest.approx(flops_rule)
+
+    line = {"kind": "calibration", "what": "start", "context_s": 0.4, "cublas_s": 0.1, "build_fixed_s": 0.5,
+            "build_per_block_s": 0.05}
+    path = tmp_path / "calibration.ndjson"
+    path.write_text(json.dumps({"what": "gemm", "ms": 1.0}) + "\n" + json.dumps(line) + "\n")
+    starts = cost.measured_starts(path)
+    assert starts == cost.Starts(0.4, 0.1, 0.5, 0.05)
+    measured = cost.CHILD_S + cost.PLAN_TIME_MARGIN * (0.4 + 0.1 + 0.5 + 0.05 * blocks)
+    priced = cost.config_seconds(spec, cost.Pricing(1e15, lambda s: 10**6, lambda s: 0.2, starts))
+    assert priced == pytest.approx(measured + steps)
+    assert "calibration measured" in " ".join(cost.assumptions("h200-141gb", 1, 1, starts))
+    for quick_or_broken in ({**line, "quick": True}, {**line, "context_s": None}):
+        path.write_text(json.dumps(quick_or_broken) + "\n")
+        assert cost.measured_starts(path) is None
+    assert cost.measured_starts(tmp_path / "none.ndjson") is None
 
 
 def test_a_stored_prediction_is_what_the_run_would_predict(tmp_path, monkeypatch):

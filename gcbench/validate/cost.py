@@ -3,36 +3,45 @@ lent machine and the whole plan fits the time a session gets.
 
 A config costs its start (a child forked warm, its CUDA context and cuBLAS, the model built on the GPU), its
 training steps (warm-up, measured, and the untimed passes a run adds: per-phase peaks, saved bytes and FLOPs with
-the policy, model FLOPs without it) at a step time from the step's FLOPs, and for a sharded config torchrun's
-start. A paired group adds one process timing every policy in turn. A fit costs its trials.
+the policy, model FLOPs without it), and for a sharded config torchrun's start. A step's time is the time model's
+(estimators/step_time.py) on the card, predicted beforehand with the config's other predictions (`validate
+--predict`), with a margin; where none was made, its FLOPs at a fraction of the card's peak. A paired group adds one
+process timing every policy in turn. A fit costs its trials.
 
 Every number below is an assumption, named and chosen high where unsure: the plan must overestimate rather than
 overrun a command. Each record of a run carries `config_wall_ms` (what the config took, seen from the sweep), and
-`gcbench validate --import` prints the plan's figure beside the measured one per step, so the first GPU window
-checks them.
+`benchmarks/plan_cost.py` prices every config of the windows on record as it ran beside that figure.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from gcbench.fields import DEFAULT_MAX_STEPS, DEFAULT_MAX_TIME_S
 from gcbench.gpus import gpu
 from gcbench.resolved import ResolvedRun
 from gcbench.timing import MIN_STEPS
 
-# The fraction of the card's dense bf16 peak a step reaches, recompute included: eager PyTorch at batch 1 stays well
-# below what compiled, large-batch runs publish; estimate --fit assumes 0.4 (fits/predict.py), the plan half that.
+# The time model's step on the card, times this: without a calibration on the card its host costs and most kernel
+# fractions are assumed (estimators/card_rates.py), and the plan must not run short; half as much again.
+PLAN_TIME_MARGIN = 1.5
+# Where no step time was predicted beforehand: the fraction of the card's dense bf16 peak a step reaches, recompute
+# included: eager PyTorch at batch 1 stays well below what compiled, large-batch runs publish; half of 0.4.
 PLAN_EFFICIENCY = 0.2
 # Launch-bound floor of a step: an eager block's forward and backward launch a few hundred kernels of ~5-10 us each.
 STEP_FLOOR_S_PER_BLOCK = 0.004
 # A config's start: fork from the warm fork server (tens of ms), CUDA context and cuBLAS (~1-2 s on an H100),
 # the record's bookkeeping; then the model's construction on the GPU (transformers builds and initialises module by
-# module in Python: per block, not per byte).
+# module in Python: per block, not per byte). Where the card's calibration measured the start (Starts), that instead,
+# times PLAN_TIME_MARGIN, plus CHILD_S for what it does not measure: the fork, the prediction looked up, the record
+# written, the child's exit (each tens to hundreds of ms).
 CONFIG_START_S = 5.0
 BUILD_S_PER_BLOCK = 0.15
+CHILD_S = 1.0
 # Untimed training steps a run adds after the measured ones (runner._measure): per-phase peaks, saved bytes and
 # FLOPs under the policy, model FLOPs without it; under --steps auto on CUDA one more, launched after the last timed
 # step before the budget stopped it (instruments.CudaInstrument.time_steps).
@@ -72,9 +81,50 @@ def step_flops(spec: ResolvedRun, n_params: int) -> float:
     return (6 + 2 * recompute) * n_params * tokens + (3 + recompute) * attention
 
 
-def step_seconds(spec: ResolvedRun, n_params: int, peak_flops: float) -> float:
-    blocks = spec.model_config()[0].num_hidden_layers
-    return max(step_flops(spec, n_params) / (peak_flops * PLAN_EFFICIENCY), blocks * STEP_FLOOR_S_PER_BLOCK)
+@dataclass(frozen=True)
+class Starts:
+    """A config's start as the card's calibration measured it (gcbench/calibration.py, its `start` line), seconds."""
+
+    context_s: float  # the CUDA context
+    cublas_s: float  # cuBLAS's first matmul
+    build_fixed_s: float  # the model built on the card: what a cold build pays once
+    build_per_block_s: float  # and per block (llama-7b's: the plan's largest blocks)
+
+
+def measured_starts(path: Path) -> Starts | None:
+    """The start the calibration in `path` (results/gpu/<gpu>/calibration.ndjson) measured; None where there is
+    no such line (no calibration yet, a --quick one, a start its child could not measure)."""
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    for line in lines:
+        if isinstance(line, dict) and line.get("what") == "start" and not line.get("quick"):
+            values = [line.get(name) for name in Starts.__dataclass_fields__]
+            if all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+                return Starts(*(max(float(v), 0.0) for v in values))
+    return None
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a config's step time comes from: the time model's step on the card, predicted beforehand
+    (`predicted_step_s`: the stored prediction of a sweep's config, a fit's `estimate --fit` row scaled to the
+    trial's batch; None where none was made), else the FLOPs rule on the card's dense peak (`peak_flops`) with the
+    config's parameter count (`params_of`)."""
+
+    peak_flops: float
+    params_of: Callable[[ResolvedRun], int]
+    predicted_step_s: Callable[[ResolvedRun], float | None] = lambda spec: None
+    starts: Starts | None = None  # measured on the card, else CONFIG_START_S and BUILD_S_PER_BLOCK
+
+    def step_seconds(self, spec: ResolvedRun) -> float:
+        predicted = self.predicted_step_s(spec)
+        if predicted is not None:
+            return predicted * PLAN_TIME_MARGIN
+        blocks = spec.model_config()[0].num_hidden_layers
+        return max(step_flops(spec, self.params_of(spec)) / (self.peak_flops * PLAN_EFFICIENCY),
+                   blocks * STEP_FLOOR_S_PER_BLOCK)
 
 
 def measured_steps(spec: ResolvedRun, step_s: float) -> float:
@@ -86,12 +136,21 @@ def measured_steps(spec: ResolvedRun, step_s: float) -> float:
                max(MIN_STEPS, (spec.max_time_s or DEFAULT_MAX_TIME_S) / step_s)) + 1  # the untimed one after
 
 
-def config_seconds(spec: ResolvedRun, n_params: int, peak_flops: float) -> float:
-    """One config run as a sweep runs it (unpaired)."""
-    step_s = step_seconds(spec, n_params, peak_flops)
+def start_seconds(spec: ResolvedRun, starts: Starts | None = None) -> float:
+    """A config's start before its first step: the child, its CUDA context, the model built (torchrun's ranks);
+    as `starts` measured it where given."""
     blocks = spec.model_config()[0].num_hidden_layers
-    start = CONFIG_START_S + BUILD_S_PER_BLOCK * blocks + (TORCHRUN_START_S if spec.shard != "none" else 0)
-    return start + (spec.warmup_steps + measured_steps(spec, step_s) + EXTRA_STEPS) * step_s
+    torchrun = TORCHRUN_START_S if spec.shard != "none" else 0.0
+    if starts is None:
+        return CONFIG_START_S + BUILD_S_PER_BLOCK * blocks + torchrun
+    measured = starts.context_s + starts.cublas_s + starts.build_fixed_s + starts.build_per_block_s * blocks
+    return CHILD_S + PLAN_TIME_MARGIN * measured + torchrun
+
+
+def config_seconds(spec: ResolvedRun, pricing: Pricing) -> float:
+    """One config run as a sweep runs it (unpaired)."""
+    step_s = pricing.step_seconds(spec)
+    return start_seconds(spec, pricing.starts) + steps_per_config(spec, step_s) * step_s
 
 
 def steps_per_config(spec: ResolvedRun, step_s: float) -> float:
@@ -100,19 +159,16 @@ def steps_per_config(spec: ResolvedRun, step_s: float) -> float:
     return spec.warmup_steps + measured_steps(spec, step_s) + EXTRA_STEPS
 
 
-def paired_seconds(specs: list[ResolvedRun], n_params: int, peak_flops: float) -> float:
+def paired_seconds(specs: list[ResolvedRun], pricing: Pricing) -> float:
     """A paired group's extra process: one model built, each policy warmed up, then rounds of one step per policy
     until the ratios are tight or each policy's time limit passes."""
-    first = specs[0]
-    blocks = first.model_config()[0].num_hidden_layers
-    steps = [step_seconds(s, n_params, peak_flops) for s in specs]
+    steps = [pricing.step_seconds(s) for s in specs]
     warm = sum(s.warmup_steps * t for s, t in zip(specs, steps))
     rounds = sum(measured_steps(s, t) * t for s, t in zip(specs, steps))
-    return CONFIG_START_S + BUILD_S_PER_BLOCK * blocks + warm + rounds
+    return start_seconds(specs[0], pricing.starts) + warm + rounds
 
 
-def sweep_cost(specs: list[ResolvedRun], paired: bool, peak_flops: float,
-               params_of: Callable[[ResolvedRun], int], done: Callable[[ResolvedRun], bool],
+def sweep_cost(specs: list[ResolvedRun], paired: bool, pricing: Pricing, done: Callable[[ResolvedRun], bool],
                oom: Callable[[ResolvedRun], bool] = lambda spec: False) -> Cost:
     """A sweep step: its fork server, each config not yet done, and (paired) each group's paired process. A config
     predicted past the card's memory (`oom`) costs its start; those after it with the same options are skipped."""
@@ -127,26 +183,25 @@ def sweep_cost(specs: list[ResolvedRun], paired: bool, peak_flops: float,
             continue  # the sweep skips it (a larger config of the same options after an oom; docs/sweeps)
         if oom(spec):
             out_of_memory.add(options)
-            seconds += CONFIG_START_S
+            seconds += start_seconds(spec, pricing.starts)
             continue
-        seconds += config_seconds(spec, params_of(spec), peak_flops)
+        seconds += config_seconds(spec, pricing)
     todo = [s for s in todo if not oom(s)]
     if paired:
         groups: dict[tuple, list[ResolvedRun]] = {}
         for spec in todo:
             groups.setdefault((spec.model, spec.layers, spec.seq_len, spec.batch_size), []).append(spec)
-        seconds += sum(paired_seconds(g, params_of(g[0]), peak_flops) for g in groups.values() if len(g) > 1)
+        seconds += sum(paired_seconds(g, pricing) for g in groups.values() if len(g) > 1)
     return Cost(seconds, len(todo))
 
 
-def fit_cost(trial_specs: Iterable[ResolvedRun], peak_flops: float,
-             params_of: Callable[[ResolvedRun], int]) -> Cost:
+def fit_cost(trial_specs: Iterable[ResolvedRun], pricing: Pricing) -> Cost:
     """A fit: its budget probe, then FIT_TRIALS_PER_POLICY trials per policy (each spec given: one policy at its
     expected size) less the trials already recorded (the caller passes only what is left)."""
     specs = list(trial_specs)
     if not specs:
         return Cost(0.0, 0)
-    seconds = FIT_PROBE_S + SWEEP_START_S + sum(config_seconds(s, params_of(s), peak_flops) for s in specs)
+    seconds = FIT_PROBE_S + SWEEP_START_S + sum(config_seconds(s, pricing) for s in specs)
     return Cost(seconds, len(specs))
 
 
@@ -158,6 +213,16 @@ def script_cost(name: str, gpu_tests: int = 0, overhead_steps: float = 0.0, quic
     if name == "calibration":
         return Cost(PROCESS_START_S + (CALIBRATION_QUICK_S if quick else CALIBRATION_S), 1)
     return Cost(PROCESS_START_S + overhead_steps, 1)
+
+
+def assumptions(card: str, timed: int, configs: int, starts: Starts | None = None) -> list[str]:
+    """The dry run's lines on what the plan assumes: `timed` of its `configs` have a step time predicted; `starts`:
+    the start the card's calibration measured, if any."""
+    start = (f"starts as the card's calibration measured them x {PLAN_TIME_MARGIN:g} + {CHILD_S:g} s" if starts else
+             f"{CONFIG_START_S:g} s start + {BUILD_S_PER_BLOCK:g} s per block")
+    return [f"assumed: steps at the time model's prediction for {card} x {PLAN_TIME_MARGIN:g}",
+            f"  ({timed} of {configs} configs; the rest at {PLAN_EFFICIENCY:g} x the dense bf16 peak),",
+            f"  {start} per config, {FIT_TRIALS_PER_POLICY} trials per fit policy", "  (gcbench/validate/cost.py)"]
 
 
 def card_peak(card: str | None) -> float:

@@ -9,6 +9,7 @@ start.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -28,11 +29,12 @@ from gcbench.gpus import gpu
 from gcbench.results.schema import STATUSES, Status, config_key, policy_label
 from gcbench.results.store import read_records
 from gcbench.resolved import ResolvedRun
-from gcbench.validate import cost
+from gcbench.validate import beforehand, cost
 from gcbench.validate.plan import COMMAND_LIMIT_S, PLAN_LIMIT_S, Step, StepKind, Tier, steps_of
 
 clock: Callable[[], float] = time.monotonic  # the deadline's clock (tests give a fake one)
 EXIT_OK = "exit 0"
+CALIBRATION = "calibration.ndjson"  # tier 1's calibration (validate/plan.py): it measures a config's start too
 DEVICE = "cuda"  # every step of the plan runs on the GPU (the smoke plan: the fake one)
 
 
@@ -62,20 +64,29 @@ class Validation:
         self.plan = [t for t in plan if tiers_wanted is None or t.number in tiers_wanted]
         self.folder = folder
         self.predicted = predicted
+        self.card = card or cost.DEFAULT_CARD
         self.peak = cost.card_peak(card)
+        self.pricing = cost.Pricing(self.peak, self._params_of, self._predicted_step_s)
         self.memory = gpu(card or cost.DEFAULT_CARD).usable_bytes
         self.planning = planning
         self.python = python
         self.console = console or Console(stderr=True)
         self._specs: dict[str, list[ResolvedRun]] = {}  # per step, its configs (or trials) once resolved
         self.steps: list[StepPlan] = []
+        # (model, layers, seq, policy) -> (batch, step seconds) of a fit's estimate --fit row for this card
+        self._fit_steps: dict[tuple, tuple[int, float]] = {}
         self.refresh()
 
     def refresh(self) -> None:
-        """Price every step again from what its files hold now (after a run); configs are resolved once."""
+        """Price every step again from what its files hold now (after a run; tier 1's calibration measures a
+        config's start on the card); configs are resolved once."""
+        self._read_starts()
         self.steps = [self._price(tier, step) for tier, step in steps_of(self.plan)]
 
     # ------------------------------------------------------------------------------------------------- pricing
+
+    def _read_starts(self) -> None:
+        self.pricing = dataclasses.replace(self.pricing, starts=cost.measured_starts(self.folder / CALIBRATION))
 
     @staticmethod
     def _params_of(spec: ResolvedRun) -> int:
@@ -94,8 +105,7 @@ class Validation:
             done = _done_keys(out)
             is_done = lambda s: _resume_key(s.as_record()) in done  # noqa: E731
             planned.total, planned.done = len(planned.specs), sum(map(is_done, planned.specs))
-            priced = cost.sweep_cost(planned.specs, grid.paired, self.peak, self._params_of, is_done,
-                                     self._expected_oom)
+            priced = cost.sweep_cost(planned.specs, grid.paired, self.pricing, is_done, self._expected_oom)
             planned.seconds = priced.seconds
         elif step.kind is StepKind.FIT:
             if step.name not in self._specs:
@@ -109,11 +119,20 @@ class Validation:
             planned.specs = trials
             planned.total = len(trials) * cost.FIT_TRIALS_PER_POLICY
             planned.done = planned.total - len(left)
-            planned.seconds = cost.fit_cost(left, self.peak, self._params_of).seconds
+            planned.seconds = cost.fit_cost(left, self.pricing).seconds
         else:
             planned.total, planned.done = 1, int(_finished(out))
             planned.seconds = 0.0 if planned.done else self._script_seconds(step)
         return planned
+
+    def _predicted_step_s(self, spec: ResolvedRun) -> float | None:
+        """The time model's step on this card, predicted beforehand: a sweep config's stored prediction, or a fit's
+        `estimate --fit` step at its largest batch, scaled to the trial's batch; None where none was made."""
+        stored = beforehand.stored_step_s(spec, self.predicted, self.card)
+        if stored is not None:
+            return stored
+        fit = self._fit_steps.get((spec.model, spec.layers, spec.seq_len, policy_label(spec.as_record())))
+        return fit[1] * spec.batch_size / fit[0] if fit else None
 
     def _expected_oom(self, spec: ResolvedRun) -> bool:
         """Whether the prediction made beforehand puts the config's peak past the card's memory (it is then
@@ -129,7 +148,7 @@ class Validation:
             words = dict(zip(step.argv[2::2], step.argv[3::2]))
             spec = self._resolve({"model": words["--model"], "seq_len": int(words["--seq"]),
                                   "batch_size": int(words["--batch"]), "policy": words["--policy"]})
-            step_s = cost.step_seconds(spec, self._params_of(spec), self.peak)
+            step_s = self.pricing.step_seconds(spec)
             blocks = spec.model_config()[0].num_hidden_layers
             rounds = int(words["--rounds"])
             return cost.script_cost(step.name, overhead_steps=2 * (rounds + 3) * step_s
@@ -153,7 +172,8 @@ class Validation:
         card where there is one, else the range's top."""
         o = step.options
         lo, hi = (int(x) for x in str(o["range"]).split(".."))
-        expected = _predicted_fit_sizes(self.predicted, step)
+        expected = beforehand.predicted_fit_sizes(self.predicted, step)
+        self._fit_steps.update(beforehand.fit_steps(self.predicted, step, self.card))
         return [self._resolve({"model": o["model"], "layers": o.get("layers"), "seq_len": int(o["seq"]),
                                "batch_size": min(hi, max(lo, expected.get(p, hi))), "policy": p,
                                "warmup_steps": int(o["warmup"]), "measure_steps": int(o["steps"])})
@@ -191,9 +211,10 @@ class Validation:
                     state = f"{planned.total} {unit}, " + ("done" if planned.finished else f"{planned.done} done")
                 lines.append(f"  {planned.step.name}: {state}, {planned.seconds:.0f} s")
                 lines += _command_lines(planned.step.cli())
-        lines += [f"assumed: steps at {cost.PLAN_EFFICIENCY:g} x the card's dense bf16 peak, {cost.CONFIG_START_S:g} s "
-                  f"start per config,", f"  {cost.FIT_TRIALS_PER_POLICY} trials per fit policy "
-                  "(gcbench/validate/cost.py)", f"limits: {COMMAND_LIMIT_S} s per command, {PLAN_LIMIT_S} s in all"]
+        specs = [spec for planned in self.steps for spec in planned.specs]
+        timed = sum(self._predicted_step_s(spec) is not None for spec in specs)
+        lines += [*cost.assumptions(self.card, timed, len(specs), self.pricing.starts),
+                  f"limits: {COMMAND_LIMIT_S} s per command, {PLAN_LIMIT_S} s in all"]
         lines.append(self.total_line())
         return lines
 
@@ -231,6 +252,7 @@ class Validation:
                     if past(planned.seconds):
                         raise DeadlineReached(f"stopped before {step.name}")
                     outcome.failed += self._script(step)
+                    self._read_starts()  # after the calibration: the start it measured prices what follows
             except DeadlineReached as e:
                 outcome.stopped = f"{step.name}: {e}"
                 break
@@ -244,8 +266,8 @@ class Validation:
 
         def stop_before(specs: list[ResolvedRun]) -> bool:
             if len(specs) == 1:
-                return past(cost.config_seconds(specs[0], self._params_of(specs[0]), self.peak))
-            return past(cost.paired_seconds(specs, self._params_of(specs[0]), self.peak))
+                return past(cost.config_seconds(specs[0], self.pricing))
+            return past(cost.paired_seconds(specs, self.pricing))
 
         job = Sweep(grid, console=self.console, stop_before=stop_before)
         records = job.run()
@@ -265,7 +287,7 @@ class Validation:
         out = step.out(self.folder)
         job, fields = fit_job(values, "batch", fit_range, 1, memory, "0%", out, 600.0, isolation, True,
                               self.console)
-        job.stop_before = lambda spec: past(cost.config_seconds(spec, self._params_of(spec), self.peak))
+        job.stop_before = lambda spec: past(cost.config_seconds(spec, self.pricing))
         fits, rec = job.run()
         text = io.StringIO()
         view = Console(file=text, width=100, color_system=None)
@@ -363,18 +385,6 @@ def _fit_trials_recorded(out: Path, step: Step) -> dict[str, int]:
                 and r.get("seq_len") == int(o["seq"]):
             counts[policy_label(r)] = counts.get(policy_label(r), 0) + 1
     return counts
-
-
-def _predicted_fit_sizes(predicted: Path, step: Step) -> dict[str, int]:
-    """Per policy, the size past the largest batch `estimate --fit` predicted for this step (the first card's
-    predicted/estimate-fit-<step>-<card>.json): where its trials are expected."""
-    found = sorted(predicted.glob(f"estimate-fit-{step.name}-*.json"))
-    try:
-        rows = json.loads(found[0].read_text()) if found else []
-    except (OSError, ValueError):
-        return {}
-    return {str(row.get("policy")): row["value"] + 1 for row in rows if isinstance(rows, list)
-            and isinstance(row, dict) and isinstance(row.get("value"), int)}
 
 
 def _count_gpu_tests(python: str) -> int:

@@ -141,8 +141,9 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
              "measured peak beside the prediction made beforehand",
              {**per_layer, "batch": 1, "policy": EVERY_POLICY, **short}),
         Step("calibration", StepKind.SCRIPT, "the step-time model's calibration: matmuls, attention kernels, "
-             "streaming kernels, the host link, bitsandbytes' kernels and the host's time per op, each by a "
-             "micro-benchmark (gcbench/calibration.py; its lines in calibration.ndjson)",
+             "streaming kernels, the host link, bitsandbytes' kernels, the host's time per op and a config's start "
+             "(which prices the rest of the plan), each by a micro-benchmark (gcbench/calibration.py; its lines in "
+             "calibration.ndjson)",
              argv=("{python}", "-m", "gcbench.calibration", "--out", "{dir}/calibration.ndjson",
                    *(("--quick",) if smoke else ()))),
     ]

@@ -1,0 +1,92 @@
+"""The validation plan's device seconds (gcbench/validate/cost.py) against what the windows on record took: every
+config of results/gpu/<gpu>/ that carries `config_wall_ms` (the whole config as its sweep saw it: child start,
+build, every step), priced as it ran (its own warm-up, step count and time limit) by the plan's own pricing for that
+card (the time model's step predicted beforehand, else the FLOPs rule), then summed per results file (a plan step:
+the planned sum adds the sweep's start, the measured one cannot, so a step's measured figure is a lower bound).
+The plan exists to overestimate: a ratio planned / measured under 1 is a command the plan would let overrun.
+
+    python benchmarks/plan_cost.py [results/gpu/nvidia-h200]    # ~20 s on 2 cores
+
+Nothing here is fitted: the records are the test of the plan's assumptions, which cost.py states.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from gcbench.gpus import matching
+from gcbench.resolved import resolve
+from gcbench.results.schema import config_label, policy_label
+from gcbench.spec import RunSpec
+from gcbench.validate import cost
+from gcbench.validate.execute import Validation
+from gcbench.validate.plan import PREDICTED, tiers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reserved_accuracy import FIELDS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+AS_RUN = ("warmup_steps", "measure_steps", "max_steps", "max_time_s")  # how many steps the config took
+
+
+def records(folder: Path) -> list[dict]:
+    """Every record with `config_wall_ms` (ok, oom, skipped alike: each took device time), with its file."""
+    out = []
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if isinstance(r.get("config_wall_ms"), (int, float)):
+                out.append({**r, "_file": path.name})
+    return out
+
+
+def priced(record: dict, plan: Validation) -> float:
+    """The plan's seconds for the record's config as it ran: its start only where it ran out of memory before a
+    step (the plan's rule for a config predicted past the card)."""
+    fields = {k: record[k] for k in FIELDS if k in record}
+    spec = resolve(RunSpec(**{**fields, "policy": policy_label(record), "device": "cpu", "memory_cap_bytes": None}))
+    spec = spec.replace(**{k: record[k] for k in AS_RUN if record.get(k) is not None})
+    if record["status"] != "ok":
+        return cost.CONFIG_START_S
+    return cost.config_seconds(spec, plan.pricing)
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0]) if argv else ROOT / "results" / "gpu" / "nvidia-h200"
+    rows = records(folder)
+    if not rows:
+        print(f"no record with config_wall_ms in {folder}")
+        return 1
+    card = matching(rows[0]["env"]["gpu_name"])
+    plan = Validation(tiers(), folder, predicted=ROOT / PREDICTED, card=card.name if card else None, planning=True)
+    print(f"card: {plan.card}; step times: {cost.assumptions(plan.card, 0, 0)[0].split(': ', 1)[1]}, "
+          f"else {cost.PLAN_EFFICIENCY:g} x its dense peak\n")
+    print("| file | config | status | measured s | planned s | planned / measured |")
+    print("|---|---|---|---:|---:|---:|")
+    steps: dict[str, list[float]] = {}
+    ratios = []
+    for r in rows:
+        measured, planned = r["config_wall_ms"] / 1e3, priced(r, plan)
+        ratios.append(planned / measured)
+        steps.setdefault(r["_file"], [0.0, cost.SWEEP_START_S])
+        steps[r["_file"]][0] += measured
+        steps[r["_file"]][1] += planned
+        print(f"| {r['_file']} | {config_label(r)} · {policy_label(r)} | {r['status']} | {measured:.1f} | "
+              f"{planned:.1f} | {planned / measured:.2f} |")
+    print("\n| step (file) | measured s (configs only) | planned s | planned / measured |")
+    print("|---|---:|---:|---:|")
+    for name, (measured, planned) in steps.items():
+        print(f"| {name} | {measured:.0f} | {planned:.0f} | {planned / measured:.2f} |")
+    step_ratios = [p / m for m, p in steps.values()]
+    for what, xs in (("configs", ratios), ("steps", step_ratios)):
+        print(f"\n{what}: {len(xs)}, planned under measured: {sum(x < 1 for x in xs)}, over 1.5x: "
+              f"{sum(x > 1.5 for x in xs)}; planned / measured median {statistics.median(xs):.2f}, "
+              f"min {min(xs):.2f}, max {max(xs):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
