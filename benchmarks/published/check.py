@@ -1,6 +1,7 @@
 """Replay published GPU memory measurements through gcbench's estimator (issue 31, item 1).
 
     python benchmarks/published/check.py [--method simulate|analytic] [--rows rows.toml]
+    python benchmarks/published/check.py --time [--rows speed.toml]    # published step times (speed.py)
 
 Reads rows.toml (one published number per row, with its source, quote and every setting the source states) and,
 for each row that gcbench can express, predicts the figure the source published:
@@ -25,7 +26,6 @@ import argparse
 import importlib.util
 import statistics
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE.parent.parent))  # run from a checkout without insta
 sys.path.insert(0, str(HERE))  # legacy.py, beside it, when this file is imported from elsewhere
 
 import legacy  # noqa: E402  (benchmarks/published/legacy.py)
+import table  # noqa: E402  (benchmarks/published/table.py)
 from gcbench.errors import GcbenchError  # noqa: E402
 from gcbench.text import plain  # noqa: E402
 
@@ -65,43 +66,18 @@ class Outcome:
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of `path`, each checked for the fields every row carries; GcbenchError naming the first bad one."""
-    try:
-        rows = tomllib.loads(path.read_text(encoding="utf-8")).get("row", [])
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise GcbenchError(f"{plain(path)}: cannot read the published rows: {plain(e)}") from None
-    if not rows:
-        raise GcbenchError(f"{plain(path)}: no [[row]] entries")
-    seen = set()
-    for i, row in enumerate(rows, 1):
-        name = plain(row.get("id", f"row {i}"))
-        missing = [f for f in REQUIRED if f not in row]
-        if missing:
-            raise GcbenchError(f"{plain(path)}: {name} lacks {', '.join(missing)}")
-        if row["id"] in seen:
-            raise GcbenchError(f"{plain(path)}: id {name} appears twice")
-        seen.add(row["id"])
+    rows = table.read_rows(path, REQUIRED, "published rows")
+    for row in rows:
+        name = plain(row["id"])
         if row["unit"] not in UNITS:
             raise GcbenchError(f"{plain(path)}: {name}: unit {plain(row['unit'])!r} is not one of {', '.join(UNITS)}")
-        if sum(k in row for k in ("spec", "not_expressible", "rejected")) != 1:
-            raise GcbenchError(f"{plain(path)}: {name} needs exactly one of spec, not_expressible, rejected")
-        for library in ("torch", "transformers"):
-            if library in row and not (isinstance(row[library], str) and _is_version(row[library])):
-                raise GcbenchError(f"{plain(path)}: {name}: {library} {plain(row[library])!r} is not a version "
-                                   "string like \"1.10\"")
+        table.check_versions(path, row)
         context = row.get("context_mib", 1)
         if isinstance(context, bool) or not isinstance(context, (int, float)) or not 0 < context < 2**20:
             raise GcbenchError(f"{plain(path)}: {name}: context_mib {plain(context)!r} is not a number of MiB")
         if "spec" in row and row["figure"] not in FIGURES:
             raise GcbenchError(f"{plain(path)}: {name}: a predicted row's figure must be one of {', '.join(FIGURES)}")
     return rows
-
-
-def _is_version(text: str) -> bool:
-    try:
-        legacy.parse_version(text)
-    except ValueError:
-        return False
-    return True
 
 
 def published_bytes(row: dict[str, Any]) -> float:
@@ -198,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="simulate", choices=("simulate", "analytic"),
                         help="the estimator (default simulate: the one every family has)")
-    parser.add_argument("--rows", type=Path, default=HERE / "rows.toml", help="the rows file (default rows.toml)")
+    parser.add_argument("--rows", type=Path, default=None, help="the rows file (default rows.toml; speed.toml "
+                                                                "with --time)")
+    parser.add_argument("--time", action="store_true", help="the published step times, through the time model")
     args = parser.parse_args(argv)
+    if args.time:
+        return _time(args.rows or HERE / "speed.toml")
+    args.rows = args.rows or HERE / "rows.toml"
     if importlib.util.find_spec("peft") is None:  # most predicted rows are LoRA runs: not a modelling limit
         print("check.py: the LoRA rows need peft: pip install -e '.[peft]'", file=sys.stderr)
         return 2
@@ -210,6 +191,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check.py: {e}", file=sys.stderr)
         return 2
     print(report(outcomes, args.method))
+    return 0
+
+
+def _time(path: Path) -> int:
+    import speed  # benchmarks/published/speed.py
+
+    try:
+        rows = speed.load_rows(path)
+        outcomes = [speed.predict(row, path.resolve().parent) for row in rows]
+    except GcbenchError as e:
+        print(f"check.py: {e}", file=sys.stderr)
+        return 2
+    print(speed.report(outcomes))
     return 0
 
 
