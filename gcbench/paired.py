@@ -3,8 +3,10 @@ other option) measured interleaved in one process, so that their ratio is not th
 on a drifting machine.
 
 One model is built (the same weights, optimizer and batch for every policy); a round runs one step of every
-policy, each applied to the blocks before its step and removed after it (outside the timing), the order rotated by
-one each round (timing.paired_rounds). Memory is not measured here: each policy's own run did that.
+policy, each applied to the blocks before its step and removed after it, the order rotated by one each round
+(timing.paired_rounds). On CUDA a round's steps run back to back (CudaInstrument.timed_round): applying and removing
+a policy is the host's work, done while the GPU still runs the step before. Memory is not measured here: each
+policy's own run did that.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 
 from gcbench.estimators import resolve_plan
-from gcbench.instruments import Progress, instrument_for
+from gcbench.instruments import CudaInstrument, Progress, instrument_for
 from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
 from gcbench.models import build_model, find_blocks
 from gcbench.results.schema import policy_label
@@ -84,7 +86,11 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
             finally:
                 undo()
 
-        def timed(label: str) -> float:
+        def run(label: str) -> None:
+            with policy(label):
+                steps[label]()
+
+        def timed(label: str) -> float:  # CPU: the step alone, its policy applied and removed outside the timing
             with policy(label):
                 return instrument.timed(steps[label])
 
@@ -92,7 +98,10 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
             with policy(label):
                 instrument.warm_up(steps[label], first.warmup_steps,
                                    lambda text, label=label: progress(f"{label}: {text}"))
+        runs = {label: (lambda label=label: run(label)) for label in labels}
+        back_to_back = (lambda order: instrument.timed_round([runs[label] for label in order])) \
+            if isinstance(instrument, CudaInstrument) else None
         times, stop = paired_rounds({label: (lambda label=label: timed(label)) for label in labels}, baseline,
-                                    first.budget, instrument.clock, progress)
+                                    first.budget, instrument.clock, progress, run_round=back_to_back)
     return {label: {**paired_fields(times, label, baseline), "paired_rounds": len(times[label]), "paired_stop": stop}
             for label in labels}

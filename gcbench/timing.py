@@ -222,13 +222,17 @@ def timing_verdict(record: Mapping[str, Any], device_kind: str) -> tuple[bool, l
 
 # ---------------------------------------------------------------------------------------------------- paired
 
-def paired_rounds(steps: Mapping[str, Callable[[], float]], baseline: str, budget: StepBudget,
-                  clock: Callable[[], float], progress: Callable[[str], None]) -> tuple[dict[str, list[float]], str]:
+def paired_rounds(steps: Mapping[str, Callable[[], Any]], baseline: str, budget: StepBudget,
+                  clock: Callable[[], float], progress: Callable[[str], None],
+                  run_round: Callable[[list[str]], Sequence[float]] | None = None
+                  ) -> tuple[dict[str, list[float]], str]:
     """Time several policies interleaved: each round runs one step of every policy (`steps`: label -> a timed step,
-    returning ms), the order rotated by one each round so that no policy always follows the same one. Stops when
-    every policy's per-round ratio to `baseline` has its interval within the budget's target, or at its limits
-    (time_limit_s counts per policy: a round of k policies takes k steps). Returns the step times per label and why it
-    stopped."""
+    returning ms), the order rotated by one each round so that no policy always follows the same one; `run_round`
+    (the labels of a round in order -> their step times) runs a round whole instead (an instrument's timed_round:
+    on CUDA its steps back to back). Stops when every policy's per-round ratio to `baseline` has its interval within
+    the budget's target, or at its limits (time_limit_s counts per policy: a round of k policies takes k steps).
+    Returns the step times per label and why it stopped."""
+    run_round = run_round or (lambda order: [steps[label]() for label in order])
     labels = list(steps)
     times: dict[str, list[float]] = {label: [] for label in labels}
     others = [label for label in labels if label != baseline]
@@ -239,8 +243,9 @@ def paired_rounds(steps: Mapping[str, Callable[[], float]], baseline: str, budge
                                             clock() - t0)) is None:
         r = len(times[baseline])
         progress(f"paired round {r + 1}" + (f"/{budget.fixed}" if budget.fixed else ""))
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            times[label].append(steps[label]())
+        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        for label, ms in zip(order, run_round(order), strict=True):
+            times[label].append(ms)
     return times, reason
 
 

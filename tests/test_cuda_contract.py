@@ -240,6 +240,22 @@ def test_timed_steps_run_back_to_back_and_read_no_memory(fake_cuda):
     assert "peak_allocated_bytes" not in out and out["gpu_throttled"] is None  # the fake NVML cannot tell
 
 
+def test_a_paired_round_runs_its_steps_back_to_back(fake_cuda):
+    # The device is synchronized once before the round and its last event waited for once after it; between two
+    # steps only an event is recorded (applying or removing a policy is host work), and each step's time runs from
+    # the event before it to the one after it.
+    instrument = CudaInstrument("cuda:0")
+    step = ScriptedStep([8 * MiB] * 3)
+    with instrument.session():
+        fake_cuda.calls.clear()
+        times = instrument.timed_round([step, step, step])
+        names = [c.name for c in fake_cuda.gcbench_calls()]
+    assert len(times) == 3 and all(t >= 0 for t in times) and next(step.sizes, None) is None
+    assert names == ["synchronize", "Event.record", "Event.record", "Event.record", "Event.record",
+                     "Event.synchronize"] + ["Event.elapsed_time"] * 3
+    assert_every_device_explicit(fake_cuda.gcbench_calls())
+
+
 def test_alloc_retries_count_the_measured_steps_only(fake_cuda):
     fake_cuda.num_alloc_retries = 5  # left by earlier configs in this process
     fake_cuda.retry_above_bytes = 16 * MiB  # every step below crosses it once
@@ -324,6 +340,13 @@ def test_sweep_measures_cuda_configs_in_child_processes(tmp_path):
     # one child per config and one timing batch 1's two policies paired; each sets its device once
     assert len(measuring) == 5 and set(measuring.values()) == {1}
     assert all("time_ratio" in r for r in records[:2]) and records[1]["time_ratio_vs"] == "none"
+    # the paired child (it reads no peaks) runs each round's two steps back to back: one wait per round
+    timing = {c.pid for c in calls if c.name == "Event.elapsed_time"}
+    paired = [pid for pid in timing if not any(c.pid == pid and c.name == "reset_peak_memory_stats" for c in calls)]
+    assert len(paired) == 1
+    names = [c.name for c in calls if c.pid == paired[0] and c.caller.startswith("gcbench")]
+    rounds = records[1]["paired_rounds"]
+    assert names.count("Event.synchronize") == rounds and names.count("Event.elapsed_time") == 2 * rounds
     parent = {c.pid for c in calls if c.caller == "gcbench.resolved"} - set(measuring)
     assert len(parent) == 1 and not parent & set(measuring)
     assert any(c.name == "pin_memory" and c.pid in measuring for c in calls)
