@@ -5,7 +5,7 @@ card (the time model's step predicted beforehand, else the FLOPs rule), then sum
 the planned sum adds the sweep's start, the measured one cannot, so a step's measured figure is a lower bound).
 The plan exists to overestimate: a ratio planned / measured under 1 is a command the plan would let overrun.
 
-    python benchmarks/plan_cost.py [results/gpu/nvidia-h200]    # ~20 s on 2 cores
+    python benchmarks/plan_cost.py [results/gpu/nvidia-h200]    # ~10 s on 2 cores
 
 Nothing here is fitted: the records are the test of the plan's assumptions, which cost.py states.
 """
@@ -44,13 +44,15 @@ def records(folder: Path) -> list[dict]:
 
 
 def priced(record: dict, plan: Validation) -> float:
-    """The plan's seconds for the record's config as it ran: its start only where it ran out of memory before a
-    step (the plan's rule for a config predicted past the card)."""
+    """The plan's seconds for the record's config as it ran: nothing for one skipped, its start alone for one that
+    did not run its steps (out of memory: the plan's rule for a config predicted past the card; an error)."""
+    if record["status"] == "skipped":
+        return 0.0
     fields = {k: record[k] for k in FIELDS if k in record}
     spec = resolve(RunSpec(**{**fields, "policy": policy_label(record), "device": "cpu", "memory_cap_bytes": None}))
     spec = spec.replace(**{k: record[k] for k in AS_RUN if record.get(k) is not None})
     if record["status"] != "ok":
-        return cost.CONFIG_START_S
+        return cost.start_seconds(spec, plan.pricing.starts)
     return cost.config_seconds(spec, plan.pricing)
 
 

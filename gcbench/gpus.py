@@ -156,10 +156,11 @@ GPUS: list[Gpu] = [
         "https://www.nvidia.com/en-us/data-center/v100/", (7, 0), fp32_flops=15.7e12, bandwidth=900e9, sms=80,
         host_link=16e9, interconnect=150e9),
     # Matched by name only, for the published speed rows run on one (benchmarks/published/speed.toml). GA102 with all
-    # 84 SMs at a 1.86 GHz boost, 21 Gbps GDDR6X on 384 bits (1008 GB/s), PCIe 4.0 x16 (NVIDIA's RTX 3090 Ti launch
-    # figures); its 16-bit tensor rate with FP32 accumulate (what PyTorch's matmuls use) is GA102's 512 FLOP per SM
-    # and clock (the GA102 whitepaper's RTX 3090: 71 TFLOPS at 82 SMs and 1.695 GHz): 84 x 1.86e9 x 512 = 80 TFLOPS;
-    # FP32 84 x 128 FMA x 2 x 1.86e9 = 40 TFLOPS.
+    # 84 SMs (10,752 CUDA cores) at a 1.86 GHz boost, 21 Gbps GDDR6X on 384 bits (1008 GB/s), PCIe 4.0 x16: NVIDIA's
+    # RTX 3090 Ti specifications (nvidia.com/en-us/geforce/graphics-cards/30-series/rtx-3090-3090ti/, launch
+    # announcement of 29 Mar 2022); its 16-bit tensor rate with FP32 accumulate (what PyTorch's matmuls use) is
+    # GA102's 512 FLOP per SM and clock (the GA102 whitepaper, source below: the RTX 3090's 71 TFLOPS at 82 SMs and
+    # 1.695 GHz): 84 x 1.86e9 x 512 = 80 TFLOPS; FP32 84 x 128 FMA x 2 x 1.86e9 = 40 TFLOPS.
     Gpu("rtx3090ti", "NVIDIA GeForce RTX 3090 Ti", "RTX 3090 Ti", None, 80.0e12,
         "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf", (8, 6),
         fp32_flops=40.0e12, bandwidth=1008e9, sms=84, host_link=32e9),

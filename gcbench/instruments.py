@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import psutil
@@ -253,23 +253,25 @@ class CudaInstrument(Instrument):
 
     def timed(self, step: Step) -> float:
         """One whole step between CUDA events, in ms (synchronized before, its end event waited for after)."""
-        return self.timed_round([step])[0]
+        return self.timed_round([(nullcontext, step)])[0]
 
-    def timed_round(self, steps: Sequence[Callable[[], Any]]) -> list[float]:
-        """A paired round back to back, as time_steps runs steps: a CUDA event at every boundary and nothing between
-        two steps that waits for the device (a policy applied or removed between them is the host's work, done while
-        the GPU runs the step before); a step's time runs from the event before it to the one after it. The device
-        is synchronized before the round, so its first step starts on an idle GPU (each policy first in turn, as
-        the rounds rotate), and its last event waited for once after it."""
+    def timed_round(self, steps: Sequence[tuple[Callable[[], AbstractContextManager], Step]]) -> list[float]:
+        """A paired round back to back (paired.py): each step run inside its context (its policy applied, then
+        removed), between two CUDA events recorded inside that context, and nothing between two steps that waits for
+        the device. A step's time runs from its start event to its end event: the host's work of switching policies
+        runs while the GPU still runs the step before, and where the GPU waits for it, that wait is not the step's.
+        The device is synchronized before the round and the last end event waited for once after it."""
         torch.cuda.synchronize(self.device)
-        events = [torch.cuda.Event(enable_timing=True)]
-        events[0].record()
-        for step in steps:
-            step()
-            events.append(torch.cuda.Event(enable_timing=True))
-            events[-1].record()
-        events[-1].synchronize()
-        return [before.elapsed_time(after) for before, after in zip(events, events[1:])]
+        events = []
+        for context, step in steps:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with context():
+                start.record()
+                step()
+                end.record()
+            events.append((start, end))
+        events[-1][1].synchronize()
+        return [start.elapsed_time(end) for start, end in events]
 
     def time_steps(self, step: Step, budget: StepBudget, progress: Progress) -> dict[str, Any]:
         """Steps back to back, as a training loop runs them (docs/methodology.md, "Timing on a GPU"): no synchronize

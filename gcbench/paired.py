@@ -4,15 +4,16 @@ on a drifting machine.
 
 One model is built (the same weights, optimizer and batch for every policy); a round runs one step of every
 policy, each applied to the blocks before its step and removed after it, the order rotated by one each round
-(timing.paired_rounds). On CUDA a round's steps run back to back (CudaInstrument.timed_round): applying and removing
-a policy is the host's work, done while the GPU still runs the step before. Memory is not measured here: each
-policy's own run did that.
+(timing.paired_rounds), each step timed inside its policy. On CUDA a round's steps run back to back
+(CudaInstrument.timed_round): applying and removing a policy is the host's work, done while the GPU still runs the
+step before. Memory is not measured here: each policy's own run did that.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -86,10 +87,6 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
             finally:
                 undo()
 
-        def run(label: str) -> None:
-            with policy(label):
-                steps[label]()
-
         def timed(label: str) -> float:  # CPU: the step alone, its policy applied and removed outside the timing
             with policy(label):
                 return instrument.timed(steps[label])
@@ -98,8 +95,9 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
             with policy(label):
                 instrument.warm_up(steps[label], first.warmup_steps,
                                    lambda text, label=label: progress(f"{label}: {text}"))
-        runs = {label: (lambda label=label: run(label)) for label in labels}
-        back_to_back = (lambda order: instrument.timed_round([runs[label] for label in order])) \
+        # CUDA: a round's steps back to back, each timed inside its policy (CudaInstrument.timed_round)
+        back_to_back = (lambda order: instrument.timed_round([(partial(policy, label), steps[label])
+                                                              for label in order])) \
             if isinstance(instrument, CudaInstrument) else None
         times, stop = paired_rounds({label: (lambda label=label: timed(label)) for label in labels}, baseline,
                                     first.budget, instrument.clock, progress, run_round=back_to_back)

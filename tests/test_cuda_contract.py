@@ -3,6 +3,8 @@ argument checks stay real. What is checked is the protocol (the order of calls, 
 the memory cap set and lifted, no first error replaced by a later one) and the CUDA record's fields; the numbers
 themselves come from a model of the caching allocator, not from a GPU."""
 
+import contextlib
+import functools
 import json
 import os
 import re
@@ -241,18 +243,28 @@ def test_timed_steps_run_back_to_back_and_read_no_memory(fake_cuda):
 
 
 def test_a_paired_round_runs_its_steps_back_to_back(fake_cuda):
-    # The device is synchronized once before the round and its last event waited for once after it; between two
-    # steps only an event is recorded (applying or removing a policy is host work), and each step's time runs from
-    # the event before it to the one after it.
+    # The device is synchronized once before the round and the last end event waited for once after it; each step
+    # runs inside its context (its policy), between a start and an end event recorded inside it, so that switching
+    # policies on the host is not the step's time; nothing between two steps waits for the device.
     instrument = CudaInstrument("cuda:0")
     step = ScriptedStep([8 * MiB] * 3)
+    entered = []
+
+    @contextlib.contextmanager
+    def policy(label):
+        entered.append(("in", label, len(fake_cuda.gcbench_calls())))
+        yield
+        entered.append(("out", label, len(fake_cuda.gcbench_calls())))
+
     with instrument.session():
         fake_cuda.calls.clear()
-        times = instrument.timed_round([step, step, step])
+        times = instrument.timed_round([(functools.partial(policy, label), step) for label in "abc"])
         names = [c.name for c in fake_cuda.gcbench_calls()]
     assert len(times) == 3 and all(t >= 0 for t in times) and next(step.sizes, None) is None
-    assert names == ["synchronize", "Event.record", "Event.record", "Event.record", "Event.record",
-                     "Event.synchronize"] + ["Event.elapsed_time"] * 3
+    assert names == ["synchronize"] + ["Event.record"] * 6 + ["Event.synchronize"] + ["Event.elapsed_time"] * 3
+    # each policy entered before its step's start event and left after its end event
+    assert [(kind, label) for kind, label, _ in entered] == [(k, x) for x in "abc" for k in ("in", "out")]
+    assert [at for *_, at in entered] == [1, 3, 3, 5, 5, 7]
     assert_every_device_explicit(fake_cuda.gcbench_calls())
 
 

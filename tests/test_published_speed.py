@@ -56,8 +56,10 @@ def test_a_predicted_row_runs_the_settings_its_source_states():
 
 def test_a_published_figure_becomes_milliseconds_per_optimizer_step():
     spec = {"seq_len": 512, "batch_size": 4, "grad_accum": 2}
-    assert speed.published_ms({"figure": "runtime_s_for_steps", "value": 57.82, "optimizer_steps": 128,
+    assert speed.published_ms({"figure": "runtime_s_for_steps", "value": 57.82, "unit": "s", "optimizer_steps": 128,
                                "spec": spec}) == pytest.approx(451.72, abs=0.01)
+    assert speed.published_ms({"figure": "runtime_s_for_steps", "value": 1.62, "unit": "min", "optimizer_steps": 7,
+                               "spec": spec}) == pytest.approx(1.62 * 60e3 / 7)
     assert speed.published_ms({"figure": "samples_per_s", "value": 16.0, "spec": spec}) == pytest.approx(500.0)
     assert speed.published_ms({"figure": "tokens_per_s", "value": 4096.0, "spec": spec}) == pytest.approx(1000.0)
     assert speed.published_ms({"figure": "tokens_per_s_per_gpu", "value": 8192.0, "spec": spec}) == \
@@ -73,6 +75,8 @@ def test_a_malformed_speed_file_is_one_error(tmp_path):
                             (dict(first, not_expressible="and predicted"), "needs exactly one of"),
                             (dict(first, torch="1.10 (dated)"), "torch '1.10 \\(dated\\)' is not a version"),
                             (dict(first, value=-3), "is not a positive number"),
+                            (dict(first, unit="hours"), "unit 'hours' is not one of s, min for runtime_s_for_steps"),
+                            (dict(first, n_gpus=8), "runs on one GPU"),
                             ({k: v for k, v in first.items() if k != "quote"}, "lacks quote")):
         bad.write_text(_toml_row(broken))
         with pytest.raises(GcbenchError, match=message):
@@ -82,6 +86,7 @@ def test_a_malformed_speed_file_is_one_error(tmp_path):
         speed.load_rows(bad)
     bad.write_text("row = [")
     assert check.main(["--time", "--rows", str(bad)]) == 2
+    assert check.main(["--time", "--method", "analytic"]) == 2  # the time needs the simulated step
 
 
 def test_the_speed_report_prints_signed_errors_a_summary_and_each_cards_basis():

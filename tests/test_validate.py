@@ -69,7 +69,8 @@ def test_every_planned_config_has_its_prediction_made_beforehand_by_this_code(re
                if stored_prediction(spec.as_record(), "cuda", REPO_ROOT / PREDICTED / "predictions.jsonl") is None]
     assert not missing, f"stale or missing predictions (run gcbench validate --predict): {missing[:3]}"
     # so the plan prices every config's step by the time model, a fit's trials by its estimate --fit rows
-    untimed = [spec for planned in real_plan.steps for spec in planned.specs if real_plan._predicted_step_s(spec) is None]
+    untimed = [spec for planned in real_plan.steps for spec in planned.specs
+               if real_plan._predicted_step_s(spec) is None]
     assert not untimed, untimed[:3]
     for planned in real_plan.steps:
         if planned.step.kind is StepKind.FIT:
@@ -100,14 +101,41 @@ def test_a_config_is_priced_by_the_time_model_and_the_start_its_card_measured(tm
     path.write_text(json.dumps({"what": "gemm", "ms": 1.0}) + "\n" + json.dumps(line) + "\n")
     starts = cost.measured_starts(path)
     assert starts == cost.Starts(0.4, 0.1, 0.5, 0.05)
-    measured = cost.CHILD_S + cost.PLAN_TIME_MARGIN * (0.4 + 0.1 + 0.5 + 0.05 * blocks)
+    # a measured start may only raise the assumed one (until a window's records have checked it)
     priced = cost.config_seconds(spec, cost.Pricing(1e15, lambda s: 10**6, lambda s: 0.2, starts))
+    assert priced == pytest.approx(assumed + steps)
+    slow = cost.Starts(6.0, 0.1, 0.5, 0.05)
+    measured = cost.CHILD_S + cost.PLAN_TIME_MARGIN * (6.0 + 0.1 + 0.5 + 0.05 * blocks)
+    assert measured > assumed
+    priced = cost.config_seconds(spec, cost.Pricing(1e15, lambda s: 10**6, lambda s: 0.2, slow))
     assert priced == pytest.approx(measured + steps)
-    assert "calibration measured" in " ".join(cost.assumptions("h200-141gb", 1, 1, starts))
+    assert "calibrated start" in " ".join(cost.assumptions("h200-141gb", 1, 1, starts))
+    # a step predicted under the launch-bound floor is charged the floor
+    tiny = cost.Pricing(1e15, lambda s: 10**6, lambda s: 1e-6)
+    assert tiny.step_seconds(spec) == pytest.approx(blocks * cost.STEP_FLOOR_S_PER_BLOCK)
     for quick_or_broken in ({**line, "quick": True}, {**line, "context_s": None}):
         path.write_text(json.dumps(quick_or_broken) + "\n")
         assert cost.measured_starts(path) is None
     assert cost.measured_starts(tmp_path / "none.ndjson") is None
+
+
+def test_the_plan_reads_only_usable_step_times_made_beforehand_for_its_own_card(tmp_path):
+    """A fit's trials are expected, and priced, from its card's estimate --fit rows (another card's sizes where it
+    has none); a step time that is not a finite number above 0, or a row of batch 0, is not read."""
+    from gcbench.validate import beforehand
+    from gcbench.validate.plan import Step
+
+    step = Step("f", StepKind.FIT, "a fit", {"model": "tiny-llama", "seq": "32", "policy": "none,full"})
+    (tmp_path / "estimate-fit-f-a.json").write_text(json.dumps([{"policy": "none", "value": 3, "step_s": 0.3}]))
+    (tmp_path / "estimate-fit-f-b.json").write_text(json.dumps(
+        [{"policy": "none", "value": 5, "step_s": 0.5}, {"policy": "full", "value": 4, "step_s": float("nan")},
+         {"policy": "sac", "value": 0, "step_s": 0.1}, {"policy": "attn", "value": 2, "step_s": True}]))
+    assert beforehand.predicted_fit_sizes(tmp_path, step, "b") == {"none": 6, "full": 5, "sac": 1, "attn": 3}
+    assert beforehand.predicted_fit_sizes(tmp_path, step, "c") == {"none": 4}  # the first card's, where none
+    assert beforehand.fit_steps(tmp_path, step, "b") == {("tiny-llama", None, 32, "none"): (5, 0.5)}
+    assert beforehand.fit_steps(tmp_path, step, "c") == {}
+    (tmp_path / "estimate-fit-f-b.json").write_text("not json")
+    assert beforehand.fit_steps(tmp_path, step, "b") == {}
 
 
 def test_a_stored_prediction_is_what_the_run_would_predict(tmp_path, monkeypatch):

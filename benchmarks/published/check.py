@@ -172,15 +172,18 @@ def report(outcomes: list[Outcome], method: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", default="simulate", choices=("simulate", "analytic"),
-                        help="the estimator (default simulate: the one every family has)")
+    parser.add_argument("--method", default=None, choices=("simulate", "analytic"),
+                        help="the estimator (default simulate: the one every family has; --time: simulate only)")
     parser.add_argument("--rows", type=Path, default=None, help="the rows file (default rows.toml; speed.toml "
                                                                 "with --time)")
     parser.add_argument("--time", action="store_true", help="the published step times, through the time model")
     args = parser.parse_args(argv)
     if args.time:
+        if args.method not in (None, "simulate"):
+            print("check.py: --time plays the simulated step on the card: --method simulate only", file=sys.stderr)
+            return 2
         return _time(args.rows or HERE / "speed.toml")
-    args.rows = args.rows or HERE / "rows.toml"
+    args.rows, args.method = args.rows or HERE / "rows.toml", args.method or "simulate"
     if importlib.util.find_spec("peft") is None:  # most predicted rows are LoRA runs: not a modelling limit
         print("check.py: the LoRA rows need peft: pip install -e '.[peft]'", file=sys.stderr)
         return 2

@@ -25,7 +25,9 @@ import table  # noqa: E402  (benchmarks/published/table.py)
 from gcbench.errors import GcbenchError
 from gcbench.text import plain
 
-FIGURES = ("runtime_s_for_steps", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu", "step_ms")
+# each figure with the units it may be published in, and their size in its base unit (s, samples/s, ...)
+FIGURES = {"runtime_s_for_steps": {"s": 1.0, "min": 60.0}, "samples_per_s": {"samples/s": 1.0},
+           "tokens_per_s": {"tokens/s": 1.0}, "tokens_per_s_per_gpu": {"tokens/s/GPU": 1.0}, "step_ms": {"ms": 1.0}}
 REQUIRED = ("id", "source", "quote", "figure", "figure_source", "value", "unit", "gpu", "model", "seq",
             "micro_batch", "grad_accum", "precision", "optimizer", "checkpointing", "sharding", "adapter")
 WIDTH = 80
@@ -59,6 +61,11 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
                                f"{', '.join(FIGURES)}")
         if "spec" not in row:
             continue
+        if row["unit"] not in FIGURES[row["figure"]]:
+            raise GcbenchError(f"{plain(path)}: {name}: unit {plain(row['unit'])!r} is not one of "
+                               f"{', '.join(FIGURES[row['figure']])} for {row['figure']}")
+        if row["figure"] != "tokens_per_s_per_gpu" and row.get("n_gpus", 1) != 1:
+            raise GcbenchError(f"{plain(path)}: {name}: a predicted {row['figure']} row runs on one GPU (n_gpus 1)")
         value = row["value"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise GcbenchError(f"{plain(path)}: {name}: value {plain(value)!r} is not a positive number")
@@ -72,7 +79,7 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
 
 def published_ms(row: dict[str, Any]) -> float:
     """The row's figure as milliseconds per optimizer step (module docstring)."""
-    value, spec = float(row["value"]), row["spec"]
+    value, spec = float(row["value"]) * FIGURES[row["figure"]].get(row.get("unit"), 1.0), row["spec"]
     samples = int(spec.get("batch_size", 1)) * int(spec.get("grad_accum", 1))
     return {"runtime_s_for_steps": lambda: value * 1e3 / row["optimizer_steps"],
             "samples_per_s": lambda: samples / value * 1e3,

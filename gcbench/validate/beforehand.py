@@ -5,6 +5,7 @@ is missing or unreadable, nothing: the plan then prices by its stated assumption
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from gcbench.estimators.stored import stored_prediction
@@ -21,10 +22,12 @@ def fit_rows(path: Path) -> list[dict]:
     return [row for row in rows if isinstance(row, dict)] if isinstance(rows, list) else []
 
 
-def predicted_fit_sizes(predicted: Path, step: Step) -> dict[str, int]:
-    """Per policy, the size past the largest batch `estimate --fit` predicted for this step (the first card's
-    predicted/estimate-fit-<step>-<card>.json): where its trials are expected."""
-    found = sorted(predicted.glob(f"estimate-fit-{step.name}-*.json"))
+def predicted_fit_sizes(predicted: Path, step: Step, card: str) -> dict[str, int]:
+    """Per policy, the size past the largest batch `estimate --fit` predicted for this step on `card`
+    (predicted/estimate-fit-<step>-<card>.json; another card's where this one has none): where its trials are
+    expected."""
+    own = predicted / f"estimate-fit-{step.name}-{card}.json"
+    found = [own] if own.exists() else sorted(predicted.glob(f"estimate-fit-{step.name}-*.json"))
     return {str(row.get("policy")): row["value"] + 1 for row in (fit_rows(found[0]) if found else [])
             if isinstance(row.get("value"), int)}
 
@@ -35,11 +38,16 @@ def fit_steps(predicted: Path, step: Step, card: str) -> dict[tuple, tuple[int, 
     o = step.options
     return {(o["model"], o.get("layers"), int(o["seq"]), str(row.get("policy"))): (row["value"], float(row["step_s"]))
             for row in fit_rows(predicted / f"estimate-fit-{step.name}-{card}.json")
-            if isinstance(row.get("value"), int) and row["value"] > 0 and isinstance(row.get("step_s"), (int, float))}
+            if isinstance(row.get("value"), int) and row["value"] > 0 and _seconds(row.get("step_s"))}
 
 
 def stored_step_s(spec: ResolvedRun, predicted: Path, card: str) -> float | None:
     """The time model's step on `card` stored for a sweep config (its predicted_step_ms_by_card), or None."""
     stored = stored_prediction(spec.as_record(), "cuda", predicted / "predictions.jsonl") or {}
     ms = (stored.get("predicted_step_ms_by_card") or {}).get(card)
-    return ms / 1e3 if isinstance(ms, (int, float)) else None
+    return ms / 1e3 if _seconds(ms) else None
+
+
+def _seconds(value: object) -> bool:
+    """A time the plan can price by: a finite number above 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

@@ -172,7 +172,7 @@ class Validation:
         card where there is one, else the range's top."""
         o = step.options
         lo, hi = (int(x) for x in str(o["range"]).split(".."))
-        expected = beforehand.predicted_fit_sizes(self.predicted, step)
+        expected = beforehand.predicted_fit_sizes(self.predicted, step, self.card)
         self._fit_steps.update(beforehand.fit_steps(self.predicted, step, self.card))
         return [self._resolve({"model": o["model"], "layers": o.get("layers"), "seq_len": int(o["seq"]),
                                "batch_size": min(hi, max(lo, expected.get(p, hi))), "policy": p,
