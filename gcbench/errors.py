@@ -1,7 +1,10 @@
-"""The one domain exception: bad input or an impossible request, shown to a user as one line (exit code 2); and
-quieting the libraries whose own log lines would come before that one line."""
+"""The one domain exception: bad input or an impossible request, shown to a user as one line (exit code 2); how
+Ctrl-C and SIGTERM reach the code (a KeyboardInterrupt, held where a step must not be cut in two); and quieting the
+libraries whose own log lines would come before that one line."""
 
 import logging
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,6 +35,28 @@ class DeadlineReached(Exception):
 def raise_interrupt(signum: int, frame: object) -> None:
     """A signal handler that makes the signal (SIGTERM) take Ctrl-C's path: a KeyboardInterrupt."""
     raise KeyboardInterrupt
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM inside the block and deliver the first one right after it, to the handlers in place
+    before (a KeyboardInterrupt): a file half changed, a child started whose pid is not yet known, worker threads
+    half started. Python runs handlers in the main thread only, so only there is anything held. Handlers are
+    swapped, not the signal mask: a mask holds a signal for one thread, and the kernel gives it to another (rich's
+    refresh thread, a sweep's workers), whose flag the main thread then handles inside the block all the same."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in caught[:1]:
+            signal.raise_signal(sig)
 
 
 @contextmanager

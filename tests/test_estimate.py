@@ -160,19 +160,17 @@ def test_softmax_on_the_cuda_target_runs_as_cuda_autocast_and_cudas_softmax_run_
     assert F.softmax is original
 
 
-def test_the_kernel_a_prediction_names_is_the_one_its_attention_ran(tmp_path):
+def test_the_kernel_a_prediction_names_is_the_one_its_attention_ran():
     # tiny-llama (4 query, 2 key/value heads) in fp32: transformers passes enable_gqa, which only flash takes, and
     # flash takes no fp32: math, in both predictors
     spec = tiny_spec("tiny-llama", "none", seq_len=64, precision="fp32")
     assert analytic(spec, "cuda").attention_kernel == simulate(spec, "cuda").attention_kernel == "math"
     assert simulate(tiny_spec("tiny-llama", "none", seq_len=64, precision="bf16"), "cuda").attention_kernel == "flash"
-    # Falcon calls SDPA itself with one key/value head and no enable_gqa: math even in bf16
-    falcon = tmp_path / "falcon.json"
-    falcon.write_text(json.dumps(dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                                      vocab_size=512, multi_query=True, new_decoder_architecture=False, alibi=False,
-                                      parallel_attn=True, bias=False, max_position_embeddings=256)))
-    spec = RunSpec(model=str(falcon), seq_len=64, batch_size=1, policy="none", device="cpu", precision="bf16")
-    assert simulate(spec, "cuda").attention_kernel == "math"
+    # a model that calls SDPA itself with fewer key/value heads and no enable_gqa (Falcon's attention before
+    # transformers 5.25): math even in bf16, as memory-efficient takes no GQA and flash only with enable_gqa
+    assert cuda_kernel(torch.bfloat16, False, 16, (4, 1)) == "math"
+    assert cuda_kernel(torch.bfloat16, False, 16, (4, 1), enable_gqa=True) == "flash"
+    assert cuda_kernel(torch.bfloat16, True, 16, (4, 4)) == "efficient"  # a mask: K/V repeated to the query's heads
 
 
 def test_foreach_adamw_temporaries_can_be_the_peak_on_cuda():

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gcbench.cli import app
-from gcbench.errors import GcbenchError
+from gcbench.errors import GcbenchError, raise_interrupt
 from gcbench.estimators import estimate
 from gcbench.grid import SweepSpec
 from gcbench.resolved import resolve
@@ -102,6 +102,35 @@ def test_a_worker_error_stops_the_others_and_is_raised():
     with pytest.raises(GcbenchError, match="disk is full"):
         run_side_by_side(range(4), [slow, failing], cancel)
     assert cancel.is_set() and len(done) == 1
+
+
+def test_an_interrupted_wait_returns_only_after_every_worker_has_stopped(monkeypatch):
+    """SIGTERM (made a KeyboardInterrupt, as gcbench's handler does) lands while the main thread starts or waits for
+    two workers that are still running: it returns only once both stopped. A wait by Thread.join marked the running
+    worker as ended on Python 3.11 (CPython gh-90882), and a signal between two starts left the second unwaited: the
+    sweep exited under a worker, killing its child, recorded as an error."""
+    cancel, stopped = threading.Event(), []
+    interrupted = threading.Event()
+
+    def worker(slot):
+        def run(item):
+            while not cancel.is_set():
+                if slot == 0 and not interrupted.is_set():
+                    interrupted.set()
+                    os.kill(os.getpid(), signal.SIGTERM)  # while the main thread starts or waits
+                time.sleep(0.01)
+            time.sleep(0.2)  # stopping its child takes a moment; the main thread must still be waiting
+            stopped.append(slot)
+            raise KeyboardInterrupt
+        return run
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_side_by_side(range(4), [worker(0), worker(1)], cancel)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sorted(stopped) == [0, 1]
 
 
 def test_cpu_records_side_by_side_say_their_time_is_not_comparable():

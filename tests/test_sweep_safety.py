@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 import gcbench
 from gcbench.cli import app
+from gcbench.errors import raise_interrupt, signals_held
 from gcbench.grid import SweepSpec
 from gcbench.launch import failure_record
 from gcbench.launch.inline import InProcessRunner
@@ -113,6 +114,27 @@ def test_waiting_for_a_locked_results_file_says_for_what_and_ctrl_c_ends_it(tmp_
     said = f"gcbench: waiting for {out}: locked by process {os.getpid()} (Ctrl-C stops waiting)\n"
     assert terminal.getvalue() == said
     assert out.read_text() == ""  # nothing written
+
+
+def test_a_signal_is_held_through_a_file_change_while_other_threads_run():
+    """SIGTERM during a held step (a record's line, a rewrite's rename) is delivered after it, not inside, even with
+    other threads running (a sweep's progress display, its workers): the kernel gives a signal the main thread
+    masks to another thread, so a held step is a swapped handler, not a mask."""
+    other = threading.Thread(target=time.sleep, args=(1.0,), daemon=True)
+    other.start()
+    steps: list[str] = []
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(20):  # the interpreter checks for signals between these
+                    time.sleep(0.005)
+                steps.append("whole")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert steps == ["whole"]
+    assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_claims_exclude_each_other_and_die_with_their_sweep(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -18,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gcbench.errors import signals_held
 from gcbench.launch.server import context as fork_server_context
 from gcbench.launch.base import OnPhase, PairingFailed, died, failure_record, read_tail, stop
 from gcbench.launch.slots import HERE, Slot
@@ -76,7 +76,7 @@ class ProcessRunner:
                                  name=name, daemon=True)
         finished = started = False
         try:
-            with _START_LOCK, _signals_deferred(), _main_module_hidden():
+            with _START_LOCK, signals_held(), _main_module_hidden():
                 proc.start()
                 started = True
             # The child holds these now; our copies would keep the pipes open after it died.
@@ -139,25 +139,6 @@ class InheritedFd:
 
 def _inherited(dup: Any) -> InheritedFd:
     return InheritedFd(dup.detach())
-
-
-@contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM while a child starts and deliver them right after: interrupted mid-start, the sweep
-    would not yet know the child's pid and could not stop it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for sig in caught[:1]:
-            signal.raise_signal(sig)  # to the restored handler: KeyboardInterrupt in a sweep
 
 
 @contextmanager

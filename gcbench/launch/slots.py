@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gcbench.errors import GcbenchError
+from gcbench.errors import GcbenchError, signals_held
 from gcbench.results.schema import NoteKind, Status, TimingNote, timing_note_fields, timing_notes_of
 
 if TYPE_CHECKING:
@@ -120,6 +120,11 @@ def run_side_by_side(items: Iterable[T], workers: Sequence[Callable[[T], None]],
     queue, lock = iter(items), threading.Lock()
     errors: list[BaseException] = []
 
+    # Each worker's end is an Event, not its thread's join: a join that Ctrl-C or SIGTERM interrupts can leave a
+    # living thread marked as ended (CPython gh-90882, seen on 3.11), and the sweep would then exit while that
+    # worker still runs, its child killed at exit and recorded as an error.
+    ended = [threading.Event() for _ in workers]
+
     def loop(slot: int) -> None:
         try:
             while not cancel.is_set():
@@ -132,18 +137,22 @@ def run_side_by_side(items: Iterable[T], workers: Sequence[Callable[[T], None]],
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             errors.append(e)
             cancel.set()
+        finally:
+            ended[slot].set()
 
     threads = [threading.Thread(target=loop, args=(slot,), name=f"gcbench slot {slot}", daemon=True)
                for slot in range(len(workers))]
-    for t in threads:
-        t.start()
     try:
-        while alive := [t for t in threads if t.is_alive()]:
-            alive[0].join(0.1)  # a timeout: Ctrl-C reaches this thread between the waits
+        with signals_held():  # interrupted half-way, a worker would run on with no one waiting for it
+            for t in threads:
+                t.start()
+        for end in ended:
+            while not end.wait(0.1):  # a timeout: Ctrl-C reaches this thread between the waits
+                pass
     except KeyboardInterrupt:
         cancel.set()
-        for t in threads:
-            t.join()
+        for end in ended:
+            end.wait()
         raise
     real = [e for e in errors if not isinstance(e, KeyboardInterrupt)]
     if real:

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gcbench.errors import GcbenchError
+from gcbench.errors import GcbenchError, signals_held
 from gcbench.results.schema import ADDED_SPEC_FIELDS, config_key
-from gcbench.results.store import (append_record, check_appendable, check_regular, drop_torn_tail, open_locked,
-                                   signals_held)
+from gcbench.results.store import append_record, check_appendable, check_regular, drop_torn_tail, open_locked
 
 TEMPORARY_SUFFIX = ".rewrite"  # the new file beside the old one until it is renamed over it
 

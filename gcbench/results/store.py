@@ -16,18 +16,15 @@ import errno
 import fcntl
 import json
 import os
-import signal
 import stat
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from gcbench.errors import GcbenchError
+from gcbench.errors import GcbenchError, signals_held
 from gcbench.results.schema import ADDED_SPEC_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION, config_key
 from gcbench.text import plain
 
@@ -250,20 +247,6 @@ def drop_torn_tail(fd: int) -> str | None:
         pass
     os.ftruncate(fd, start)
     return tail.decode(errors="replace")
-
-
-@contextmanager
-def signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM while the file is changed and deliver them after (the main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _write_all(fd: int, data: bytes) -> None:
