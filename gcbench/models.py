@@ -19,13 +19,15 @@ import transformers
 from torch import nn
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
+from gcbench.blocks import DECODER_LAYERS, find_blocks, find_stacks, seq2seq, stack_sizes, stack_text
 from gcbench.errors import GcbenchError
 from gcbench.presets import MODELS, Preset
 
 __all__ = ["MODELS", "Preset", "build_meta_model", "build_model", "count_params", "describe", "find_blocks",
-           "load_config", "max_positions", "prepare_config"]
+           "find_stacks", "load_config", "max_positions", "prepare_config", "seq2seq", "stack_sizes", "stack_text"]
 
 transformers.logging.set_verbosity_error()  # config-validation chatter about random-init presets is noise here
 
@@ -100,7 +102,8 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
             raise GcbenchError(f"{origin}: {key} must be a positive integer, got {value!r}")
     try:
         config = cls(**{k: v for k, v in data.items() if k != "auto_map"})
-        text = config.get_text_config(decoder=True)
+        # a text encoder-decoder is its own text model (T5's text config for a decoder is a copy that drops fields)
+        text = config if seq2seq(config) else config.get_text_config(decoder=True)
     except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
         raise GcbenchError(f"{origin}: transformers refuses this config: {_validation_message(e)}") from None
     if text is not config:
@@ -145,15 +148,15 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
         raise GcbenchError(f"{origin}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
                            f"({heads})")
+    head = auto_class(config, origin, "lm")  # the head a run chooses is prepare_config's
     pad = getattr(config, "pad_token_id", None)
     if _positive_int(pad) and pad >= config.vocab_size:  # transformers' own words name neither field
         raise GcbenchError(f"{origin}: pad_token_id ({pad}) must be below vocab_size ({config.vocab_size})")
-    head = auto_class(config, origin, "lm")  # the head a run chooses is prepare_config's
     try:
         model = _meta_build(head, config)  # no memory, no init: whatever else transformers refuses, say it now
     except Exception as e:  # noqa: BLE001
         raise GcbenchError(f"{origin}: transformers cannot build a model from this config: {_one_line(e)}") from None
-    find_blocks(model, origin)
+    find_stacks(model, origin)
 
 
 def _positive_int(value: object) -> bool:
@@ -183,9 +186,10 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None,
     a label per sequence)."""
     family = config.model_type
     where = f"{origin}: " if origin else ""
-    if getattr(config, "is_encoder_decoder", False):
-        raise GcbenchError(f"{where}{family} is an encoder-decoder model; gcbench trains one stack of blocks (a "
-                           "decoder or an encoder)")
+    if getattr(config, "is_encoder_decoder", False) and family not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        raise GcbenchError(f"{where}{family} is an encoder-decoder model without a text-to-text head in transformers "
+                           f"{transformers.__version__} (a speech or vision encoder reads features gcbench does not "
+                           "make up); gcbench trains text encoder-decoders (t5, bart, ...)")
     if head is None:
         head = "seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm"
     if head == "seq-cls":
@@ -193,6 +197,8 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None,
             return transformers.AutoModelForSequenceClassification
         raise GcbenchError(f"{where}{family} models have no sequence-classification head in transformers "
                            f"{transformers.__version__}; use --head lm")
+    if seq2seq(config):
+        return transformers.AutoModelForSeq2SeqLM
     if encoder(config):
         return transformers.AutoModelForMaskedLM
     if family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -216,13 +222,18 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     """Apply the run's shape to a config: truncate blocks, check positions, the head, training-only settings."""
     n = config.num_hidden_layers
     if layers is not None:
-        if not 1 <= layers <= n:
-            raise GcbenchError(f"--layers {layers} is out of range: the model has {n} blocks")
+        sizes = stack_sizes(config)
+        if not 1 <= layers <= min(sizes.values()):
+            has = f"{n} blocks" if len(sizes) == 1 else " and ".join(f"{m} in its {k}" for k, m in sizes.items())
+            raise GcbenchError(f"--layers {layers} is out of range: the model has {has}")
         for key, value in vars(config).items():
             # per-block lists (layer_types: Gemma's local/global pattern, Qwen's sliding layers) keep the first N
             if isinstance(value, list) and len(value) == n and not key.endswith(("token_id", "token_ids")):
                 setattr(config, key, value[:layers])
         config.num_hidden_layers = layers
+        for key in DECODER_LAYERS if "decoder" in sizes else ():  # an encoder-decoder: each stack its first N
+            if getattr(config, key, None):
+                setattr(config, key, layers)
     limit, learned = max_positions(config)
     if limit is not None and seq_len > limit:
         if learned:
@@ -232,6 +243,11 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
                            f"(max_position_embeddings{', times its rope_scaling factor' if scaled else ''}); for "
                            "longer sequences use a config.json that allows them")
     config.use_cache = False
+    if seq2seq(config) and not isinstance(getattr(config, "decoder_start_token_id", None), int):
+        # the decoder's first input (transformers 5 keeps it in the generation config when the file omits it):
+        # T5's convention, the pad id, else 0; which id changes no memory
+        pad = getattr(config, "pad_token_id", None)
+        config.decoder_start_token_id = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else 0
     _choose_head(config, head)
     sdpa = auto_class(config)._model_mapping[type(config)]._supports_sdpa
     if attn == "sdpa" and not sdpa:
@@ -330,18 +346,6 @@ def _meta_build(head: type, config) -> nn.Module:
 _BUILDING = threading.RLock()
 
 
-def find_blocks(model: nn.Module, origin: str | None = None) -> nn.ModuleList:
-    """The transformer block list, by one rule for every family: the first (outermost) nn.ModuleList holding
-    `num_hidden_layers` modules of one class (model.layers, transformer.h, encoder.layer, gpt_neox.layers, ...)."""
-    n = model.config.num_hidden_layers
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n and len({type(m) for m in module}) == 1:
-            return module
-    raise GcbenchError(f"{origin or model.config.model_type}: {type(model).__name__} has no nn.ModuleList of its "
-                       f"{n} blocks (num_hidden_layers) of one class, so gcbench cannot find the blocks to "
-                       "checkpoint")
-
-
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -355,7 +359,7 @@ def describe(name: str) -> dict[str, Any]:
         "name": name,
         "family": family,
         "params": count_params(build_meta_model(config)),
-        "layers": config.num_hidden_layers,
+        "layers": sum(stack_sizes(config).values()),
         "hidden": config.hidden_size,
         "heads": heads,
         "kv_heads": getattr(config, "num_key_value_heads", None) or heads,  # fewer than heads: GQA

@@ -21,7 +21,8 @@ import torch
 from gcbench.estimators import resolve_plan
 from gcbench.instruments import CudaInstrument, Progress, instrument_for
 from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
-from gcbench.models import build_model, find_blocks
+from gcbench.models import build_model, find_stacks
+from gcbench.policies import apply_to_stacks
 from gcbench.results.schema import policy_label
 from gcbench.runner import torch_threads
 from gcbench.resolved import ResolvedRun, resolve
@@ -69,7 +70,7 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
         model = build_model(config, adapter.build_device(first.device), first.param_dtype)
         # the specs differ in their policy and batch only: one adapter, applied before any policy (as runner.py)
         model = apply_adapter(model, adapter, compute_dtype(first), first.device)
-        blocks = find_blocks(model)
+        stacks = [blocks for _, blocks in find_stacks(model)]
         optimizer = make_optimizer(first, model)
         steps = {label: TrainingStep(model, optimizer, make_batch(spec, spec.model_config()[0], first.device), spec)
                  for label, spec in zip(labels, specs)}
@@ -80,7 +81,7 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
             # Applied and removed around every step, outside its timing: a policy may change more than the block
             # list (`attn` switches the attention modules' config), and removing it restores everything.
             spec = by_label[label]
-            undo = spec.policy.apply(blocks)
+            undo = apply_to_stacks(spec.policy, stacks)
             spec.policy.prepare(steps[label])
             try:
                 yield

@@ -98,6 +98,27 @@ preset("bert-large", "BERT large (MLM): 24 x 1024, 16 heads",
        f"{HF}/google-bert/bert-large-uncased/blob/main/config.json", "bert",
        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522)
 
+# Encoder-decoders: two stacks of blocks, a policy applied to each (models.find_stacks); --seq is the input's length
+# and the targets'. T5's relative position bias has no position table: no length limit but memory.
+_FLAN_T5 = dict(d_kv=64, feed_forward_proj="gated-gelu", vocab_size=32128, relative_attention_num_buckets=32,
+                relative_attention_max_distance=128, dropout_rate=0.1, layer_norm_epsilon=1e-6,
+                tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+# transformers 5 ties T5's LM head to the shared embedding whatever the file says (T5Config: "we tie weights always";
+# the file's tie_word_embeddings=false now only turns off the output scaling): 223M parameters where the checkpoint
+# has 248M, as a fine-tuning run with transformers 5 trains them
+preset("flan-t5-base", "Flan-T5 base: 12 + 12 x 768, 12 heads, gated-GELU 2048, relative position bias",
+       f"{HF}/google/flan-t5-base/blob/main/config.json", "t5",
+       d_model=768, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12, **_FLAN_T5)
+preset("flan-t5-large", "Flan-T5 large: 24 + 24 x 1024, 16 heads, gated-GELU 2816",
+       f"{HF}/google/flan-t5-large/blob/main/config.json", "t5",
+       d_model=1024, d_ff=2816, num_layers=24, num_decoder_layers=24, num_heads=16, **_FLAN_T5)
+preset("bart-large", "BART large 406M: 12 + 12 x 1024, 16 heads, GELU 4096, learned positions (<= 1024)",
+       f"{HF}/facebook/bart-large/blob/main/config.json", "bart",
+       d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16, decoder_attention_heads=16,
+       encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265, max_position_embeddings=1024, dropout=0.1,
+       attention_dropout=0.1, activation_dropout=0.1, scale_embedding=False, pad_token_id=1, bos_token_id=0,
+       eos_token_id=2, decoder_start_token_id=2)
+
 # Tiny presets for CI: a few blocks, hidden <= 128, dropout on so that RNG replay in recompute is exercised.
 preset("tiny-llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1", "CI", "llama",
        hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -108,3 +129,10 @@ preset("tiny-gpt2", "CI: 4 x 64, 4 heads, dropout 0.1 everywhere", "CI", "gpt2",
 preset("tiny-bert", "CI: 4 x 64, 4 heads, dropout 0.1 (MLM head)", "CI", "bert",
        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=512,
        max_position_embeddings=2048)
+preset("tiny-t5", "CI: 3 + 3 x 64, 4 heads, gated-GELU, dropout 0.1 (an encoder-decoder)", "CI", "t5",
+       d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4, vocab_size=512,
+       feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+preset("tiny-bart", "CI: 3 + 2 x 64, 4 heads, dropout 0.1 everywhere (an encoder-decoder)", "CI", "bart",
+       d_model=64, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+       encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=512, max_position_embeddings=2048, dropout=0.1,
+       attention_dropout=0.1, activation_dropout=0.1)

@@ -153,12 +153,29 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
 
         _check_sharding(spec, policy, device, devices_here and not in_rank())
     config, family = config or _prepared_config(*config_fields(spec))
-    policy.validate(config.num_hidden_layers)
+    _check_stacks(spec, policy, config)
     check_compile(spec, policy, device)
     spec = dataclasses.replace(spec, adapter=_checked_adapter(spec, config))
     spec = dataclasses.replace(spec, loss=_checked_loss(spec, config))
     concrete = dataclasses.replace(spec, policy=str(policy), device=device, threads=threads, precision=precision)
     return ResolvedRun(concrete, policy, config, family)
+
+
+def _check_stacks(spec: RunSpec, policy: Policy, config: Any) -> None:
+    """The policy's options against each stack's blocks (an encoder-decoder's policy applies to each stack on its
+    own); what a model of two stacks cannot run yet, in one line."""
+    from gcbench.models import stack_sizes
+
+    sizes = stack_sizes(config)
+    for name, n in sizes.items():
+        policy.validate(n, "model" if name == "blocks" else name)
+    if len(sizes) == 1:
+        return
+    if spec.shard != "none":
+        raise GcbenchError("--shard fsdp2: gcbench shards a model of one stack of blocks, not an encoder-decoder")
+    if policy.name == "plan":
+        raise GcbenchError("--policy plan: a plan chooses among one stack's blocks, not an encoder-decoder's two; "
+                           "give the policy (full, every-k, sac, attn, offload) that both stacks take")
 
 
 def distinct_runs(runs: Iterable[tuple[ResolvedRun, Mapping[str, Any]]], twice: str) -> list[ResolvedRun]:

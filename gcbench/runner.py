@@ -38,8 +38,8 @@ from gcbench.estimators.stored import stored_prediction
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
 from gcbench.measure import RecomputeFlops, SavedActivations, counting_flops, storage_bytes
 from gcbench.optimizers import optimizer_kind
-from gcbench.models import build_meta_model, build_model, count_params, find_blocks
-from gcbench.policies import Plan
+from gcbench.models import build_meta_model, build_model, count_params, find_stacks, stack_sizes, stack_text
+from gcbench.policies import Plan, apply_to_stacks
 from gcbench.results.schema import Status, mix_text, new_record, timing_note_fields
 from gcbench.fsdp import AgreedBudget, in_rank, shard_model
 from gcbench.resolved import ResolvedRun, resolve
@@ -77,7 +77,7 @@ class ModelSize:
     @classmethod
     def of(cls, meta_model: nn.Module, elem: int = 4) -> ModelSize:
         """`elem`: bytes per element of a frozen parameter (the run's precision)."""
-        blocks = find_blocks(meta_model)
+        blocks = [block for _, stack in find_stacks(meta_model) for block in stack]
         largest = max(blocks, key=count_params)
         trainable = lambda module: [s for p, s in zip(module.parameters(), param_shapes(module))  # noqa: E731
                                     if p.requires_grad]
@@ -206,7 +206,8 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
     config, family = spec.model_config()
     out: dict[str, Any] = {
         "family": family,
-        "n_layers": config.num_hidden_layers,
+        "n_layers": sum(stack_sizes(config).values()),  # an encoder-decoder's: both stacks'
+        "stacks": stack_text(config),
         "n_params": model_size(spec).n_params,
         "attn_implementation": config._attn_implementation or "sdpa",
     }
@@ -217,14 +218,15 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
     model = build_model(config, adapter.build_device(spec.device), spec.param_dtype)
     # the adapter before the policy: the policy wraps blocks that already hold the adapted layers
     model = apply_adapter(model, adapter, compute_dtype(spec), spec.device)
-    blocks = find_blocks(model)  # the ModuleList: the policy puts its wrappers back into it
-    spec.policy.apply(blocks)
+    stacks = [blocks for _, blocks in find_stacks(model)]  # ModuleLists: the policy puts its wrappers back into them
+    apply_to_stacks(spec.policy, stacks)
     compiled = spec.compile == BLOCKS
     if compiled:  # after the policy, as torchtitan does (apply_ac, then apply_compile)
-        compile_blocks(blocks)
+        for blocks in stacks:
+            compile_blocks(blocks)
     sharded = spec.shard != "none"
     if sharded:  # after the policy, as torchtitan does: FSDP gathers a block, the checkpoint runs inside it
-        shard_model(model, blocks, spec.precision)
+        shard_model(model, stacks[0], spec.precision)  # a model of one stack (resolve refuses the others)
     step = TrainingStep(model, make_optimizer(spec, model), make_batch(spec, config, spec.device), spec)
     spec.policy.prepare(step)
     compile_ms = _compile_ms(step) if spec.policy.compiles or compiled else None

@@ -191,19 +191,30 @@ def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(spec.seed)
     rank, world = rank_and_world()
     rows = spec.batch_size * spec.grad_accum
-    ids = torch.randint(0, config.vocab_size, (rows * world, spec.seq_len), generator=gen)
-    if world > 1:
-        ids = ids[rank * rows:(rank + 1) * rows].clone()  # its own storage: the other ranks' rows are not its memory
-    return batch_of(ids.to(device), config)
+    drawn = [torch.randint(0, config.vocab_size, (rows * world, length), generator=gen)
+             for length in token_lengths(spec, config)]
+    if world > 1:  # its own storage: the other ranks' rows are not its memory
+        drawn = [ids[rank * rows:(rank + 1) * rows].clone() for ids in drawn]
+    return batch_of(*(ids.to(device) for ids in drawn), config=config)
 
 
-def batch_of(ids: torch.Tensor, config) -> dict[str, torch.Tensor]:
+def token_lengths(spec: StepSpec, config) -> tuple[int, ...]:
+    """The lengths of the token ids a step draws: the input's (--seq); an encoder-decoder's targets too, as long as
+    its input (the decoder reads them shifted right)."""
+    from gcbench.models import seq2seq
+
+    return (spec.seq_len, spec.seq_len) if seq2seq(config) else (spec.seq_len,)
+
+
+def batch_of(ids: torch.Tensor, targets: torch.Tensor | None = None, *, config) -> dict[str, torch.Tensor]:
     """The model's inputs for these token ids: labels = the ids for a language model (a causal LM shifts them, an
-    MLM predicts them); for a classifier (--head seq-cls) class 0 for every sequence (which class changes no
-    memory: one int64 per sequence either way)."""
+    MLM predicts them), an encoder-decoder's `targets` (its decoder's input is them shifted right, made by the
+    model); for a classifier (--head seq-cls) class 0 for every sequence (which class changes no memory: one int64
+    per sequence either way)."""
     from gcbench.models import classifies
 
-    labels = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device) if classifies(config) else ids
+    labels = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device) if classifies(config) else \
+        ids if targets is None else targets
     return {"input_ids": ids, "labels": labels}
 
 

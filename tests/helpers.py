@@ -3,8 +3,8 @@ Test modules import these from here, never from each other or from conftest."""
 
 import torch
 
-from gcbench.models import build_model, find_blocks
-from gcbench.policies import POLICIES, classic
+from gcbench.models import build_model, find_stacks
+from gcbench.policies import POLICIES, apply_to_stacks, classic
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
 from gcbench.step import make_batch
@@ -35,7 +35,7 @@ def gradients(model_name: str, policy, dropout_seed: int = 1, device: str = "cpu
     torch.manual_seed(0)
     model = build_model(config, device, torch.float32)
     params = list(model.parameters())
-    spec.policy.apply(find_blocks(model))
+    apply_to_stacks(spec.policy, [blocks for _, blocks in find_stacks(model)])  # an encoder-decoder's two
     torch.manual_seed(dropout_seed)
     loss = model(**make_batch(spec, config, device)).loss
     loss.backward()

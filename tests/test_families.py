@@ -19,7 +19,7 @@ from tests.helpers import estimate_axes as grid
 from gcbench.estimators import Estimate, Unavailable, estimate_grid
 from gcbench.estimators.analytic import ARCHITECTURES, analytic
 from gcbench.estimators.simulate import simulate
-from gcbench.models import MODELS, build_meta_model, describe, find_blocks, load_config
+from gcbench.models import MODELS, build_meta_model, describe, find_blocks, find_stacks, load_config
 from gcbench.resolved import resolve
 from gcbench.results.store import read_records
 from gcbench.runner import run
@@ -260,7 +260,8 @@ def test_loading_a_preset_leaves_it_as_it_was():
 def test_every_preset_builds_and_cites_its_source():
     for name, preset in MODELS.items():
         row = describe(name)
-        assert row["params"] > 0 and row["layers"] == len(find_blocks(build_meta_model(load_config(name)[0])))
+        stacks = find_stacks(build_meta_model(load_config(name)[0]))
+        assert row["params"] > 0 and row["layers"] == sum(len(blocks) for _, blocks in stacks)
         assert preset.source == "CI" or (preset.source.startswith("https://huggingface.co/")
                                          and preset.source.endswith("/config.json")), name
 

@@ -28,7 +28,7 @@ LAYERS = [
     ("estimators",),
     ("env",),
     ("resolved",),
-    ("step", "fsdp", "policies", "compiled", "losses", "liger_model", "models", "presets", "hub"),
+    ("step", "fsdp", "policies", "compiled", "losses", "liger_model", "models", "blocks", "presets", "hub"),
     ("instruments",),
     ("measure", "timing", "nvml"),
     ("host_work",),

@@ -39,12 +39,12 @@ from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.estimators.step_clock import StepClock
 from gcbench.losses import CPU_TARGET
 from gcbench.measure import PhasePeaks, collect_garbage, counting_flops, listening_to_host_moves, storage_bytes
-from gcbench.models import build_model, find_blocks
+from gcbench.models import build_model, find_stacks, stack_sizes
 from gcbench.optimizers import optimizer_kind
-from gcbench.policies import Plan, Policy
+from gcbench.policies import Plan, Policy, apply_to_stacks
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
-from gcbench.step import TrainingStep, batch_of, make_optimizer
+from gcbench.step import TrainingStep, batch_of, make_optimizer, token_lengths
 
 
 def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, *,
@@ -83,7 +83,7 @@ def _as_one_kind(spec: ResolvedRun) -> ResolvedRun:
 def blocks_simulated(spec: ResolvedRun) -> int:
     """How many blocks simulate(spec) runs, which its time follows (tens of microseconds per op, whatever its
     size): both short models' where it is made from them (layer_scaling.py), else the model's own."""
-    return sum(SHORT) if blocks_to_scale(spec) is not None else spec.model_config()[0].num_hidden_layers
+    return sum(SHORT) if blocks_to_scale(spec) is not None else sum(stack_sizes(spec.model_config()[0]).values())
 
 
 def simulate_each(specs: list[ResolvedRun], target: str = "cuda", flops: bool = False
@@ -158,13 +158,13 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
     mark = trace.marking(phases, tracker) if trace is not None else phases
     ran: set[str] = set()  # the SDPA kernels the model's calls were routed to (cuda_target.cuda_kernels)
-    with _fake_step(spec, cuda, ran) as (step, ids):
+    with _fake_step(spec, cuda, ran) as (step, tokens):
         # the warm-up's state made directly (shortcuts.prime) knows no DTensor shards: a sharded rank warms up
         check = prime(step, spec.optimizer) if shortcut and spec.shard == "none" else None
         replay = AllocationReplay(allocator, kernel_workspace_bytes) if allocator is not None else \
             contextlib.nullcontext()
         if allocator is not None:  # what the run has allocated before its first step: the model, then the batch
-            replay.track([*step.model.parameters(), *step.model.buffers(), ids, *step.scaler_state()])
+            replay.track([*step.model.parameters(), *step.model.buffers(), *tokens, *step.scaler_state()])
         clock = StepClock() if cuda else None  # the step's work for the time model (step_time.py)
         moves = [f for f in (replay.host_move if allocator is not None else None,
                              clock.host_move if clock is not None else None) if f is not None]
@@ -178,7 +178,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         paged = _paged_state(step, spec.optimizer, cuda)  # CUDA managed memory: outside max_memory_allocated
         state = [t for t in state if all(t is not q for q in paged)]
         tracker.outside(paged)
-        tracker.track(step.params() + step.grads() + state + step.scaler_state() + [ids])
+        tracker.track(step.params() + step.grads() + state + step.scaler_state() + tokens)
         if clock is not None:  # what a CUDA run keeps on the host: AdamW's step counts, unless fused
             on_device = {id(t.untyped_storage()) for t in state + paged}
             clock.host_resident = {id(t.untyped_storage()) for t in step.optimizer_state()} - on_device
@@ -186,7 +186,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         if allocator is not None and check is not None:  # primed: the state as the warm-up leaves it, at once
             replay.track(step.grads() + state)
         if allocator is not None:  # what the target keeps off the device (AdamW's step counts, paged state)
-            on_device = {id(t.untyped_storage()) for t in step.params() + step.grads() + state + [ids]}
+            on_device = {id(t.untyped_storage()) for t in step.params() + step.grads() + state + tokens}
             replay.forget([t for t in step.optimizer_state() if id(t.untyped_storage()) not in on_device])
             allocator.reset_peaks()  # as the run reads its peaks over the measured steps
         tally = FlopTally() if flops and shortcut else None
@@ -231,10 +231,10 @@ def _count_flops(spec: ResolvedRun, target: str) -> int:
 
 @contextlib.contextmanager
 def _fake_step(spec: ResolvedRun, cuda: bool,
-               ran: set[str] | None = None) -> Iterator[tuple[TrainingStep, torch.Tensor]]:
-    """The run's TrainingStep on fake tensors (its policy applied and prepared, its optimizer made), and its batch of
-    token ids; inside, the fake mode and what makes CPU fakes act as the target would. Any failure in here is the
-    user's answer: a GcbenchError of one line."""
+               ran: set[str] | None = None) -> Iterator[tuple[TrainingStep, list[torch.Tensor]]]:
+    """The run's TrainingStep on fake tensors (its policy applied and prepared, its optimizer made), and its batch's
+    token ids (an encoder-decoder's: its input's and its targets'); inside, the fake mode and what makes CPU fakes
+    act as the target would. Any failure in here is the user's answer: a GcbenchError of one line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config, _ = spec.model_config()
@@ -253,24 +253,25 @@ def _fake_step(spec: ResolvedRun, cuda: bool,
     if adapter.quantised:
         with fake:
             quantise_fakes(model)
-    blocks = find_blocks(model)
-    spec.policy.apply(blocks)
+    stacks = [blocks for _, blocks in find_stacks(model)]
+    apply_to_stacks(spec.policy, stacks)
     _refuse_compiled(model, spec.policy)
     try:
         if sharded:  # as a rank does it: the policy first, then FSDP2 (runner._measure)
             world.enter_context(fake_world(spec.nproc))
-            shard_as_fakes(model, blocks, spec.precision, fake)
+            shard_as_fakes(model, stacks[0], spec.precision, fake)  # one stack (resolve)
         # made outside the fake mode: bitsandbytes computes its quantisation map from real values
         optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
                                    if cuda else None)
         _steps_read_no_values(optimizer)
         with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
-            ids = torch.empty((spec.batch_size * spec.grad_accum, spec.seq_len), dtype=torch.long)
-            step = TrainingStep(model, optimizer, batch_of(ids, config), spec)
+            tokens = [torch.empty((spec.batch_size * spec.grad_accum, length), dtype=torch.long)
+                      for length in token_lengths(spec, config)]
+            step = TrainingStep(model, optimizer, batch_of(*tokens, config=config), spec)
             scaler_finds_no_inf(step)  # --precision amp-fp16: its gradient scaler reads found_inf
             spec.policy.prepare(step)
-            yield step, ids
+            yield step, tokens
     except (GcbenchError, OutOfMemory):  # the replayed allocator's answer, not a failure of the simulation
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a policy on fake tensors is the user's answer
@@ -358,22 +359,27 @@ def materialise_as_fakes(model: nn.Module, fake) -> None:
 
 @contextlib.contextmanager
 def _unpacked_batch() -> Iterator[None]:
-    """Tell transformers' mask code that the batch holds one sequence per row, as the real run finds out.
+    """Tell transformers' mask code that the batch holds one sequence per row and no padding, as the real run finds
+    out.
 
-    transformers reads position ids to detect packed sequences, but refuses to read a fake tensor and then builds a
-    full 4-D mask — a different (and larger) step than the real one, which runs `is_causal` without a mask.
-    gcbench batches are never packed, so the answer the real run computes is known."""
+    transformers reads position ids to detect packed sequences, and a padding mask (BART's decoder makes one of
+    ones) to skip the mask for SDPA's `is_causal`, but refuses to read a fake tensor and then builds a full 4-D mask
+    — a different (and larger) step than the real one, which runs without a mask. gcbench batches are never packed
+    nor padded, so the answer the real run computes is known: no packing, and a padding mask that masks nothing,
+    which reads as none."""
     import transformers.masking_utils as masking
 
-    if not hasattr(masking, "find_packed_sequence_indices"):
-        yield
-        return
-    original = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: None
+    unpadded = lambda check: lambda padding_mask, *args, **kwargs: check(None, *args, **kwargs)  # noqa: E731
+    patches = {"find_packed_sequence_indices": lambda original: lambda position_ids: None,
+               "_ignore_causal_mask_sdpa": unpadded, "_ignore_bidirectional_mask_sdpa": unpadded}
+    originals = {name: getattr(masking, name) for name in patches if hasattr(masking, name)}
+    for name, original in originals.items():
+        setattr(masking, name, patches[name](original))
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = original
+        for name, original in originals.items():
+            setattr(masking, name, original)
 
 
 class GroupedMmShapes(TorchDispatchMode):

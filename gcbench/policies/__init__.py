@@ -8,8 +8,8 @@ plan.py (a per-block mix chosen to fit a memory budget). docs/policies.md has th
 A new policy module is imported below, or its policies are never registered.
 """
 
-from gcbench.policies.base import (POLICIES, CheckpointedGroup, GroupArguments, Policy, option, option_fields,
-                                   parse_policy, register)
+from gcbench.policies.base import (POLICIES, CheckpointedGroup, GroupArguments, Policy, apply_to_stacks, option,
+                                   option_fields, parse_policy, register)
 from gcbench.policies.classic import EveryK, Full, NoCheckpoint, Segments, SqrtN
 from gcbench.policies.sac import SAC_ATTENTION, SAC_MATMULS, SelectiveCheckpointedBlock, SelectiveOps, sac_policy_fn
 from gcbench.policies.attn import RECOMPUTE_CORE_PREFIX, AttentionCore, attention_modules
@@ -18,7 +18,7 @@ from gcbench.policies.budget import CompileBudget, CompiledBlock
 from gcbench.policies.plan import Plan
 
 __all__ = [
-    "POLICIES", "CheckpointedGroup", "GroupArguments", "Policy", "option", "parse_policy", "register",
+    "POLICIES", "CheckpointedGroup", "GroupArguments", "Policy", "apply_to_stacks", "option", "parse_policy", "register",
     "EveryK", "Full", "NoCheckpoint", "Segments", "SqrtN",
     "SAC_ATTENTION", "SAC_MATMULS", "SelectiveCheckpointedBlock", "SelectiveOps", "sac_policy_fn",
     "RECOMPUTE_CORE_PREFIX", "AttentionCore", "attention_modules",

@@ -51,6 +51,22 @@ def attention_modules(block: nn.Module) -> list[nn.Module]:
     return [m for m in block.modules() if dispatches(m)]
 
 
+def _reroute(module: nn.Module, interface: Any) -> tuple[nn.Module, Any]:
+    """Route `module`'s attention calls to the checkpointed version of its implementation; (module, its config)."""
+    if getattr(module, "reorder_and_upcast_attn", False):
+        raise GcbenchError("attn: GPT-2's reorder_and_upcast_attn bypasses the attention interface")
+    implementation = module.config._attn_implementation or "sdpa"
+    name = RECOMPUTE_CORE_PREFIX + implementation
+    if name not in interface:
+        interface[name] = _checkpointed_core(implementation)
+    # The module alone sees a copy of the config naming the rerouted implementation: the model's mask construction
+    # and every other module keep reading the original.
+    view = copy.copy(module.config)
+    view._attn_implementation = name
+    config, module.config = module.config, view
+    return module, config
+
+
 @register("attn")
 class AttentionCore(Policy):
     summary = ("recompute only the attention core (QK^T, softmax, dropout, PV) of every block; projections and MLP "
@@ -63,23 +79,12 @@ class AttentionCore(Policy):
         interface = _attention_interface()
         rerouted: list[tuple[nn.Module, Any]] = []
         for i, block in enumerate(blocks):
-            found = attention_modules(block)
-            if len(found) != 1:
-                raise GcbenchError(f"attn: expected one attention module in block {i} ({type(block).__name__}), "
-                                   f"found {len(found)}")
-            module = found[0]
-            if getattr(module, "reorder_and_upcast_attn", False):
-                raise GcbenchError("attn: GPT-2's reorder_and_upcast_attn bypasses the attention interface")
-            implementation = module.config._attn_implementation or "sdpa"
-            name = RECOMPUTE_CORE_PREFIX + implementation
-            if name not in interface:
-                interface[name] = _checkpointed_core(implementation)
-            # The module alone sees a copy of the config naming the rerouted implementation: the model's mask
-            # construction and every other module keep reading the original.
-            view = copy.copy(module.config)
-            view._attn_implementation = name
-            rerouted.append((module, module.config))
-            module.config = view
+            # every attention module of the block: a decoder's of an encoder-decoder are two (self and cross)
+            if not (found := attention_modules(block)):
+                raise GcbenchError(f"attn: no attention module in block {i} ({type(block).__name__}) calls the "
+                                   "transformers attention interface")
+            for module in found:
+                rerouted.append(_reroute(module, interface))
 
         def undo() -> None:
             for module, config in rerouted:

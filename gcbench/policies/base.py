@@ -153,8 +153,9 @@ class Policy:
         each = [range(i, i + 1) for i in range(n_blocks)]
         return type(self).apply is Policy.apply and self.groups(n_blocks) in ([], each)
 
-    def validate(self, n_blocks: int) -> None:
-        """Raise GcbenchError when an option breaks its rule (see `option`) for a model of `n_blocks` blocks."""
+    def validate(self, n_blocks: int, stack: str = "model") -> None:
+        """Raise GcbenchError when an option breaks its rule (see `option`) for a stack of `n_blocks` blocks (the
+        model's, or an encoder-decoder's `stack`: encoder, decoder)."""
         for f in option_fields(self):
             value, rule = getattr(self, f.name), f.metadata
             if rule.get("choices") and value not in rule["choices"]:
@@ -166,8 +167,8 @@ class Policy:
                                    f"[{lo:g}, {hi:g}]")
             # Refused, not clamped: a k beyond N would silently measure a different policy than the one asked for.
             if rule.get("blocks") and not 1 <= value <= n_blocks:
-                raise GcbenchError(f"{self.name}:{f.name}={value} is out of range: the model has {n_blocks} blocks, "
-                                   f"so {f.name} must be 1..{n_blocks}")
+                raise GcbenchError(f"{self.name}:{f.name}={value} is out of range: the {stack} has {n_blocks} "
+                                   f"blocks, so {f.name} must be 1..{n_blocks}")
 
     def groups(self, n_blocks: int) -> list[range]:
         """Contiguous ranges of block indices, each to become one checkpoint."""
@@ -176,7 +177,11 @@ class Policy:
     def apply(self, blocks: nn.ModuleList) -> Callable[[], None]:
         """Wrap `blocks` in place; return a function that restores the original blocks."""
         originals = list(blocks)
-        for group in self.groups(len(blocks)):
+        groups = self.groups(len(blocks))
+        if any(len(group) > 1 for group in groups) and (loop := getattr(blocks, "unpacked_by", None)):
+            raise GcbenchError(f"{self}: {loop} unpacks each block's output (what a block hands the next), so a group "
+                               "of blocks cannot run as one checkpoint; use full, every-k, sac, attn or offload")
+        for group in groups:
             wrapped = self.wrap_group([originals[i] for i in group])
             for index, i in enumerate(group[:-1]):
                 blocks[i] = GroupArguments(wrapped, index)
@@ -209,6 +214,18 @@ class Policy:
     def __str__(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options().items())
         return f"{self.name}:{opts}" if opts else self.name
+
+
+def apply_to_stacks(policy: Policy, stacks: list[nn.ModuleList]) -> Callable[[], None]:
+    """Apply `policy` to each stack of blocks (models.find_stacks) on its own, its groups counted in that stack's
+    blocks (an encoder-decoder's `sqrtn` is sqrt(N) of the encoder's and of the decoder's); one undo for all."""
+    undos = [policy.apply(blocks) for blocks in stacks]
+
+    def undo() -> None:
+        for one in reversed(undos):
+            one()
+
+    return undo
 
 
 def parse_policy(text: str) -> Policy:

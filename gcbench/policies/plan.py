@@ -61,8 +61,8 @@ class Plan(Policy):
             except GcbenchError as e:
                 raise GcbenchError(f"plan:memory={self.memory}: {e}") from None
 
-    def validate(self, n_blocks: int) -> None:
-        super().validate(n_blocks)
+    def validate(self, n_blocks: int, stack: str = "model") -> None:
+        super().validate(n_blocks, stack)
         if not self.memory:
             raise GcbenchError("plan needs the memory to fit: plan:memory=SIZE (e.g. plan:memory=24GiB)")
 

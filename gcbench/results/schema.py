@@ -120,7 +120,8 @@ class Record(TypedDict, total=False):
     predicted_step_ms: float | None
     # the model
     family: str
-    n_layers: int
+    n_layers: int  # blocks, every stack's
+    stacks: str | None  # an encoder-decoder's stacks and their blocks ("encoder:12,decoder:12"); None: one stack
     n_params: int
     attn_implementation: str
     # static memory, bytes

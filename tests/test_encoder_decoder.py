@@ -1,0 +1,108 @@
+"""Encoder-decoders (T5, BART): two stacks of blocks, the policy applied to each on its own, held to what one
+stack is held to: gradients equal to `none`'s with dropout on, and the simulation equal to the measured peak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.errors import GcbenchError
+from gcbench.models import build_meta_model, find_stacks, load_config
+from gcbench.policies import CheckpointedGroup, GroupArguments, apply_to_stacks, parse_policy
+from gcbench.runner import run
+from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
+
+runner = CliRunner()
+SEQ = 32
+# T5's blocks hand the next one their position biases (a tuple the stack's loop unpacks): no group policies
+POLICIES = {"tiny-t5": ("full", "every-k", "sac", "attn", "offload"),
+            "tiny-bart": ("full", "every-k", "segments:k=2", "sqrtn", "sac", "attn", "offload")}
+
+
+def _stacks(model: str, policy: str = "none", **overrides) -> list[tuple[str, torch.nn.ModuleList]]:
+    config, _ = tiny_spec(model, policy, seq_len=SEQ, **overrides).model_config()
+    return find_stacks(build_meta_model(config))
+
+
+@pytest.mark.parametrize("model,policy", [(m, p) for m, ps in POLICIES.items() for p in ps])
+def test_every_policy_gives_none_gradients_on_both_stacks(model, policy):
+    assert_gradients_equal_none(model, policy, seq_len=SEQ)
+
+
+@pytest.mark.parametrize("model", POLICIES)
+def test_dropout_changes_the_loss_so_the_gradient_check_is_not_vacuous(model):
+    first, _ = gradients(model, "none", dropout_seed=1, seq_len=SEQ)
+    second, _ = gradients(model, "none", dropout_seed=2, seq_len=SEQ)
+    assert not torch.equal(first, second)
+
+
+def test_both_stacks_are_found_and_layers_keeps_the_first_blocks_of_each():
+    assert [(name, len(blocks)) for name, blocks in _stacks("tiny-bart")] == [("encoder", 3), ("decoder", 2)]
+    assert [(name, len(blocks)) for name, blocks in _stacks("tiny-t5", layers=2)] == [("encoder", 2), ("decoder", 2)]
+    with pytest.raises(GcbenchError, match="the model has 3 in its encoder and 2 in its decoder"):
+        tiny_spec("tiny-bart", layers=3)
+
+
+def test_a_policy_counts_its_blocks_in_each_stack():
+    stacks = [blocks for _, blocks in _stacks("tiny-bart")]
+    undo = apply_to_stacks(parse_policy("sqrtn"), stacks)  # encoder: ceil(sqrt(3)) = 2 -> [0, 1], [2]; decoder: [0, 1]
+    assert [[type(b) for b in blocks] for blocks in stacks] == [
+        [GroupArguments, CheckpointedGroup, CheckpointedGroup], [GroupArguments, CheckpointedGroup]]
+    undo()
+    assert not any(isinstance(b, (GroupArguments, CheckpointedGroup)) for blocks in stacks for b in blocks)
+    with pytest.raises(GcbenchError, match="the decoder has 2 blocks, so k must be 1..2"):
+        tiny_spec("tiny-bart", "every-k:k=3")
+
+
+@pytest.mark.parametrize("policy", ["segments:k=2", "sqrtn"])
+def test_t5_refuses_a_group_of_blocks_in_one_line_that_says_why(policy):
+    result = runner.invoke(app, ["run", "--model", "tiny-t5", "--seq", "32", "--policy", policy, "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "T5Stack.forward unpacks each block's output" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_what_two_stacks_cannot_run_yet_is_refused_before_anything_runs():
+    with pytest.raises(GcbenchError, match="a plan chooses among one stack's blocks"):
+        tiny_spec("tiny-bart", "plan:memory=1GiB")
+    with pytest.raises(GcbenchError, match="not an encoder-decoder"):
+        tiny_spec("tiny-bart", "full", shard="fsdp2", nproc=2)
+
+
+def test_a_speech_encoder_decoder_is_refused_for_its_real_reason(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "whisper", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+                                "encoder_attention_heads": 4, "decoder_attention_heads": 4, "vocab_size": 512}))
+    with pytest.raises(GcbenchError, match="a speech or vision encoder reads features gcbench does not make up"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("model", POLICIES)
+def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_stacks(model):
+    record = run(tiny_spec(model, "full", seq_len=SEQ, predict=True))
+    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    assert record["stacks"] == {"tiny-t5": "encoder:3,decoder:3", "tiny-bart": "encoder:3,decoder:2"}[model]
+    assert record["n_layers"] == {"tiny-t5": 6, "tiny-bart": 5}[model]
+
+
+@pytest.mark.slow  # a real run per model and policy
+@pytest.mark.parametrize("model", POLICIES)
+def test_the_simulation_is_exact_on_cpu_under_every_policy(model):
+    for policy in ("none", *POLICIES[model]):
+        record = run(tiny_spec(model, policy, seq_len=64, predict=True))
+        assert record["status"] == "ok", (policy, record.get("error"))
+        assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
+
+
+def test_presets_estimate_on_a_card_with_each_stack_checkpointed():
+    from gcbench.estimators.simulate import simulate
+
+    none, full = (simulate(tiny_spec("flan-t5-base", p, seq_len=256, batch_size=2, layers=2, precision="bf16"),
+                           "cuda") for p in ("none", "full"))
+    assert full.peak_bytes < none.peak_bytes
+    assert none.param_bytes == full.param_bytes > 0
