@@ -73,6 +73,34 @@ preset("phi-3-mini", "Phi-3 mini 4k: 32 x 3072, 32 heads, fused qkv and gate/up,
        vocab_size=32064, max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
        rope_theta=10000.0, sliding_window=2047, tie_word_embeddings=False)
 
+# Mixtures of experts (docs/models.md, "Mixtures of experts"): the router's auxiliary loss stays off, as each
+# config.json has it (output_router_logits false; DeepSeek-V2's modeling code in transformers has none).
+preset("mixtral-8x7b", "Mixtral 8x7B: 32 x 4096, GQA 32/8 heads, 8 SwiGLU 14336 experts, top-2 (use --layers)",
+       f"{HF}/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json", "mixtral",
+       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+       num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+       rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, router_aux_loss_coef=0.02,
+       output_router_logits=False, tie_word_embeddings=False)
+preset("qwen3-30b-a3b", "Qwen3 30B-A3B: 48 x 2048, GQA 32/4 heads of 128, 128 experts of 768, top-8 (use --layers)",
+       f"{HF}/Qwen/Qwen3-30B-A3B/blob/main/config.json", "qwen3_moe",
+       hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+       num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False,
+       sliding_window=None, max_window_layers=48, router_aux_loss_coef=0.001, output_router_logits=False,
+       tie_word_embeddings=False)
+preset("deepseek-v2-lite", "DeepSeek-V2-Lite: 27 x 2048, MLA 16 heads, 2 shared + 64 routed experts of 1408, top-6",
+       f"{HF}/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json", "deepseek_v2",
+       hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+       num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+       qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+       first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="greedy", norm_topk_prob=False,
+       routed_scaling_factor=1.0, vocab_size=102400, max_position_embeddings=163840, rms_norm_eps=1e-6,
+       rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 0.707, "mscale_all_dim": 0.707,
+                                         "original_max_position_embeddings": 4096},
+       tie_word_embeddings=False)
+
 # The models of the first gcbench results (kept so that their records still name a preset).
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
 preset("llama-7b", "Llama-2 7B: 32 x 4096, MHA 32 heads, SwiGLU 11008",
@@ -123,6 +151,11 @@ preset("bart-large", "BART large 406M: 12 + 12 x 1024, 16 heads, GELU 4096, lear
 preset("tiny-llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1", "CI", "llama",
        hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
        vocab_size=512, max_position_embeddings=2048, attention_dropout=0.1, tie_word_embeddings=False)
+preset("tiny-mixtral", "CI: 4 x 64, GQA 4/2 heads, 4 experts of 96, top-2, attention dropout and router jitter 0.1",
+       "CI", "mixtral",
+       hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+       num_local_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=2048,
+       attention_dropout=0.1, router_jitter_noise=0.1, tie_word_embeddings=False)
 preset("tiny-gpt2", "CI: 4 x 64, 4 heads, dropout 0.1 everywhere", "CI", "gpt2",
        n_embd=64, n_layer=4, n_head=4, vocab_size=512, n_positions=2048, bos_token_id=0, eos_token_id=0,
        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)

@@ -113,7 +113,7 @@ def cuda_kernels(ran: set[str] | None = None) -> Iterator[None]:
             dtype = torch.get_autocast_dtype("cpu")
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         kernel = cuda_kernel(query.dtype, attn_mask is not None, query.shape[-1], (query.shape[1], key.shape[1]),
-                             enable_gqa)
+                             enable_gqa, value.shape[-1])
         if ran is not None:
             ran.add(kernel)
         if kernel == "flash":

@@ -77,21 +77,26 @@ class Shape:
 
 
 def cuda_kernel(dtype: torch.dtype, has_mask: bool, head_dim: int, heads: tuple[int, int],
-                enable_gqa: bool = False) -> str:
+                enable_gqa: bool = False, value_head_dim: int | None = None) -> str:
     """The SDPA kernel torch picks on an sm80+ GPU (sdp_utils.cpp, select_sdp_backend), as far as memory goes.
-    heads: the (query, key/value) head counts SDPA is given; enable_gqa: what the caller passed.
+    heads: the (query, key/value) head counts SDPA is given; enable_gqa: what the caller passed; value_head_dim:
+    the values' head size where it is not the queries' and keys' (DeepSeek's MLA: 128 to 192; None: the same).
 
     cuDNN attention (preferred on some Hopper builds) keeps the same tensors for backward as flash: output and a
-    float32 log-sum-exp per row. Flash needs 16-bit inputs and no mask; memory-efficient takes masks and fp32. Fewer
+    float32 log-sum-exp per row. Flash needs 16-bit inputs, no mask and one head size for queries, keys and values
+    (check_head_dim_size_flash); memory-efficient takes masks, fp32 and a value head size of its own. Fewer
     key/value heads than query heads: flash takes them only with enable_gqa, memory-efficient never
     (check_batch_size_and_num_heads_dense<supports_gqa=false> in its constraints), so such a call runs the math
     kernel unless flash takes it. Math, for example: GQA in fp32 (flash takes no fp32), and Falcon's own SDPA call,
     which passes one key/value head without enable_gqa."""
     low_precision = dtype in (torch.float16, torch.bfloat16)
     equal = heads[0] == heads[1]
-    if low_precision and not has_mask and head_dim <= 256 and (equal or (enable_gqa and heads[0] % heads[1] == 0)):
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
+    if low_precision and not has_mask and head_dim <= 256 and value_head_dim == head_dim \
+            and (equal or (enable_gqa and heads[0] % heads[1] == 0)):
         return "flash"
-    if equal and head_dim % (8 if low_precision else 4) == 0:
+    alignment = 8 if low_precision else 4
+    if equal and head_dim % alignment == 0 and value_head_dim % alignment == 0:
         return "efficient"
     return "math"
 

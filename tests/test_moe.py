@@ -1,0 +1,72 @@
+"""Mixtures of experts as transformers runs them: the tiny MoE preset under the policies (gradients, the simulated
+peak against the measured one) and the big MoE presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gcbench.cli import app
+from gcbench.estimators.shape import cuda_kernel
+from gcbench.models import describe
+from gcbench.runner import run
+from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
+
+runner = CliRunner()
+TINY_MOE = "tiny-mixtral"
+SEQ = 32
+BIG = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite")
+
+
+def test_the_tiny_moe_preset_routes_randomly_so_the_gradient_check_is_not_vacuous():
+    """Router jitter and attention dropout draw from the RNG: another seed, another loss."""
+    first, _ = gradients(TINY_MOE, "none", dropout_seed=1, seq_len=SEQ)
+    second, _ = gradients(TINY_MOE, "none", dropout_seed=2, seq_len=SEQ)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("policy", ["full", "sqrtn", "sac"])
+def test_every_policy_gives_the_tiny_moe_none_gradients(policy):
+    assert_gradients_equal_none(TINY_MOE, policy, seq_len=SEQ)
+
+
+@pytest.mark.parametrize("policy", ["none", pytest.param("full", marks=pytest.mark.slow),
+                                    pytest.param("sqrtn", marks=pytest.mark.slow), "sac"])  # a run each: 2 s
+def test_the_simulation_is_the_measured_cpu_peak_of_the_tiny_moe(policy):
+    record = run(tiny_spec(TINY_MOE, policy, seq_len=SEQ, predict=True))
+    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+
+
+def test_the_big_moe_presets_have_their_published_sizes():
+    """Parameter counts as their model cards state them: 46.7B, 30.5B, 15.7B."""
+    for name, params, layers, kv in (("mixtral-8x7b", 46.7e9, 32, 8), ("qwen3-30b-a3b", 30.5e9, 48, 4),
+                                     ("deepseek-v2-lite", 15.7e9, 27, 16)):
+        row = describe(name)
+        assert abs(row["params"] / params - 1) < 0.002 and row["layers"] == layers and row["kv_heads"] == kv, name
+
+
+def test_values_of_their_own_head_size_leave_flash_for_the_efficient_kernel():
+    """DeepSeek's MLA: queries and keys of 192, values of 128 (sdp_utils.cpp: flash wants one head size for all
+    three, memory-efficient only queries equal to keys); on the fakes, flash's meta kernel gave 192-wide outputs
+    that the output projection then refused."""
+    assert cuda_kernel(torch.bfloat16, False, 192, (16, 16), value_head_dim=128) == "efficient"
+    assert cuda_kernel(torch.bfloat16, False, 192, (16, 16), value_head_dim=192) == "flash"
+    assert cuda_kernel(torch.bfloat16, False, 192, (16, 16), value_head_dim=132) == "math"  # not 16-byte aligned
+
+
+# Two simulations each (the step, the caching allocator replayed on it): 2 s. In the default suite: DeepSeek's (MLA
+# attention, shared experts, a dense first block); all three are built by the test above.
+@pytest.mark.parametrize("name", [*(pytest.param(name, marks=pytest.mark.slow) for name in BIG[:2]), BIG[2]])
+def test_a_big_moe_preset_is_estimated_for_a_gpu(name):
+    result = runner.invoke(app, ["estimate", "--model", name, "--seq", "512", "--gpu", "h100-80gb", "--method",
+                                 "simulate", "--layers", "2", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    [row] = [json.loads(line) for line in result.stdout.splitlines()]
+    assert row["peak_bytes"] > row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
+    assert row["predicted_step_ms"] > 0
+    # DeepSeek's MLA: values of 128 beside queries and keys of 192, which flash refuses (check_head_dim_size_flash)
+    assert row["attention_kernel"] == ("efficient" if name == "deepseek-v2-lite" else "flash")
