@@ -26,8 +26,9 @@ from gcbench.blocks import DECODER_LAYERS, find_blocks, find_stacks, seq2seq, st
 from gcbench.errors import GcbenchError
 from gcbench.presets import MODELS, Preset
 
-__all__ = ["MODELS", "Preset", "build_meta_model", "build_model", "count_params", "describe", "find_blocks",
-           "find_stacks", "load_config", "max_positions", "prepare_config", "seq2seq", "stack_sizes", "stack_text"]
+__all__ = ["MODELS", "Preset", "build_meta_model", "build_model", "count_params", "describe",
+           "experts_implementation", "find_blocks", "find_stacks", "load_config", "max_positions", "prepare_config",
+           "seq2seq", "stack_sizes", "stack_text"]
 
 transformers.logging.set_verbosity_error()  # config-validation chatter about random-init presets is noise here
 
@@ -344,6 +345,16 @@ def _meta_build(head: type, config) -> nn.Module:
 # another thread meanwhile would take that dtype for its parameters. One build at a time (the estimators' threads,
 # estimators/sharing.py side_by_side).
 _BUILDING = threading.RLock()
+
+
+def experts_implementation(model: nn.Module) -> str | None:
+    """How transformers runs the model's mixture-of-experts layers: the experts_implementation of the experts
+    modules its use_experts_implementation decorator made (those carry has_gate and is_transposed), grouped_mm by
+    default (modeling_utils.get_correct_experts_implementation), batched_mm or eager where asked; None for a model
+    without such modules (a dense one, or experts of an older transformers)."""
+    found = {getattr(m.config, "_experts_implementation", None) or "eager" for m in model.modules()
+             if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "config")}
+    return "+".join(sorted(found)) or None
 
 
 def count_params(module: nn.Module) -> int:

@@ -1,9 +1,11 @@
 """Mixtures of experts as transformers runs them: the tiny MoE preset under the policies (gradients, the simulated
-peak against the measured one) and the big MoE presets."""
+peak against the measured one), the experts' grouped matmul that CUDA runs and the simulation runs for it, and the
+big MoE presets (docs/models.md, "Mixtures of experts")."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ from typer.testing import CliRunner
 
 from gcbench.cli import app
 from gcbench.estimators.shape import cuda_kernel
-from gcbench.models import describe
+from gcbench.estimators.simulate import simulate
+from gcbench.models import build_meta_model, describe, experts_implementation, load_config
 from gcbench.runner import run
 from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
 
@@ -41,6 +44,35 @@ def test_the_simulation_is_the_measured_cpu_peak_of_the_tiny_moe(policy):
     assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
 
 
+def test_transformers_runs_the_experts_through_torchs_grouped_matmul_on_cuda(monkeypatch):
+    """transformers 5's default experts implementation is grouped_mm on every device
+    (modeling_utils.get_correct_experts_implementation), and on an sm80+ card it multiplies through torch's
+    grouped matmul (integrations/moe.py, _can_use_grouped_mm): what the simulated CUDA step runs."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    config, _ = load_config(TINY_MOE)
+    assert experts_implementation(build_meta_model(config)) == "grouped_mm"
+    assert experts_implementation(build_meta_model(load_config("tiny-llama")[0])) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    weight = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    assert moe._can_use_grouped_mm(None, weight, None)
+    assert simulate(tiny_spec(TINY_MOE, "full", seq_len=SEQ, precision="bf16"), "cuda").experts_kernel == "grouped_mm"
+
+
+def test_the_simulated_cuda_step_takes_cudas_grouped_matmul_whatever_the_cpu_would(monkeypatch):
+    """Where the CPU's torch takes transformers' loop over the experts (no CPU grouped matmul before torch 2.9; up
+    to 2.10 one that reads the fakes' pointers), the CUDA target still runs torch's grouped matmul, as the card
+    would; the CPU target runs what the CPU runs."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    def cpu_answer(input, weight, offs):
+        return False
+
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", cpu_answer)
+    spec = tiny_spec(TINY_MOE, "none", seq_len=SEQ)
+    assert simulate(spec, "cpu", shortcut=False).experts_kernel == "grouped_mm_fallback"
+    assert simulate(spec, "cuda", shortcut=False).experts_kernel == "grouped_mm"
+    assert moe._can_use_grouped_mm is cpu_answer  # put back
+
+
 def test_the_big_moe_presets_have_their_published_sizes():
     """Parameter counts as their model cards state them: 46.7B, 30.5B, 15.7B."""
     for name, params, layers, kv in (("mixtral-8x7b", 46.7e9, 32, 8), ("qwen3-30b-a3b", 30.5e9, 48, 4),
@@ -67,6 +99,6 @@ def test_a_big_moe_preset_is_estimated_for_a_gpu(name):
     assert result.exit_code == 0, result.output
     [row] = [json.loads(line) for line in result.stdout.splitlines()]
     assert row["peak_bytes"] > row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
-    assert row["predicted_step_ms"] > 0
+    assert row["experts_kernel"] == "grouped_mm" and row["predicted_step_ms"] > 0
     # DeepSeek's MLA: values of 128 beside queries and keys of 192, which flash refuses (check_head_dim_size_flash)
     assert row["attention_kernel"] == ("efficient" if name == "deepseek-v2-lite" else "flash")

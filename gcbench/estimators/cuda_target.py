@@ -103,7 +103,8 @@ def cuda_kernels(ran: set[str] | None = None) -> Iterator[None]:
     (autocast_mode.cpp: softmax is an fp32_set_opt_dtype op), CPU autocast in the input's 16-bit dtype; and a
     16-bit CUDA input asked for in fp32 is read as it is (at::softmax calls _softmax(x, dim, half_to_float=True)),
     where CPU first makes an fp32 copy of it. Only calls through torch.nn.functional.softmax are routed (eager
-    attention's); Tensor.softmax and the losses' log_softmax are not."""
+    attention's); Tensor.softmax and the losses' log_softmax are not. Mixture-of-experts layers take the grouped
+    matmul CUDA would (cuda_grouped_mm)."""
     import torch.nn.functional as F
 
     original_sdpa, original_dropout, original_softmax = F.scaled_dot_product_attention, F.dropout, F.softmax
@@ -146,9 +147,37 @@ def cuda_kernels(ran: set[str] | None = None) -> Iterator[None]:
 
     F.scaled_dot_product_attention, F.dropout, F.softmax = sdpa, dropout, softmax
     try:
-        yield
+        with cuda_grouped_mm():
+            yield
     finally:
         F.scaled_dot_product_attention, F.dropout, F.softmax = original_sdpa, original_dropout, original_softmax
+
+
+@contextlib.contextmanager
+def cuda_grouped_mm() -> Iterator[None]:
+    """transformers' experts (integrations/moe.py, grouped_mm_experts_forward, the default experts_implementation)
+    multiply through torch's grouped matmul where _can_use_grouped_mm says so, else through transformers' own op
+    (grouped_mm_fallback: a loop of torch.mm over the experts). That answer depends on the weights' device: on CUDA,
+    torch.nn.functional.grouped_mm or torch._grouped_mm on sm80 and newer (torch._grouped_mm before torch 2.9:
+    sm90 only); on CPU, whether torch has a CPU kernel (from torch 2.9) and, up to torch 2.10, the pointers'
+    alignment, which a fake tensor has none of. On the CPU fakes it is answered as on the card the CUDA target
+    stands for (sm80 or newer, as its attention kernels; sm90 where torch is older than 2.9). What else in the
+    experts reads the device, the dtype histc counts tokens in (float32 on CPU, int32 on CUDA), has the same bytes."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # a transformers without its experts integration (before 5)
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    torch_has = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    moe._can_use_grouped_mm = lambda input, weight, offs: torch_has
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

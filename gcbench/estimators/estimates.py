@@ -58,6 +58,10 @@ class Estimate:
     # What the step makes a CUDA card do, op by op (step_time.StepWork): its time on a card is work.time(rates).
     # None: not simulated for a CUDA target (the analytic formulas, a CPU target, the per-rank model).
     work: StepWork | None = field(default=None, repr=False, compare=False)
+    # How the mixture-of-experts layers multiply: the grouped matmul the simulated step's experts ran (grouped_mm:
+    # torch's; grouped_mm_fallback: transformers' loop over the experts), else transformers' experts_implementation
+    # (models.experts_implementation). None: a dense model, or a prediction that did not run the step (analytic).
+    experts_kernel: str | None = None
 
     def fits(self, memory_bytes: int) -> bool | None:
         """Whether the step fits in `memory_bytes`: the replayed allocator's answer where it ran on that memory,
@@ -100,8 +104,9 @@ class Unavailable:
 
 def _paged_only(row: dict[str, Any]) -> dict[str, Any]:
     """A row without `optimizer_paged_bytes` where it is None (an optimizer that pages nothing, an unavailable
-    cell), nor the replayed allocator's fields where it did not run: other rows keep the keys they had before."""
-    for key in ("optimizer_paged_bytes", "reserved_bytes", "runs_out"):
+    cell), nor the replayed allocator's fields where it did not run, nor `experts_kernel` without experts: other rows
+    keep the keys they had before."""
+    for key in ("optimizer_paged_bytes", "reserved_bytes", "runs_out", "experts_kernel"):
         if row.get(key) is None:
             row.pop(key, None)
     return row

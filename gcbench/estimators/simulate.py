@@ -39,7 +39,7 @@ from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.estimators.step_clock import StepClock
 from gcbench.losses import CPU_TARGET
 from gcbench.measure import PhasePeaks, collect_garbage, counting_flops, listening_to_host_moves, storage_bytes
-from gcbench.models import build_model, find_stacks, stack_sizes
+from gcbench.models import build_model, experts_implementation, find_stacks, stack_sizes
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, Policy, apply_to_stacks
 from gcbench.resolved import ResolvedRun, resolve
@@ -158,7 +158,8 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     phases = PhasePeaks(lambda: tracker.peak, tracker.reset_peak)
     mark = trace.marking(phases, tracker) if trace is not None else phases
     ran: set[str] = set()  # the SDPA kernels the model's calls were routed to (cuda_target.cuda_kernels)
-    with _fake_step(spec, cuda, ran) as (step, tokens):
+    experts: set[str] = set()  # the grouped matmuls the experts ran (GroupedMmShapes)
+    with _fake_step(spec, cuda, ran, experts) as (step, tokens):
         # the warm-up's state made directly (shortcuts.prime) knows no DTensor shards: a sharded rank warms up
         check = prime(step, spec.optimizer) if shortcut and spec.shard == "none" else None
         replay = AllocationReplay(allocator, kernel_workspace_bytes) if allocator is not None else \
@@ -203,6 +204,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         parts = [storage_bytes(tensors, tracker.granularity_bytes) for tensors in (step.params(), step.grads(), state)]
         paged_bytes = storage_bytes(paged) if optimizer_kind(spec.optimizer).paged else None
         n_params = param_count(step.model)
+        experts_kernel = "+".join(sorted(experts)) or experts_implementation(step.model)
     if unproven:  # a warm-up might have left other gradients than prime's: the full path, out of this fake mode
         if trace is not None:
             trace.clear()
@@ -214,6 +216,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
         forward_peak_bytes=peaks["forward_peak_bytes"], backward_peak_bytes=peaks["backward_peak_bytes"],
         optimizer_peak_bytes=peaks["optimizer_peak_bytes"], n_params=n_params,
         attention_kernel="+".join(sorted(ran)) or attention_kernel(spec, config, target), flops=counted,
+        experts_kernel=experts_kernel,
         seconds=time.perf_counter() - start, optimizer_paged_bytes=paged_bytes,
         work=clock.work() if clock is not None else None)
 
@@ -230,11 +233,12 @@ def _count_flops(spec: ResolvedRun, target: str) -> int:
 
 
 @contextlib.contextmanager
-def _fake_step(spec: ResolvedRun, cuda: bool,
-               ran: set[str] | None = None) -> Iterator[tuple[TrainingStep, list[torch.Tensor]]]:
+def _fake_step(spec: ResolvedRun, cuda: bool, ran: set[str] | None = None,
+               experts: set[str] | None = None) -> Iterator[tuple[TrainingStep, list[torch.Tensor]]]:
     """The run's TrainingStep on fake tensors (its policy applied and prepared, its optimizer made), and its batch's
     token ids (an encoder-decoder's: its input's and its targets'); inside, the fake mode and what makes CPU fakes
-    act as the target would. Any failure in here is the user's answer: a GcbenchError of one line."""
+    act as the target would (`ran`, `experts`: where given, filled with the SDPA kernels and the experts' grouped
+    matmuls the step runs). Any failure in here is the user's answer: a GcbenchError of one line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config, _ = spec.model_config()
@@ -264,7 +268,8 @@ def _fake_step(spec: ResolvedRun, cuda: bool,
         optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
                                    if cuda else None)
         _steps_read_no_values(optimizer)
-        with fake, GroupedMmShapes(), _unpacked_batch(), (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
+        with fake, GroupedMmShapes(experts), _unpacked_batch(), \
+                (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
             tokens = [torch.empty((spec.batch_size * spec.grad_accum, length), dtype=torch.long)
                       for length in token_lengths(spec, config)]
@@ -386,10 +391,19 @@ class GroupedMmShapes(TorchDispatchMode):
     """Mixture-of-experts layers multiply each expert's tokens with aten._grouped_mm. Its fake (meta) kernel takes
     bf16 only, while the CPU kernel, and CUDA's under amp, run fp32 as well: this computes the shape on bf16
     copies and returns a fake of the real dtype. Entered inside the fake mode and below the tracker, which sees
-    the op and its output only, as in a real run."""
+    the op and its output only, as in a real run. `ran`, where given, collects which grouped matmul the experts
+    ran: grouped_mm (torch's), grouped_mm_fallback (transformers' loop over the experts, where torch's is not
+    taken: cuda_target.cuda_grouped_mm)."""
+
+    def __init__(self, ran: set[str] | None = None) -> None:
+        super().__init__()
+        self.ran = ran
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.ran is not None and func.namespace in ("aten", "transformers") \
+                and func.__name__ in ("_grouped_mm.default", "grouped_mm_fallback.default"):
+            self.ran.add(func.__name__.removesuffix(".default").lstrip("_"))
         if func is not torch.ops.aten._grouped_mm.default or args[0].dtype == torch.bfloat16:
             return func(*args, **kwargs)
         dtype = kwargs.get("out_dtype") or args[0].dtype

@@ -34,17 +34,20 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     the name with `policy_options` beside it, or, from older code, the whole label in `policy`; a cell no method
     could predict has `peak_bytes` None and why in `not_available`). Byte columns share one unit, chosen for the
     largest peak; what all rows share goes into the title (the model, precision, optimizer...), what varies gets a
-    column; the caption says why a cell is n/a or predicted by another method than asked (`stands_in`), and how
-    long predictions took. `width`: the most columns it may take (None: no limit)."""
+    column, the attention kernels and (mixtures of experts) the experts' matmul into the title; the caption says
+    why a cell is n/a or predicted by another method than asked (`stands_in`), and how long predictions took.
+    `width`: the most columns it may take (None: no limit)."""
     first, predicted_rows = rows[0], [r for r in rows if r["peak_bytes"] is not None]
     scale, unit = byte_unit(max((r["peak_bytes"] for r in predicted_rows), default=0))
     models = {markup(r["model"]) + (f" ({plural(r['layers'], 'block')})" if r.get("layers") else "") for r in rows}
     predicted = "torch.cuda.max_memory_allocated" if first["target"] == "cuda" else "CPU live-tensor peak"
     kernels = ", ".join(sorted({r["attention_kernel"] for r in predicted_rows}))
+    experts = ", ".join(sorted({r["experts_kernel"] for r in predicted_rows if r.get("experts_kernel")}))
     varying = [f for f in LEVERS if len({str(r.get(f)) for r in rows}) > 1]
     shared = lever_text(first, leave_out=tuple(varying))
     title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
-             f"({predicted}){' · ' + markup(shared) if shared else ''} · attention: {kernels}")
+             f"({predicted}){' · ' + markup(shared) if shared else ''} · attention: {kernels}"
+             f"{' · experts: ' + experts if experts else ''}")
     sharded = any(r.get("shard") not in (None, "none") for r in rows)
     columns = _columns(rows, varying, len(models) > 1, scale, memory_bytes)
     left_out = []
