@@ -67,6 +67,17 @@ def _count_kv_heads_as_query_heads() -> None:
 
 _count_kv_heads_as_query_heads()
 
+# Mixture-of-experts layers multiply through torch's grouped matmul (transformers' default experts implementation,
+# grouped_mm), which FlopCounterMode has no formula for: a MoE step counted its attention and router matmuls only.
+# Each row of a 2-D operand meets one group's matrix: 2 x the product of A's sizes x B's last size, but for a 3-D A
+# times a 2-D B, whose columns the groups split (A's group size then counts once).
+if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in flop_counter.flop_registry:
+
+    @flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)
+    def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        rows = a_shape[1:] if len(a_shape) == 3 and len(b_shape) == 2 else a_shape
+        return 2 * int(torch.Size(rows).numel()) * b_shape[-1]
+
 
 def collect_garbage() -> None:
     """The reference cycles made since the heap was frozen, collected (gc.collect), before a run or a simulation

@@ -1,6 +1,6 @@
 """Mixtures of experts as transformers runs them: the tiny MoE preset under the policies (gradients, the simulated
-peak against the measured one), the experts' grouped matmul that CUDA runs and the simulation runs for it, and the
-big MoE presets (docs/models.md, "Mixtures of experts")."""
+peak against the measured one), the experts' grouped matmul that CUDA runs and the simulation runs for it, its
+FLOPs and step time, and the big MoE presets (docs/models.md, "Mixtures of experts")."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from typer.testing import CliRunner
 from gcbench.cli import app
 from gcbench.estimators.shape import cuda_kernel
 from gcbench.estimators.simulate import simulate
-from gcbench.models import build_meta_model, describe, experts_implementation, load_config
+from gcbench.estimators.step_clock import StepClock
+from gcbench.estimators.step_time import GEMM, SYNC
+from gcbench.measure import counting_flops
+from gcbench.models import build_meta_model, build_model, describe, experts_implementation, load_config
 from gcbench.runner import run
 from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
 
@@ -71,6 +74,34 @@ def test_the_simulated_cuda_step_takes_cudas_grouped_matmul_whatever_the_cpu_wou
     assert simulate(spec, "cpu", shortcut=False).experts_kernel == "grouped_mm_fallback"
     assert simulate(spec, "cuda", shortcut=False).experts_kernel == "grouped_mm"
     assert moe._can_use_grouped_mm is cpu_answer  # put back
+
+
+def test_the_experts_grouped_matmul_counts_its_flops():
+    """FlopCounterMode has no formula for aten._grouped_mm: without gcbench's, the experts' matmuls counted 0."""
+    config, _ = load_config(TINY_MOE)
+    config.use_cache = False
+    model = build_model(config, "cpu", torch.float32)
+    ids = torch.zeros((1, SEQ), dtype=torch.long)
+    with counting_flops() as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    rows, hidden, inner = SEQ * config.num_experts_per_tok, config.hidden_size, config.intermediate_size
+    forward = config.num_hidden_layers * (2 * rows * hidden * 2 * inner + 2 * rows * inner * hidden)
+    assert counter.get_flop_counts()["Global"][torch.ops.aten._grouped_mm] == 3 * forward  # forward + 2 gradients
+
+
+def test_the_step_clock_charges_the_grouped_matmul_as_matmuls():
+    """One kernel in bf16; fp32 (amp's fp32 weights): torch's fallback reads the offsets back, one mm per expert."""
+    experts, rows, hidden, inner = 8, 64, 32, 48
+    x, offs = torch.randn(rows, hidden), torch.arange(1, experts + 1, dtype=torch.int32) * (rows // experts)
+    for dtype, launches in ((torch.bfloat16, 1), (torch.float32, experts)):
+        clock = StepClock()
+        with clock:
+            torch._grouped_mm(x.to(dtype), torch.randn(experts, hidden, inner, dtype=dtype), offs)
+        items = clock.work().items
+        gemm = items[items["kind"] == GEMM]
+        assert gemm["flops"].tolist() == [2.0 * rows * hidden * inner] and gemm["launches"].tolist() == [launches]
+        assert (gemm["m"][0], gemm["batch"][0]) == (rows // experts, experts)
+        assert (items["kind"] == SYNC).sum() == (dtype == torch.float32)
 
 
 def test_the_big_moe_presets_have_their_published_sizes():

@@ -29,6 +29,7 @@ _ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_strided.default, 
                           aten.detach.default, aten.alias.default, aten._unsafe_view.default,
                           aten.set_.source_Storage_storage_offset, aten.resize_.default})
 _GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+_GROUPED_GEMM_OP = getattr(aten, "_grouped_mm", None)  # the experts' grouped matmul (torch 2.8 on)
 # SDPA's kernels: (kernel, backward, index of is_causal in the arguments)
 _ATTENTION = {
     aten._scaled_dot_product_flash_attention.default: (FLASH, False, 4),
@@ -148,6 +149,8 @@ class StepClock(Listening):
             sk = key.shape[-2]
             flops = 4.0 * b * h * sq * sk * d * (0.5 if causal and sq == sk else 1.0) * (2.5 if backward else 1.0)
             self._emit(ATTENTION, flops=flops, variant=2 * kernel + backward)
+        elif role == _GROUPED_GEMM:
+            self._grouped_gemm(args, kwargs, out)
         elif role == _GEMM_4BIT:
             self._gemm_4bit(*args, **kwargs)
         elif role == _COLLECTIVE:
@@ -166,6 +169,32 @@ class StepClock(Listening):
         else:
             self._emit(MEMORY, bytes_=_bytes(func, args, kwargs, out))
 
+    def _grouped_gemm(self, args, kwargs, out) -> None:
+        """torch's grouped matmul of the experts: one matmul per group (expert) of an even share of the rows, the
+        simulated router's load being balanced (docs/models.md). Forward and input gradient: a 2-D A's rows split
+        among the groups, each times its own 3-D B; weight gradient: A and B (2-D) split along the summed size.
+        bf16 runs one CUTLASS kernel on sm90 and sm100; any other dtype (fp32: amp's fp32 weights) runs torch's
+        fallback (GroupedMMUtils.h, _grouped_mm_fallback): the offsets read back to the host, then one mm per group.
+        On an sm80 card bf16 takes that fallback too, which is not charged here."""
+        a, b = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        groups = offs.shape[0] if offs is not None else a.shape[0]
+        if a.dim() == 2 and b.dim() == 3:
+            m, k, n = math.ceil(a.shape[0] / groups), a.shape[1], b.shape[-1]
+        elif a.dim() == 2:
+            m, k, n = a.shape[0], math.ceil(a.shape[1] / groups), b.shape[1]
+        elif b.dim() == 2:
+            m, k, n = a.shape[1], a.shape[2], math.ceil(b.shape[1] / groups)
+        else:
+            m, k, n = a.shape[1], a.shape[2], b.shape[2]
+        one_kernel = a.dtype == torch.bfloat16
+        if not one_kernel:
+            self._emit(SYNC, launches=0)
+        rows = a.shape[1:] if a.dim() == 3 and b.dim() == 2 else a.shape
+        self._emit(GEMM, flops=2.0 * math.prod(rows) * b.shape[-1], bytes_=_bytes(aten._grouped_mm.default, args,
+                   kwargs, out), launches=1 if one_kernel else groups,
+                   dtype=LOW if a.dtype in (torch.bfloat16, torch.float16) else FP32, m=m, n=n, k=k, batch=groups)
+
     def _gemm_4bit(self, a, b, shape_b, absmax, *rest, **kwargs) -> None:
         """bitsandbytes' 4-bit matmul on CUDA past its fused-kernel rows: the weight dequantised whole (the packed
         weight and its absmax read, the weight written in A's dtype), then an ordinary matmul."""
@@ -183,7 +212,7 @@ class StepClock(Listening):
 
 # What an op is to the clock, decided once per op (_role) and kept: the dispatch runs once per op of the step.
 (_IGNORED, _NO_KERNEL, _READ_BACK, _GEMM, _ATTENTION_KERNEL, _GEMM_4BIT, _COLLECTIVE, _DEQUANT, _OPTIMIZER_8BIT,
- _COPY_OUT, _MULTI_TENSOR, _STREAMING) = range(12)
+ _COPY_OUT, _MULTI_TENSOR, _STREAMING, _GROUPED_GEMM) = range(13)
 _ROLES: dict = {}
 
 
@@ -197,6 +226,8 @@ def _role(func) -> int:
         return _READ_BACK
     if func in _GEMMS:
         return _GEMM
+    if _GROUPED_GEMM_OP is not None and func is _GROUPED_GEMM_OP.default:
+        return _GROUPED_GEMM
     if func in _ATTENTION:
         return _ATTENTION_KERNEL
     if namespace == "bitsandbytes":
