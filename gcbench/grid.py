@@ -20,7 +20,7 @@ from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
 from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
-from gcbench.resolved import ResolvedRun, config_fields, distinct_runs, resolve
+from gcbench.resolved import PolicyRefused, ResolvedRun, config_fields, distinct_runs, resolve
 from gcbench.spec import RunSpec, crossed_out
 from gcbench.timing import MIN_SPAN_S
 from gcbench.units import fmt_bytes
@@ -110,6 +110,8 @@ class SweepSpec:
         if self.executor is not None and (self.devices or self.jobs > 1 or self.isolation != "process"):
             raise GcbenchError(f"--executor {self.executor} runs each configuration as a job: --devices, --jobs and "
                                "--isolation none do not apply (a job's configs run one at a time in fresh children)")
+        object.__setattr__(self, "defaulted", "policy" not in self.values)  # no --policy: the models' defaults
+        object.__setattr__(self, "refused", {})  # a default policy a model refuses -> why (expand fills it)
         values = {"policy": DEFAULT_POLICIES, **self.values}
         for name in REQUIRED:
             if name not in values:
@@ -152,6 +154,11 @@ class SweepSpec:
                     spec = resolve(plain, devices_here=devices_here, config=configs.get(shape))
                     configs[shape] = spec.model_config()
                     spec.check_runnable(here=devices_here)
+                except PolicyRefused as e:
+                    if not self.defaulted:
+                        raise GcbenchError(f"{e} (config: {fields['model']})") from None
+                    self.refused[fields["policy"], fields["model"]] = f"left out for {fields['model']}: {e}"
+                    continue
                 except GcbenchError as e:
                     raise GcbenchError(f"{e} (config: {fields['model']}, seq {fields['seq_len']}, batch "
                                        f"{fields['batch_size']}, {fields['policy']})") from None
@@ -168,11 +175,11 @@ class SweepSpec:
         names = [n for n in BY_NAME if n in self.values]
         n = sum(self._crossed_out(dict(zip(names, combo)))
                 for combo in itertools.product(*(self.values[k] for k in names)))
-        if not n:
-            return None
-        return (f"{n} config{'s' if n != 1 else ''} left out: --optim-in-backward on cannot accumulate gradients "
-                f"(--grad-accum above 1), --nproc above 1 is a sharded run (not --shard none), and --precision "
-                f"amp-fp16 runs neither with --optim-in-backward on nor sharded")
+        crossed = [] if not n else [
+            f"{n} config{'s' if n != 1 else ''} left out: --optim-in-backward on cannot accumulate gradients "
+            f"(--grad-accum above 1), --nproc above 1 is a sharded run (not --shard none), and --precision amp-fp16 "
+            f"runs neither with --optim-in-backward on nor sharded"]
+        return "; ".join([*crossed, *self.refused.values()]) or None
 
     def shared_options(self) -> str:
         """The options every config shares, as one line for tables."""

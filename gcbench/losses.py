@@ -126,6 +126,9 @@ def not_chunkable(config: Any) -> str | None:
     family = config.model_type
     if classifies(config):
         return "--head seq-cls trains a classifier (one label per sequence, a few logits): there is no LM head to chunk"
+    if auto_class(config) is transformers.AutoModelForSeq2SeqLM:
+        return (f"{family} is an encoder-decoder: its LM head reads the decoder's output inside the model; only a "
+                "causal LM's linear head on the body's hidden states is chunked here")
     if auto_class(config) is not transformers.AutoModelForCausalLM:
         return (f"{family} trains a masked-LM head (a transform before its decoder, no shift): only a causal LM's "
                 "linear head can be chunked exactly")

@@ -27,8 +27,8 @@ from gcbench.errors import GcbenchError
 from gcbench.presets import MODELS, Preset
 
 __all__ = ["MODELS", "Preset", "build_meta_model", "build_model", "count_params", "describe",
-           "experts_implementation", "find_blocks", "find_stacks", "load_config", "max_positions", "prepare_config",
-           "seq2seq", "stack_sizes", "stack_text"]
+           "experts_implementation", "find_blocks", "find_stacks", "group_refusal", "load_config", "max_positions",
+           "prepare_config", "seq2seq", "stack_sizes", "stack_text"]
 
 transformers.logging.set_verbosity_error()  # config-validation chatter about random-init presets is noise here
 
@@ -355,6 +355,20 @@ def experts_implementation(model: nn.Module) -> str | None:
     found = {getattr(m.config, "_experts_implementation", None) or "eager" for m in model.modules()
              if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "config")}
     return "+".join(sorted(found)) or None
+
+
+_GROUPS: dict[str, str | None] = {}  # config text -> group_refusal's answer
+
+
+def group_refusal(config: transformers.PretrainedConfig) -> str | None:
+    """Why a group of this model's blocks cannot run as one checkpoint (a stack's loop unpacks each block's output:
+    what a block hands the next), or None; read off a meta build, once per config."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _GROUPS:
+        loops = sorted({getattr(blocks, "unpacked_by", None) for _, blocks in find_stacks(build_meta_model(config))}
+                       - {None})
+        _GROUPS[key] = f"{loops[0]} unpacks each block's output (what a block hands the next)" if loops else None
+    return _GROUPS[key]
 
 
 def count_params(module: nn.Module) -> int:

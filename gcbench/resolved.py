@@ -161,20 +161,52 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
     return ResolvedRun(concrete, policy, config, family)
 
 
+class PolicyRefused(GcbenchError):
+    """The model cannot run this policy (its blocks, its stacks): a default list of policies leaves it out and says
+    so (runnable_defaults); a policy the user named is an error."""
+
+
+def runnable_defaults(policies: tuple[str, ...], fields: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(the default `policies` the model of `fields` runs, a line for each it refuses): a command given no --policy
+    runs the defaults the model takes and names the rest."""
+    from gcbench.policies import parse_policy
+
+    spec = RunSpec(**{"seq_len": 128, "batch_size": 1, **fields, "policy": "none"})
+    config, _ = _prepared_config(*config_fields(spec))
+    kept, refused = [], []
+    for policy in policies:
+        try:
+            _refused_policy(spec, parse_policy(policy), config)
+            kept.append(policy)
+        except PolicyRefused as e:
+            refused.append(f"left out: {e}")
+    return kept, refused
+
+
 def _check_stacks(spec: RunSpec, policy: Policy, config: Any) -> None:
     """The policy's options against each stack's blocks (an encoder-decoder's policy applies to each stack on its
     own); what a model of two stacks cannot run yet, in one line."""
     from gcbench.models import stack_sizes
 
-    sizes = stack_sizes(config)
-    for name, n in sizes.items():
+    for name, n in stack_sizes(config).items():
         policy.validate(n, "model" if name == "blocks" else name)
+    _refused_policy(spec, policy, config)
+
+
+def _refused_policy(spec: RunSpec, policy: Policy, config: Any) -> None:
+    """PolicyRefused when the model's blocks or stacks cannot run `policy` (its options already valid)."""
+    from gcbench.models import group_refusal, stack_sizes
+
+    sizes = stack_sizes(config)
+    if any(len(group) > 1 for n in sizes.values() for group in policy.groups(n)) and (why := group_refusal(config)):
+        raise PolicyRefused(f"{policy}: {why}, so a group of blocks cannot run as one checkpoint; use full, every-k, "
+                            "sac, attn or offload")
     if len(sizes) == 1:
         return
     if spec.shard != "none":
         raise GcbenchError("--shard fsdp2: gcbench shards a model of one stack of blocks, not an encoder-decoder")
     if policy.name == "plan":
-        raise GcbenchError("--policy plan: a plan chooses among one stack's blocks, not an encoder-decoder's two; "
+        raise PolicyRefused("--policy plan: a plan chooses among one stack's blocks, not an encoder-decoder's two; "
                            "give the policy (full, every-k, sac, attn, offload) that both stacks take")
 
 

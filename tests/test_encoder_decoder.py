@@ -106,3 +106,20 @@ def test_presets_estimate_on_a_card_with_each_stack_checkpointed():
                            "cuda") for p in ("none", "full"))
     assert full.peak_bytes < none.peak_bytes
     assert none.param_bytes == full.param_bytes > 0
+
+
+def test_a_command_given_no_policy_runs_the_defaults_the_model_takes_and_names_the_rest(tmp_path):
+    from gcbench.grid import SweepSpec
+
+    grid = SweepSpec.load(None, {"model": "tiny-t5", "seq": "32", "batch": "1", "device": "cpu",
+                                 "out": str(tmp_path / "r.jsonl")})
+    assert [spec.policy.name for spec in grid.expand()] == ["none", "full", "every-k"]
+    assert "left out for tiny-t5: sqrtn: T5Stack.forward unpacks" in grid.left_out()
+    result = runner.invoke(app, ["estimate", "--model", "tiny-t5", "--seq", "32", "--fit", "--gpu-memory", "64MiB",
+                                 "--device", "cpu", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["policy"] for line in result.stdout.splitlines()][:3] == ["none", "full", "sac:mm=all"]
+    named = SweepSpec.load(None, {"model": "tiny-t5", "seq": "32", "batch": "1", "policy": "sqrtn", "device": "cpu",
+                                  "out": str(tmp_path / "r.jsonl")})
+    with pytest.raises(GcbenchError, match="sqrtn: T5Stack.forward unpacks"):
+        named.expand()

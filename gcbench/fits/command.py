@@ -18,7 +18,7 @@ from gcbench.fits.predict import predict_each, spec_at
 from gcbench.gpus import gpu, max_memory_reserved
 from gcbench.grid import RUN_OPTIONS, one_value_each
 from gcbench.fields import RUN_FIELDS, default_precision, run_field
-from gcbench.resolved import resolve
+from gcbench.resolved import resolve, runnable_defaults
 from gcbench.spec import RunSpec
 from gcbench.text import markup
 from gcbench.units import fmt_bytes, parse_bytes
@@ -68,8 +68,12 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
         raise GcbenchError(f"--{run_field(field_name).flag} is what --vary {vary} searches: give its range "
                            f"with --range LO..HI")
     values = dict(values)
-    policies = values.pop("policy", DEFAULT_POLICIES)
+    policies = values.pop("policy", None)
     fields = one_value_each(values, "gcbench fit searches one setup; the policies take several values")
+    if policies is None:  # the defaults the model runs; the others named (a T5's group policies, ...)
+        policies, refused = runnable_defaults(DEFAULT_POLICIES, fields)
+        for line in refused if console is not None else ():
+            console.print(f"[dim]{markup(line)}[/]")
     if field_name == "batch_size" and "seq_len" not in fields:
         raise GcbenchError("--vary batch needs the sequence length: give --seq")
     fields.setdefault("batch_size", 1)
@@ -117,10 +121,13 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     usable = card.usable_bytes if card is not None else memory
     cap = math.floor(usable * (1 - parse_fraction(headroom, "--headroom")))
     field_name = VARY[vary]
-    policies = grid.pop("policy", None) or DEFAULT_POLICIES
-    policies = [canonical_policy(p, cap) for p in policies]
+    policies = grid.pop("policy", None)
     fields = one_value_each({k: v for k, v in grid.items() if k != field_name},
                             "--fit predicts one setup; the policies take several values")
+    refused: list[str] = []
+    if policies is None:  # the defaults the model runs; the others named in the caption
+        policies, refused = runnable_defaults(DEFAULT_POLICIES, fields)
+    policies = [canonical_policy(p, cap) for p in policies]
     fields.setdefault("seq_len", 2048)
     fields.setdefault("batch_size", 1)
     fixed = {k: v for k, v in fields.items() if k != field_name}  # what every prediction shares
@@ -146,6 +153,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                "played on the card (docs/methodology.md, \"Predicting step time\")" if card else
                "PREDICTED, nothing ran: peaks by the method in `by`; step time needs --gpu (its rates)"]
     caption += [f"time rates: {basis}" for basis in dict.fromkeys(r["time_basis"] for r in rows if r["time_basis"])]
+    caption += refused
     if device == "cuda" and method != "simulate":
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
                        "replays it on the card, size by size (seconds to minutes per policy)")
