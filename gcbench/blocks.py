@@ -1,6 +1,8 @@
-"""The stacks of transformer blocks in a model, found by one rule for every family: a model of one stack (a decoder
-or an encoder) has one block list; a text encoder-decoder (T5, BART) two, its encoder's and its decoder's, and a
-policy applies to each on its own (policies.base.apply_to_stacks). Nothing here is a table per family.
+"""The stacks of transformer blocks in a model, found by one rule for every family: a model of one stack (a decoder,
+an encoder, an image classifier's vision tower) has one block list; a text encoder-decoder (T5, BART) two, its
+encoder's and its decoder's, and a policy applies to each on its own (policies.base.apply_to_stacks). What the
+blocks cannot do (be grouped into one checkpoint) and see (an image's tokens) is read off a meta build. Nothing here
+is a table per family.
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ import ast
 import functools
 import inspect
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
+import torch
 import transformers
 from torch import nn
 
@@ -20,6 +25,23 @@ def seq2seq(config: transformers.PretrainedConfig) -> bool:
     """Whether the model is a text encoder-decoder (T5, BART): an encoder stack reads the input ids, a decoder stack
     the targets shifted right, with cross-attention to the encoder's output (a ForConditionalGeneration head)."""
     return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def image_classifier(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model is an image classifier (ViT, DeiT, DINOv2, SigLIP's vision tower): a family transformers
+    has an image-classification head for and no language-model head. It reads pixel values, not token ids."""
+    from transformers.models.auto import modeling_auto as auto
+
+    family = config.model_type
+    language = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    return (family in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES and not seq2seq(config)
+            and not any(family in names for names in language))
+
+
+def block_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """The config that holds the blocks' sizes: an image classifier's vision config where it has one (SigLIP's
+    image classifier is its vision tower), else the config itself."""
+    return (getattr(config, "vision_config", None) or config) if image_classifier(config) else config
 
 
 def find_blocks(model: nn.Module, origin: str | None = None) -> nn.ModuleList:
@@ -40,9 +62,14 @@ def stack_sizes(config: transformers.PretrainedConfig) -> dict[str, int]:
     """Blocks per stack, by the stack's name: {"blocks": N} for a model of one stack, {"encoder": N, "decoder": M}
     for an encoder-decoder. A policy applies to each stack on its own (its own N)."""
     if not seq2seq(config):
-        return {"blocks": config.num_hidden_layers}
+        return {"blocks": block_config(config).num_hidden_layers}
     decoder = next((getattr(config, k) for k in DECODER_LAYERS if getattr(config, k, None)), None)
     return {"encoder": config.num_hidden_layers, "decoder": decoder or config.num_hidden_layers}
+
+
+def total_blocks(config: transformers.PretrainedConfig) -> int:
+    """Every stack's blocks."""
+    return sum(stack_sizes(config).values())
 
 
 def stack_text(config: transformers.PretrainedConfig) -> str | None:
@@ -80,16 +107,72 @@ def _block_list(module: nn.Module, n: int, what: str, field: str) -> nn.ModuleLi
 
 @functools.cache
 def _unpacks_outputs(owner: type, attr: str) -> bool:
-    """Whether `owner.forward` loops over `self.<attr>` and unpacks each call's result into several names."""
+    """Whether `owner.forward` loops over `self.<attr>` and takes each call's result apart (into several names, or
+    by index)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(owner.forward)))
     except (OSError, TypeError, SyntaxError):
         return False
     for loop in ast.walk(tree):
-        if isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) and attr in ast.unparse(loop.iter):
-            name = loop.target.id
-            if any(isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
-                   and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == name
-                   for node in ast.walk(loop)):
+        # `for block in self.<attr>`, `for i, block in enumerate(self.<attr>)`: the names a block may go by
+        if isinstance(loop, ast.For) and f"self.{attr}" in ast.unparse(loop.iter):
+            names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+            calls = [node for node in ast.walk(loop) if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) in names]
+            # unpacked at once (`hidden, bias = block(...)`) or later by index (`out = block(...)`, then `out[1]`)
+            results = {node.targets[0].id for node in calls if isinstance(node.targets[0], ast.Name)}
+            if any(isinstance(node.targets[0], ast.Tuple) for node in calls) or any(
+                    isinstance(node, ast.Subscript) and ast.unparse(node.value) in results for node in ast.walk(loop)):
                 return True
     return False
+
+
+_GROUPS: dict[str, str | None] = {}  # config text -> group_refusal's answer
+
+
+def group_refusal(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module]) -> str | None:
+    """Why a group of this model's blocks cannot run as one checkpoint (a stack's loop unpacks each block's output:
+    what a block hands the next), or None; read off the model `build` makes on the meta device, once per config."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _GROUPS:
+        loops = sorted({getattr(blocks, "unpacked_by", None) for _, blocks in find_stacks(build(config))}
+                       - {None})
+        _GROUPS[key] = loops[0] if loops else None
+    return None if _GROUPS[key] is None else grouping_refused(_GROUPS[key])
+
+
+def grouping_refused(loop: str) -> str:
+    """Why a group of blocks cannot run as one checkpoint in a stack run by `loop` (Class.forward)."""
+    return (f"{loop} unpacks each block's output (what a block hands the next), so a group of blocks cannot run as one "
+            "checkpoint; use a policy of single blocks (full, every-k, sac, attn, offload)")
+
+
+_IMAGE_TOKENS: dict[str, int] = {}  # config text -> image_tokens' answer
+
+
+class _Seen(Exception):
+    pass
+
+
+def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module]) -> int:
+    """The tokens an image classifier's blocks see per image: its patches and the class tokens it adds (ViT one,
+    DeiT two, SigLIP none), read off the first block's input in a forward of the model `build` makes on the meta
+    device, once per config."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _IMAGE_TOKENS:
+        model, vision = build(config), block_config(config)
+        first = find_stacks(model)[0][1][0]
+
+        def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            _IMAGE_TOKENS[key] = (args[0] if args else next(iter(kwargs.values()))).shape[1]
+            raise _Seen
+
+        hook = first.register_forward_pre_hook(seen, with_kwargs=True)
+        pixels = torch.empty(1, vision.num_channels, vision.image_size, vision.image_size, device="meta")
+        try:
+            model(pixel_values=pixels)
+        except _Seen:
+            pass
+        finally:
+            hook.remove()
+    return _IMAGE_TOKENS[key]

@@ -123,7 +123,7 @@ def models() -> None:
         row = describe(name)
         params = f"{row['params'] / 1e9:.2f} B" if row["params"] >= 1e9 else f"{row['params'] / 1e6:.1f} M"
         cells = [name, row["family"], params, str(row["layers"]), str(row["hidden"]),
-                 f"{row['heads']}/{row['kv_heads']}", str(row["vocab"]), str(row["max_seq"] or "-")]
+                 f"{row['heads']}/{row['kv_heads']}", str(row["vocab"] or "-"), str(row["max_seq"] or "-")]
         table.add_row(*cells, *([row["summary"]] if wide else []))
     console.print(table)
 

@@ -126,6 +126,8 @@ def not_chunkable(config: Any) -> str | None:
     family = config.model_type
     if classifies(config):
         return "--head seq-cls trains a classifier (one label per sequence, a few logits): there is no LM head to chunk"
+    if auto_class(config) is transformers.AutoModelForImageClassification:
+        return f"{family} is an image classifier (a label per image, a few logits): there is no LM head to chunk"
     if auto_class(config) is transformers.AutoModelForSeq2SeqLM:
         return (f"{family} is an encoder-decoder: its LM head reads the decoder's output inside the model; only a "
                 "causal LM's linear head on the body's hidden states is chunked here")

@@ -1,8 +1,9 @@
 """Models from their config: a preset name, a local config.json or a Hugging Face Hub id (its config.json only).
 
 Any transformers family builds through the Auto classes, random weights, nothing downloaded but a config.json:
-a causal LM for decoders, a masked LM for encoders. The transformer blocks are found by one rule for every family
-(find_blocks), and the longest sequence by another (max_positions); nothing here is a table per family.
+a causal LM for decoders, a masked LM for encoders, a text-to-text model for encoder-decoders, an image classifier
+for vision encoders. The stacks of blocks are found by one rule for every family (blocks.py: find_stacks), and the
+longest sequence by another (max_positions); nothing here is a table per family.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
                                                     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
-from gcbench.blocks import DECODER_LAYERS, find_blocks, find_stacks, seq2seq, stack_sizes, stack_text
+from gcbench.blocks import (DECODER_LAYERS, block_config, find_blocks, find_stacks, group_refusal, image_classifier,
+                            image_tokens, seq2seq, stack_sizes, stack_text, total_blocks)
 from gcbench.errors import GcbenchError
 from gcbench.presets import MODELS, Preset
 
 __all__ = ["MODELS", "Preset", "build_meta_model", "build_model", "count_params", "describe",
            "experts_implementation", "find_blocks", "find_stacks", "group_refusal", "load_config", "max_positions",
-           "prepare_config", "seq2seq", "stack_sizes", "stack_text"]
+           "image_classifier", "image_tokens", "prepare_config", "seq2seq", "stack_sizes", "stack_text", "total_blocks"]
 
 transformers.logging.set_verbosity_error()  # config-validation chatter about random-init presets is noise here
 
@@ -104,7 +106,7 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
     try:
         config = cls(**{k: v for k, v in data.items() if k != "auto_map"})
         # a text encoder-decoder is its own text model (T5's text config for a decoder is a copy that drops fields)
-        text = config if seq2seq(config) else config.get_text_config(decoder=True)
+        text = config if seq2seq(config) or image_classifier(config) else config.get_text_config(decoder=True)
     except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
         raise GcbenchError(f"{origin}: transformers refuses this config: {_validation_message(e)}") from None
     if text is not config:
@@ -127,14 +129,16 @@ MAX_LAYERS = 1_000  # blocks; the deepest published models have about 130
 
 
 def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
-    """The rules a config must obey to be built and trained."""
+    """The rules a config must obey to be built and trained (an image classifier's on its blocks' config)."""
+    whole, text, config = config, not image_classifier(config), block_config(config)
     for name in _SIZES:
         value = getattr(config, name, None)
         if value is not None and not _positive_int(value):
             raise GcbenchError(f"{origin}: {name} must be a positive integer, got {value!r}")
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *(("vocab_size",) if text else ())):
         if getattr(config, name, None) is None:
-            raise GcbenchError(f"{origin}: {name} is missing: gcbench trains transformer language models")
+            raise GcbenchError(f"{origin}: {name} is missing: gcbench trains transformer language models and image "
+                               "classifiers")
     if config.num_hidden_layers > MAX_LAYERS:  # a meta build of millions of blocks would take the machine down
         raise GcbenchError(f"{origin}: num_hidden_layers must be at most {MAX_LAYERS:,}, got "
                            f"{config.num_hidden_layers:,}")
@@ -149,9 +153,10 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
         raise GcbenchError(f"{origin}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
                            f"({heads})")
+    config = whole
     head = auto_class(config, origin, "lm")  # the head a run chooses is prepare_config's
     pad = getattr(config, "pad_token_id", None)
-    if _positive_int(pad) and pad >= config.vocab_size:  # transformers' own words name neither field
+    if text and _positive_int(pad) and pad >= config.vocab_size:  # transformers' own words name neither field
         raise GcbenchError(f"{origin}: pad_token_id ({pad}) must be below vocab_size ({config.vocab_size})")
     try:
         model = _meta_build(head, config)  # no memory, no init: whatever else transformers refuses, say it now
@@ -191,9 +196,17 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None,
         raise GcbenchError(f"{where}{family} is an encoder-decoder model without a text-to-text head in transformers "
                            f"{transformers.__version__} (a speech or vision encoder reads features gcbench does not "
                            "make up); gcbench trains text encoder-decoders (t5, bart, ...)")
+    if image_classifier(config):
+        if (head or ("seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm")) == "seq-cls":
+            raise GcbenchError(f"{where}{family} is an image classifier: it trains its own head (a label per image) "
+                               "under the default --head")
+        return transformers.AutoModelForImageClassification
     if head is None:
         head = "seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm"
     if head == "seq-cls":
+        if seq2seq(config):  # its classifier reads the decoder's eos token, which random ids do not hold
+            raise GcbenchError(f"{where}--head seq-cls: {family} is an encoder-decoder; gcbench trains its text-to-text "
+                               "head (--head lm)")
         if family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
             return transformers.AutoModelForSequenceClassification
         raise GcbenchError(f"{where}{family} models have no sequence-classification head in transformers "
@@ -221,21 +234,28 @@ def classifies(config: transformers.PretrainedConfig) -> bool:
 def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
                    attn: str | None, head: str = "lm") -> transformers.PretrainedConfig:
     """Apply the run's shape to a config: truncate blocks, check positions, the head, training-only settings."""
-    n = config.num_hidden_layers
+    blocks = block_config(config)  # an image classifier's vision config, where it has one
+    n = blocks.num_hidden_layers
     if layers is not None:
         sizes = stack_sizes(config)
         if not 1 <= layers <= min(sizes.values()):
             has = f"{n} blocks" if len(sizes) == 1 else " and ".join(f"{m} in its {k}" for k, m in sizes.items())
             raise GcbenchError(f"--layers {layers} is out of range: the model has {has}")
-        for key, value in vars(config).items():
+        for key, value in vars(blocks).items():
             # per-block lists (layer_types: Gemma's local/global pattern, Qwen's sliding layers) keep the first N
             if isinstance(value, list) and len(value) == n and not key.endswith(("token_id", "token_ids")):
-                setattr(config, key, value[:layers])
-        config.num_hidden_layers = layers
+                setattr(blocks, key, value[:layers])
+        blocks.num_hidden_layers = layers
         for key in DECODER_LAYERS if "decoder" in sizes else ():  # an encoder-decoder: each stack its first N
             if getattr(config, key, None):
                 setattr(config, key, layers)
-    limit, learned = max_positions(config)
+    if image_classifier(config):
+        if seq_len != (tokens := image_tokens(config, build_meta_model)):
+            side = blocks.image_size
+            raise GcbenchError(f"--seq {seq_len}: this {family} model reads {side}x{side} images, {tokens} tokens "
+                               f"each (its patches and class tokens): give --seq {tokens} (another image size needs a "
+                               "config.json that sets it)")
+    limit, learned = (None, False) if image_classifier(config) else max_positions(config)
     if limit is not None and seq_len > limit:
         if learned:
             raise GcbenchError(f"--seq {seq_len} exceeds the {limit} learned positions of this {family} model")
@@ -357,39 +377,28 @@ def experts_implementation(model: nn.Module) -> str | None:
     return "+".join(sorted(found)) or None
 
 
-_GROUPS: dict[str, str | None] = {}  # config text -> group_refusal's answer
-
-
-def group_refusal(config: transformers.PretrainedConfig) -> str | None:
-    """Why a group of this model's blocks cannot run as one checkpoint (a stack's loop unpacks each block's output:
-    what a block hands the next), or None; read off a meta build, once per config."""
-    key = config.to_json_string(use_diff=False)
-    if key not in _GROUPS:
-        loops = sorted({getattr(blocks, "unpacked_by", None) for _, blocks in find_stacks(build_meta_model(config))}
-                       - {None})
-        _GROUPS[key] = f"{loops[0]} unpacks each block's output (what a block hands the next)" if loops else None
-    return _GROUPS[key]
-
-
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
 def describe(name: str) -> dict[str, Any]:
-    """One row of `gcbench models`: name, family, params, layers, hidden, heads and kv heads, vocab, max seq."""
+    """One row of `gcbench models`: name, family, params, layers, hidden, heads and kv heads, vocab, max seq (an
+    image classifier: no vocabulary, and the one --seq it takes, its image's tokens)."""
     p = MODELS[name]
     config, family = load_config(name)
-    heads = config.num_attention_heads
+    blocks = block_config(config)
+    heads = blocks.num_attention_heads
     return {
         "name": name,
         "family": family,
         "params": count_params(build_meta_model(config)),
-        "layers": sum(stack_sizes(config).values()),
-        "hidden": config.hidden_size,
+        "layers": total_blocks(config),
+        "hidden": blocks.hidden_size,
         "heads": heads,
-        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
-        "vocab": config.vocab_size,
-        "max_seq": max_positions(config)[0],  # the longest --seq it takes
+        "kv_heads": getattr(blocks, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
+        "vocab": getattr(config, "vocab_size", None),
+        "max_seq": image_tokens(config, build_meta_model) if image_classifier(config) else
+        max_positions(config)[0],
         "summary": p.summary,
         "source": p.source,
     }

@@ -147,6 +147,23 @@ preset("bart-large", "BART large 406M: 12 + 12 x 1024, 16 heads, GELU 4096, lear
        attention_dropout=0.1, activation_dropout=0.1, scale_embedding=False, pad_token_id=1, bos_token_id=0,
        eos_token_id=2, decoder_start_token_id=2)
 
+# Image classifiers: pixel values in, a label per image out; --seq is the tokens each image makes (its patches and
+# class tokens: `gcbench models` shows it), fixed by the config's image size.
+preset("vit-base", "ViT-B/16 86M at 224x224: 12 x 768, 12 heads, 197 tokens per image, 1000 classes",
+       f"{HF}/google/vit-base-patch16-224/blob/main/config.json", "vit",
+       hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, image_size=224,
+       patch_size=16, num_labels=1000)
+preset("vit-large", "ViT-L/16 304M at 224x224: 24 x 1024, 16 heads, 197 tokens per image, 1000 classes",
+       f"{HF}/google/vit-large-patch16-224/blob/main/config.json", "vit",
+       hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, image_size=224,
+       patch_size=16, num_labels=1000)
+preset("siglip-so400m", "SigLIP So400m vision tower at 384x384: 27 x 1152, 16 heads, 729 tokens per image",
+       f"{HF}/google/siglip-so400m-patch14-384/blob/main/config.json", "siglip",
+       vision_config=dict(hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, intermediate_size=4304,
+                          image_size=384, patch_size=14),
+       text_config=dict(hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, intermediate_size=4304,
+                        vocab_size=32000, max_position_embeddings=64))
+
 # Tiny presets for CI: a few blocks, hidden <= 128, dropout on so that RNG replay in recompute is exercised.
 preset("tiny-llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1", "CI", "llama",
        hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -169,3 +186,6 @@ preset("tiny-bart", "CI: 3 + 2 x 64, 4 heads, dropout 0.1 everywhere (an encoder
        d_model=64, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
        encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=512, max_position_embeddings=2048, dropout=0.1,
        attention_dropout=0.1, activation_dropout=0.1)
+preset("tiny-vit", "CI: 3 x 64, 4 heads, 32x32 images of 8x8 patches (17 tokens), dropout 0.1", "CI", "vit",
+       hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, image_size=32,
+       patch_size=8, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)

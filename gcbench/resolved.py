@@ -171,8 +171,11 @@ def runnable_defaults(policies: tuple[str, ...], fields: Mapping[str, Any]) -> t
     runs the defaults the model takes and names the rest."""
     from gcbench.policies import parse_policy
 
-    spec = RunSpec(**{"seq_len": 128, "batch_size": 1, **fields, "policy": "none"})
-    config, _ = _prepared_config(*config_fields(spec))
+    spec = RunSpec(**{"seq_len": 1, "batch_size": 1, **fields, "policy": "none"})
+    try:  # with the command's own sequence where it has one; a model refused here is refused by the command itself
+        config, _ = _prepared_config(*config_fields(spec))
+    except GcbenchError:
+        return list(policies), []
     kept, refused = [], []
     for policy in policies:
         try:
@@ -195,19 +198,19 @@ def _check_stacks(spec: RunSpec, policy: Policy, config: Any) -> None:
 
 def _refused_policy(spec: RunSpec, policy: Policy, config: Any) -> None:
     """PolicyRefused when the model's blocks or stacks cannot run `policy` (its options already valid)."""
-    from gcbench.models import group_refusal, stack_sizes
+    from gcbench.models import build_meta_model, group_refusal, stack_sizes
 
     sizes = stack_sizes(config)
-    if any(len(group) > 1 for n in sizes.values() for group in policy.groups(n)) and (why := group_refusal(config)):
-        raise PolicyRefused(f"{policy}: {why}, so a group of blocks cannot run as one checkpoint; use full, every-k, "
-                            "sac, attn or offload")
+    grouped = any(len(group) > 1 for n in sizes.values() for group in policy.groups(n))
+    if grouped and (why := group_refusal(config, build_meta_model)):
+        raise PolicyRefused(f"{policy}: {why}")
     if len(sizes) == 1:
         return
     if spec.shard != "none":
         raise GcbenchError("--shard fsdp2: gcbench shards a model of one stack of blocks, not an encoder-decoder")
     if policy.name == "plan":
-        raise PolicyRefused("--policy plan: a plan chooses among one stack's blocks, not an encoder-decoder's two; "
-                           "give the policy (full, every-k, sac, attn, offload) that both stacks take")
+        raise PolicyRefused("plan: a plan chooses among one stack's blocks, not an encoder-decoder's two; give "
+                            "another policy, which both stacks then take")
 
 
 def distinct_runs(runs: Iterable[tuple[ResolvedRun, Mapping[str, Any]]], twice: str) -> list[ResolvedRun]:

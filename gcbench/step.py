@@ -185,37 +185,44 @@ def make_optimizer(spec: StepSpec, model: nn.Module, multi_tensor: bool | None =
 
 
 def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
-    """Random token ids for the whole step (grad_accum x batch rows) and their labels (batch_of). In a sharded run,
-    this rank's rows of every rank's: together the ranks train on exactly the rows one process of world x batch rows
-    would (the same seed draws them)."""
+    """Random inputs for the whole step (grad_accum x batch rows: token ids, or an image classifier's pixel values
+    from a standard normal) and their labels (batch_of). In a sharded run, this rank's rows of every rank's:
+    together the ranks train on exactly the rows one process of world x batch rows would (the same seed draws
+    them)."""
     gen = torch.Generator().manual_seed(spec.seed)
     rank, world = rank_and_world()
     rows = spec.batch_size * spec.grad_accum
-    drawn = [torch.randint(0, config.vocab_size, (rows * world, length), generator=gen)
-             for length in token_lengths(spec, config)]
+    drawn = {name: torch.randint(0, config.vocab_size, shape, generator=gen) if dtype == torch.long else
+             torch.randn(shape, generator=gen, dtype=dtype) for name, (shape, dtype) in inputs_of(spec, config,
+                                                                                            rows * world).items()}
     if world > 1:  # its own storage: the other ranks' rows are not its memory
-        drawn = [ids[rank * rows:(rank + 1) * rows].clone() for ids in drawn]
-    return batch_of(*(ids.to(device) for ids in drawn), config=config)
+        drawn = {name: t[rank * rows:(rank + 1) * rows].clone() for name, t in drawn.items()}
+    return batch_of({name: t.to(device) for name, t in drawn.items()}, config)
 
 
-def token_lengths(spec: StepSpec, config) -> tuple[int, ...]:
-    """The lengths of the token ids a step draws: the input's (--seq); an encoder-decoder's targets too, as long as
-    its input (the decoder reads them shifted right)."""
-    from gcbench.models import seq2seq
+def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each input a step draws for `rows` rows: token ids of --seq; an encoder-decoder's targets
+    too, as long as its input (its labels: the model shifts them into the decoder); an image classifier's pixel
+    values (its config's channels and image size, fp32: the model casts them to its own dtype)."""
+    from gcbench.models import block_config, image_classifier, seq2seq
 
-    return (spec.seq_len, spec.seq_len) if seq2seq(config) else (spec.seq_len,)
+    if image_classifier(config):
+        vision = block_config(config)
+        return {"pixel_values": ((rows, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
+    ids = ((rows, spec.seq_len), torch.long)
+    return {"input_ids": ids, "labels": ids} if seq2seq(config) else {"input_ids": ids}
 
 
-def batch_of(ids: torch.Tensor, targets: torch.Tensor | None = None, *, config) -> dict[str, torch.Tensor]:
-    """The model's inputs for these token ids: labels = the ids for a language model (a causal LM shifts them, an
-    MLM predicts them), an encoder-decoder's `targets` (its decoder's input is them shifted right, made by the
-    model); for a classifier (--head seq-cls) class 0 for every sequence (which class changes no memory: one int64
-    per sequence either way)."""
-    from gcbench.models import classifies
+def batch_of(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """The model's inputs and their labels: the ids for a language model (a causal LM shifts them, an MLM predicts
+    them), an encoder-decoder's targets (drawn as its labels); for a classifier (--head seq-cls, an image
+    classifier) class 0 for every row (which class changes no memory: one int64 per row either way)."""
+    from gcbench.models import classifies, image_classifier
 
-    labels = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device) if classifies(config) else \
-        ids if targets is None else targets
-    return {"input_ids": ids, "labels": labels}
+    first = next(iter(inputs.values()))
+    if classifies(config) or image_classifier(config):
+        return {**inputs, "labels": torch.zeros(first.shape[0], dtype=torch.long, device=first.device)}
+    return {**inputs, "labels": inputs.get("labels", inputs.get("input_ids"))}
 
 
 def param_shapes(model: nn.Module) -> list[tuple[int, ...]]:

@@ -123,3 +123,31 @@ def test_a_command_given_no_policy_runs_the_defaults_the_model_takes_and_names_t
                                   "out": str(tmp_path / "r.jsonl")})
     with pytest.raises(GcbenchError, match="sqrtn: T5Stack.forward unpacks"):
         named.expand()
+
+
+def test_a_classifier_head_on_an_encoder_decoder_is_refused_in_one_line():
+    result = runner.invoke(app, ["run", "--model", "tiny-t5", "--seq", "32", "--head", "seq-cls", "--device", "cpu"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--head seq-cls: t5 is an encoder-decoder" in result.output
+
+
+def test_a_loop_over_enumerated_blocks_is_read_too(tmp_path):
+    """LongT5 runs its blocks as `for i, layer_module in enumerate(self.block)`, unpacking each output."""
+    from gcbench.models import build_meta_model, group_refusal
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "longt5", "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+                                "num_heads": 4, "vocab_size": 256}))
+    config, _ = load_config(str(path))
+    assert "LongT5Stack.forward unpacks each block's output" in group_refusal(config, build_meta_model)
+    assert group_refusal(load_config("tiny-bart")[0], build_meta_model) is None
+
+
+def test_default_policies_need_no_sequence_when_the_fit_varies_it(tmp_path):
+    """A fit over the sequence, given no --policy, leaves the sequence to the search (no length is made up)."""
+    from gcbench.resolved import runnable_defaults
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128,
+                                "n_positions": 64}))
+    assert runnable_defaults(("none", "sqrtn"), {"model": str(path)}) == (["none", "sqrtn"], [])

@@ -40,7 +40,7 @@ from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
 from gcbench.errors import GcbenchError
 from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.step_time import StepWork
-from gcbench.models import build_model, find_blocks, stack_sizes
+from gcbench.models import build_model, find_blocks, image_classifier, stack_sizes
 from gcbench.resolved import ResolvedRun
 from gcbench.results.schema import peak_phase
 
@@ -79,8 +79,10 @@ class StepTrace:
 def blocks_to_scale(spec: ResolvedRun) -> int | None:
     """The model's number of blocks where its simulation can be made from two short ones, else None."""
     config = spec.model_config()[0]
+    if len(stack_sizes(config)) > 1 or image_classifier(config):  # simulated whole
+        return None
     n = config.num_hidden_layers
-    if n < FEWEST or spec.grad_accum != 1 or spec.shard != "none" or len(stack_sizes(config)) > 1:
+    if n < FEWEST or spec.grad_accum != 1 or spec.shard != "none":
         return None
     if not all(spec.policy.alike_blocks(k) for k in (*SHORT, n)):
         return None

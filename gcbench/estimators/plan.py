@@ -80,7 +80,9 @@ def _choose(spec: ResolvedRun, target: str) -> PlanChoice:
     from gcbench.estimators.simulate import simulate, simulate_each
 
     plan: Plan = spec.policy  # type: ignore[assignment]
-    n = spec.model_config()[0].num_hidden_layers
+    from gcbench.blocks import total_blocks  # every stack's blocks
+
+    n = total_blocks(spec.model_config()[0])
     runs: dict[str, Estimate] = {}
     # the kinds side by side where cores are shared (estimators/sharing.py)
     uniform = simulate_each([spec.replace(policy=UNIFORM[kind]) for kind in plan.kinds], target, flops=True)

@@ -35,6 +35,9 @@ class Shape:
 
     @classmethod
     def of(cls, spec: ResolvedRun, config) -> Shape:
+        from gcbench.models import block_config
+
+        config = block_config(config)  # an image classifier's vision config, where it has one
         heads = config.num_attention_heads
         stream = torch.tensor([], dtype=spec.param_dtype).element_size()
         window = getattr(config, "sliding_window", None)
@@ -48,7 +51,7 @@ class Shape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
             or 4 * config.hidden_size,
-            vocab=config.vocab_size,
+            vocab=getattr(config, "vocab_size", None) or 0,  # an image classifier has none
             stream_bytes=stream,
             act_bytes=2 if spec.autocast_dtype is not None else stream,
             amp=spec.autocast_dtype is not None,

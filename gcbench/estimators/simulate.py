@@ -39,12 +39,12 @@ from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.estimators.step_clock import StepClock
 from gcbench.losses import CPU_TARGET
 from gcbench.measure import PhasePeaks, collect_garbage, counting_flops, listening_to_host_moves, storage_bytes
-from gcbench.models import build_model, experts_implementation, find_stacks, stack_sizes
+from gcbench.models import build_model, experts_implementation, find_stacks, total_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, Policy, apply_to_stacks
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
-from gcbench.step import TrainingStep, batch_of, make_optimizer, token_lengths
+from gcbench.step import TrainingStep, batch_of, inputs_of, make_optimizer
 
 
 def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, *,
@@ -75,7 +75,7 @@ def _as_one_kind(spec: ResolvedRun) -> ResolvedRun:
     (layer_scaling.py), where a plan is simulated whole. tests/test_estimate_speed.py holds each kind to the plan's
     own whole simulation."""
     policy = spec.policy
-    one = policy.one_kind(spec.config.num_hidden_layers) if isinstance(policy, Plan) and spec.shard == "none" \
+    one = policy.one_kind(total_blocks(spec.config)) if isinstance(policy, Plan) and spec.shard == "none" \
         else None
     return spec if one is None else spec.replace(policy=one)
 
@@ -83,7 +83,7 @@ def _as_one_kind(spec: ResolvedRun) -> ResolvedRun:
 def blocks_simulated(spec: ResolvedRun) -> int:
     """How many blocks simulate(spec) runs, which its time follows (tens of microseconds per op, whatever its
     size): both short models' where it is made from them (layer_scaling.py), else the model's own."""
-    return sum(SHORT) if blocks_to_scale(spec) is not None else sum(stack_sizes(spec.model_config()[0]).values())
+    return sum(SHORT) if blocks_to_scale(spec) is not None else total_blocks(spec.model_config()[0])
 
 
 def simulate_each(specs: list[ResolvedRun], target: str = "cuda", flops: bool = False
@@ -271,9 +271,11 @@ def _fake_step(spec: ResolvedRun, cuda: bool, ran: set[str] | None = None,
         with fake, GroupedMmShapes(experts), _unpacked_batch(), \
                 (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
-            tokens = [torch.empty((spec.batch_size * spec.grad_accum, length), dtype=torch.long)
-                      for length in token_lengths(spec, config)]
-            step = TrainingStep(model, optimizer, batch_of(*tokens, config=config), spec)
+            inputs = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype)
+                      in inputs_of(spec, config, spec.batch_size * spec.grad_accum).items()}
+            step = TrainingStep(model, optimizer, batch_of(inputs, config), spec)
+            # the whole batch, as the run holds it before its steps: a classifier's labels are a tensor of their own
+            tokens = list({id(t.untyped_storage()): t for t in step.batch.values()}.values())
             scaler_finds_no_inf(step)  # --precision amp-fp16: its gradient scaler reads found_inf
             spec.policy.prepare(step)
             yield step, tokens

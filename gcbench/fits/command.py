@@ -70,10 +70,9 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
     values = dict(values)
     policies = values.pop("policy", None)
     fields = one_value_each(values, "gcbench fit searches one setup; the policies take several values")
-    if policies is None:  # the defaults the model runs; the others named (a T5's group policies, ...)
-        policies, refused = runnable_defaults(DEFAULT_POLICIES, fields)
-        for line in refused if console is not None else ():
-            console.print(f"[dim]{markup(line)}[/]")
+    policies, refused = _policies(policies, fields)
+    for line in refused if console is not None else ():
+        console.print(f"[dim]{markup(line)}[/]")
     if field_name == "batch_size" and "seq_len" not in fields:
         raise GcbenchError("--vary batch needs the sequence length: give --seq")
     fields.setdefault("batch_size", 1)
@@ -93,6 +92,12 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
                       parse_bytes(memory, "--memory") if memory is not None else None,
                       parse_fraction(headroom, "--headroom"), out, timeout, isolation, paired), console=console)
     return job, fields
+
+
+def _policies(given: tuple[str, ...] | None, fields: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(the policies to fit, a line for each default left out): those given, else the defaults the model runs (a
+    T5 no group policy, an encoder-decoder no plan)."""
+    return (list(given), []) if given is not None else runnable_defaults(DEFAULT_POLICIES, fields)
 
 
 def fit_method(methods: list[str]) -> str | None:
@@ -124,9 +129,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     policies = grid.pop("policy", None)
     fields = one_value_each({k: v for k, v in grid.items() if k != field_name},
                             "--fit predicts one setup; the policies take several values")
-    refused: list[str] = []
-    if policies is None:  # the defaults the model runs; the others named in the caption
-        policies, refused = runnable_defaults(DEFAULT_POLICIES, fields)
+    policies, refused = _policies(policies, fields)  # the defaults left out are named in the caption
     policies = [canonical_policy(p, cap) for p in policies]
     fields.setdefault("seq_len", 2048)
     fields.setdefault("batch_size", 1)

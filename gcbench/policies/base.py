@@ -179,8 +179,9 @@ class Policy:
         originals = list(blocks)
         groups = self.groups(len(blocks))
         if any(len(group) > 1 for group in groups) and (loop := getattr(blocks, "unpacked_by", None)):
-            raise GcbenchError(f"{self}: {loop} unpacks each block's output (what a block hands the next), so a group "
-                               "of blocks cannot run as one checkpoint; use full, every-k, sac, attn or offload")
+            from gcbench.blocks import grouping_refused
+
+            raise GcbenchError(f"{self}: {grouping_refused(loop)}")
         for group in groups:
             wrapped = self.wrap_group([originals[i] for i in group])
             for index, i in enumerate(group[:-1]):
@@ -219,12 +220,18 @@ class Policy:
 def apply_to_stacks(policy: Policy, stacks: list[nn.ModuleList]) -> Callable[[], None]:
     """Apply `policy` to each stack of blocks (models.find_stacks) on its own, its groups counted in that stack's
     blocks (an encoder-decoder's `sqrtn` is sqrt(N) of the encoder's and of the decoder's); one undo for all."""
-    undos = [policy.apply(blocks) for blocks in stacks]
+    undos: list[Callable[[], None]] = []
 
     def undo() -> None:
         for one in reversed(undos):
             one()
 
+    try:
+        for blocks in stacks:
+            undos.append(policy.apply(blocks))
+    except BaseException:
+        undo()  # no stack left half-wrapped
+        raise
     return undo
 
 

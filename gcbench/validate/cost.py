@@ -79,7 +79,7 @@ def step_flops(spec: ResolvedRun, n_params: int) -> float:
     config, _ = spec.model_config()
     tokens = spec.batch_size * spec.seq_len * spec.grad_accum
     recompute = 0 if str(spec.policy) == "none" else 1
-    blocks = config.num_hidden_layers
+    blocks = _blocks(spec)
     attention = 4 * spec.batch_size * spec.seq_len ** 2 * config.hidden_size * blocks * spec.grad_accum
     return (6 + 2 * recompute) * n_params * tokens + (3 + recompute) * attention
 
@@ -123,7 +123,7 @@ class Pricing:
 
     def step_seconds(self, spec: ResolvedRun) -> float:
         """The step's seconds as the plan charges them, never under the launch-bound floor."""
-        floor = spec.model_config()[0].num_hidden_layers * STEP_FLOOR_S_PER_BLOCK
+        floor = _blocks(spec) * STEP_FLOOR_S_PER_BLOCK
         predicted = self.predicted_step_s(spec)
         if predicted is not None:
             return max(predicted * PLAN_TIME_MARGIN, floor)
@@ -139,10 +139,17 @@ def measured_steps(spec: ResolvedRun, step_s: float) -> float:
                max(MIN_STEPS, (spec.max_time_s or DEFAULT_MAX_TIME_S) / step_s)) + 1  # the untimed one after
 
 
+def _blocks(spec: ResolvedRun) -> int:
+    """The model's blocks, every stack's (an encoder-decoder's encoder and decoder)."""
+    from gcbench.blocks import total_blocks
+
+    return total_blocks(spec.model_config()[0])
+
+
 def start_seconds(spec: ResolvedRun, starts: Starts | None = None) -> float:
     """A config's start before its first step: the child, its CUDA context, the model built (torchrun's ranks);
     as `starts` measured it where given."""
-    blocks = spec.model_config()[0].num_hidden_layers
+    blocks = _blocks(spec)
     torchrun = TORCHRUN_START_S if spec.shard != "none" else 0.0
     assumed = CONFIG_START_S + BUILD_S_PER_BLOCK * blocks
     if starts is None:

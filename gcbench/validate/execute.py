@@ -149,7 +149,9 @@ class Validation:
             spec = self._resolve({"model": words["--model"], "seq_len": int(words["--seq"]),
                                   "batch_size": int(words["--batch"]), "policy": words["--policy"]})
             step_s = self.pricing.step_seconds(spec)
-            blocks = spec.model_config()[0].num_hidden_layers
+            from gcbench.blocks import total_blocks  # every stack's blocks
+
+            blocks = total_blocks(spec.model_config()[0])
             rounds = int(words["--rounds"])
             return cost.script_cost(step.name, overhead_steps=2 * (rounds + 3) * step_s
                                     + 2 * cost.BUILD_S_PER_BLOCK * blocks).seconds
