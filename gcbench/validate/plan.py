@@ -5,7 +5,8 @@ Tier 1 is what a first window must bring home: the time model's calibration, the
 allocator, and every policy at one llama-7b-sized config (8 of its 32 blocks, seq 2048, batch 1), each record with the prediction made beforehand
 beside the measurement. Later tiers: where memory runs out (the OOM line and `fit`), the levers beside
 checkpointing and FSDP2 at world size 1 and `--devices`, timing (paired ratios, harness overhead, CV), then
-breadth: fp32 and autocast, and three more families.
+breadth: fp32 and autocast, and three more families; last, what is not one stack of text blocks: encoder-decoders,
+mixtures of experts, an image classifier.
 
 `--smoke` is the same plan on tiny models with memory caps, for the fake GPU in CI and a quick look on a real one.
 Pure data and cheap: no torch here (configs are resolved on demand, by the callers).
@@ -108,6 +109,13 @@ class Sizes:
     losses: str = "ce,chunked"  # the model's own loss beside the chunked one (fused-linear needs liger-kernel)
     precisions: str = "fp32,amp-bf16,amp-fp16"  # beside tier 1's bf16: fp32 weights, CUDA's autocast
     families: str = "qwen2.5-7b,gemma-2-9b,phi-3-mini"  # beside llama and gpt2, `layers` blocks of each
+    # tier 6: beyond one stack of text blocks (docs/models.md): encoder-decoders whole, a mixture of experts' first 2
+    # blocks, an image classifier whole (--seq its tokens per image)
+    seq2seq: str = "flan-t5-base,bart-large"
+    seq2seq_shape: tuple[int, int] = (512, 8)  # seq (input and targets), batch
+    moe: str = "qwen3-30b-a3b,deepseek-v2-lite"
+    vision: str = "vit-base"
+    vision_shape: tuple[int, int] = (197, 32)
 
 
 REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_seq="2048", line_batch="1,2,4,8",
@@ -116,7 +124,8 @@ REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_s
 SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, line_seq="64", line_batch="1,4,16",
               canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..64", cap="16MiB", rounds=2,
               optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full",
-              adapters="lora", losses="chunked", precisions="fp32,amp-bf16", families="tiny-gpt2", timed_s=0.5)
+              adapters="lora", losses="chunked", precisions="fp32,amp-bf16", families="tiny-gpt2", timed_s=0.5,
+              seq2seq="tiny-t5", seq2seq_shape=(64, 2), moe="tiny-mixtral", vision="tiny-vit", vision_shape=(17, 2))
 
 
 def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
@@ -205,11 +214,25 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
              {"model": s.families, "layers": s.layers, "seq": s.seq, "batch": 1, "policy": "none,full",
               **short}),
     ]
+    beyond = [
+        Step("encoder-decoders", StepKind.SWEEP, "T5 and BART, the policy on the encoder's and the decoder's blocks "
+             "alike, under none and full: cross-attention, T5's position bias, predicted beforehand",
+             {"model": s.seq2seq, "seq": s.seq2seq_shape[0], "batch": s.seq2seq_shape[1], "policy": "none,full",
+              **short}),
+        Step("moe-2layers", StepKind.SWEEP, "a mixture of experts' first 2 blocks under none and full: the experts' "
+             "grouped matmul as transformers runs it on CUDA, its router",
+             {"model": s.moe, "layers": 2, "seq": s.seq, "batch": 1, "policy": "none,full", **short}),
+        Step("image-classifier", StepKind.SWEEP, "an image classifier under none and full: pixel values in, its "
+             "patches as tokens",
+             {"model": s.vision, "seq": s.vision_shape[0], "batch": s.vision_shape[1], "policy": "none,full",
+              **short}),
+    ]
     return [Tier(1, "core: every policy at one llama-7b-sized config", tuple(core)),
             Tier(2, "limits: where memory runs out", tuple(limits)),
             Tier(3, "levers, FSDP2 and --devices", tuple(levers)),
             Tier(4, "timing: paired ratios and harness overhead", tuple(timing)),
-            Tier(5, "breadth: precisions and families", tuple(breadth))]
+            Tier(5, "breadth: precisions and families", tuple(breadth)),
+            Tier(6, "beyond one stack of text blocks: encoder-decoders, experts, images", tuple(beyond))]
 
 
 def steps_of(plan: list[Tier]) -> list[tuple[Tier, Step]]:
