@@ -314,7 +314,7 @@ def test_the_quote_of_no_records_says_so(tmp_path):
     (["--dry-run", "--predict"], "different jobs"),
     (["--dry-run", "--deadline", "10"], "go with a run"),
     (["--deadline", "nan"], "positive number"),
-    (["--tiers", "6"], "tier numbers"),
+    (["--tiers", "7"], "tier numbers"),
     (["--gpu", "a100-40gb", "--dry-run"], "plan is made for"),
 ])
 def test_bad_validate_input_is_one_line_and_exit_2(args, message):
