@@ -154,7 +154,7 @@ class _Seen(Exception):
     pass
 
 
-def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module]) -> int:
+def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = "") -> int:
     """The tokens an image classifier's blocks see per image: its patches and the class tokens it adds (ViT one,
     DeiT two, SigLIP none), read off the first block's input in a forward of the model `build` makes on the meta
     device, once per config."""
@@ -173,6 +173,9 @@ def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], n
             model(pixel_values=pixels)
         except _Seen:
             pass
+        except Exception as e:  # noqa: BLE001 - the config's image, refused by the model's own code
+            raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {vision.image_size}x"
+                               f"{vision.image_size} image with this config: {' '.join(str(e).split())[:200]}") from None
         finally:
             hook.remove()
     return _IMAGE_TOKENS[key]

@@ -121,7 +121,8 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
 
 # Sizes every family's config has (through its attribute_map: gpt2's n_embd is hidden_size); None means "derived".
 _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-          "vocab_size", "max_position_embeddings", "n_positions", "head_dim", "n_inner")
+          "vocab_size", "max_position_embeddings", "n_positions", "head_dim", "n_inner", *DECODER_LAYERS,
+          "image_size", "patch_size", "num_channels")
 
 
 _CHECKED: set[tuple[str, str]] = set()  # (origin, config text) already checked
@@ -139,9 +140,10 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
         if getattr(config, name, None) is None:
             raise GcbenchError(f"{origin}: {name} is missing: gcbench trains transformer language models and image "
                                "classifiers")
-    if config.num_hidden_layers > MAX_LAYERS:  # a meta build of millions of blocks would take the machine down
-        raise GcbenchError(f"{origin}: num_hidden_layers must be at most {MAX_LAYERS:,}, got "
-                           f"{config.num_hidden_layers:,}")
+    for stack, n in stack_sizes(whole).items():  # a meta build of millions of blocks would take the machine down
+        if n > MAX_LAYERS:
+            name = "num_hidden_layers" if stack in ("blocks", "encoder") else "the decoder's layers"
+            raise GcbenchError(f"{origin}: {name} must be at most {MAX_LAYERS:,}, got {n:,}")
     for rope in _rope_settings(config):
         factor = rope.get("factor", 1.0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1e6:
@@ -163,6 +165,8 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     except Exception as e:  # noqa: BLE001
         raise GcbenchError(f"{origin}: transformers cannot build a model from this config: {_one_line(e)}") from None
     find_stacks(model, origin)
+    if image_classifier(config):
+        image_tokens(config, build_meta_model, origin)  # an image its patches do not fit: said now
 
 
 def _positive_int(value: object) -> bool:

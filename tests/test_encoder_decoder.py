@@ -151,3 +151,13 @@ def test_default_policies_need_no_sequence_when_the_fit_varies_it(tmp_path):
     path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128,
                                 "n_positions": 64}))
     assert runnable_defaults(("none", "sqrtn"), {"model": str(path)}) == (["none", "sqrtn"], [])
+
+
+@pytest.mark.parametrize("decoder,words", [(0, "num_decoder_layers must be a positive integer"),
+                                           (10**8, "the decoder's layers must be at most 1,000")])
+def test_a_decoder_of_no_blocks_or_millions_is_refused_before_anything_is_built(tmp_path, decoder, words):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "t5", "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+                                "num_heads": 4, "vocab_size": 256, "num_decoder_layers": decoder}))
+    with pytest.raises(GcbenchError, match=words):
+        load_config(str(path))

@@ -78,3 +78,15 @@ def test_a_preset_is_estimated_for_a_card_in_one_command():
     assert result.exit_code == 0, result.output
     none, full = (json.loads(line) for line in result.stdout.splitlines())
     assert full["peak_bytes"] < none["peak_bytes"] and none["attention_kernel"] == "flash"
+
+
+@pytest.mark.parametrize("change,words", [({"image_size": 0}, "image_size must be a positive integer"),
+                                          ({"patch_size": 64}, "cannot embed a 32x32 image"),
+                                          ({"num_channels": -1}, "num_channels must be a positive integer")])
+def test_an_image_config_that_cannot_be_trained_is_one_line(tmp_path, change, words):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128, "image_size": 32,
+                                "patch_size": 8, **change}))
+    result = runner.invoke(app, ["estimate", "--model", str(path), "--seq", "17", "--device", "cpu"])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
