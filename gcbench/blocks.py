@@ -91,6 +91,19 @@ def find_stacks(model: nn.Module, origin: str | None = None) -> list[tuple[str, 
             for name, n in sizes.items()]
 
 
+def block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The block list of each stack (find_stacks without the names): what a policy wraps, in place."""
+    return [blocks for _, blocks in find_stacks(model)]
+
+
+def forward_tree(cls: type) -> ast.Module | None:
+    """The syntax tree of `cls.forward`'s source, or None where the source cannot be read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 def _block_list(module: nn.Module, n: int, what: str, field: str) -> nn.ModuleList:
     """The first (outermost) nn.ModuleList of `n` modules of one class in `module`. Where the loop that runs them
     unpacks each block's output (T5's blocks hand the next one their position biases), the list's `unpacked_by`
@@ -109,9 +122,7 @@ def _block_list(module: nn.Module, n: int, what: str, field: str) -> nn.ModuleLi
 def _unpacks_outputs(owner: type, attr: str) -> bool:
     """Whether `owner.forward` loops over `self.<attr>` and takes each call's result apart (into several names, or
     by index)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(owner.forward)))
-    except (OSError, TypeError, SyntaxError):
+    if (tree := forward_tree(owner)) is None:
         return False
     for loop in ast.walk(tree):
         # `for block in self.<attr>`, `for i, block in enumerate(self.<attr>)`: the names a block may go by
@@ -135,8 +146,7 @@ def group_refusal(config: transformers.PretrainedConfig, build: Callable[[Any], 
     what a block hands the next), or None; read off the model `build` makes on the meta device, once per config."""
     key = config.to_json_string(use_diff=False)
     if key not in _GROUPS:
-        loops = sorted({getattr(blocks, "unpacked_by", None) for _, blocks in find_stacks(build(config))}
-                       - {None})
+        loops = sorted({getattr(blocks, "unpacked_by", None) for blocks in block_lists(build(config))} - {None})
         _GROUPS[key] = loops[0] if loops else None
     return None if _GROUPS[key] is None else grouping_refused(_GROUPS[key])
 
@@ -174,8 +184,9 @@ def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], n
         except _Seen:
             pass
         except Exception as e:  # noqa: BLE001 - the config's image, refused by the model's own code
+            why = " ".join(str(e).split())[:200]
             raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {vision.image_size}x"
-                               f"{vision.image_size} image with this config: {' '.join(str(e).split())[:200]}") from None
+                               f"{vision.image_size} image with this config: {why}") from None
         finally:
             hook.remove()
     return _IMAGE_TOKENS[key]

@@ -28,7 +28,6 @@ way. torch is imported inside the functions that use it: resolved.py parses --lo
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -152,11 +151,10 @@ def _logit_changes_in_source(head_class: type) -> str | None:
     config attribute already checked (_LOGIT_CHANGES): a family not listed there that scales its logits is refused
     rather than trained on another loss."""
     import ast
-    import textwrap
 
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(head_class.forward)))
-    except (OSError, TypeError, SyntaxError):
+    from gcbench.blocks import forward_tree
+
+    if (tree := forward_tree(head_class)) is None:
         return "its forward's source cannot be read"
     guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                and any(name in ast.unparse(node.test) for name in _LOGIT_CHANGES) for n in ast.walk(node)}

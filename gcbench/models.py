@@ -23,12 +23,12 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
                                                     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
-from gcbench.blocks import (DECODER_LAYERS, block_config, find_blocks, find_stacks, group_refusal, image_classifier,
-                            image_tokens, seq2seq, stack_sizes, stack_text, total_blocks)
+from gcbench.blocks import (DECODER_LAYERS, block_config, block_lists, find_blocks, find_stacks, group_refusal,
+                            image_classifier, image_tokens, seq2seq, stack_sizes, stack_text, total_blocks)
 from gcbench.errors import GcbenchError
 from gcbench.presets import MODELS, Preset
 
-__all__ = ["MODELS", "Preset", "build_meta_model", "build_model", "count_params", "describe",
+__all__ = ["MODELS", "Preset", "block_lists", "build_meta_model", "build_model", "count_params", "describe",
            "experts_implementation", "find_blocks", "find_stacks", "group_refusal", "load_config", "max_positions",
            "image_classifier", "image_tokens", "prepare_config", "seq2seq", "stack_sizes", "stack_text", "total_blocks"]
 
@@ -209,8 +209,8 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None,
         head = "seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm"
     if head == "seq-cls":
         if seq2seq(config):  # its classifier reads the decoder's eos token, which random ids do not hold
-            raise GcbenchError(f"{where}--head seq-cls: {family} is an encoder-decoder; gcbench trains its text-to-text "
-                               "head (--head lm)")
+            raise GcbenchError(f"{where}--head seq-cls: {family} is an encoder-decoder; gcbench trains its "
+                               "text-to-text head (--head lm)")
         if family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
             return transformers.AutoModelForSequenceClassification
         raise GcbenchError(f"{where}{family} models have no sequence-classification head in transformers "

@@ -21,7 +21,7 @@ import torch
 from gcbench.estimators import resolve_plan
 from gcbench.instruments import CudaInstrument, Progress, instrument_for
 from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
-from gcbench.models import build_model, find_stacks
+from gcbench.models import block_lists, build_model
 from gcbench.policies import apply_to_stacks
 from gcbench.results.schema import policy_label
 from gcbench.runner import torch_threads
@@ -70,7 +70,7 @@ def run_paired(specs: Sequence[ResolvedRun], baseline: str, progress: Progress |
         model = build_model(config, adapter.build_device(first.device), first.param_dtype)
         # the specs differ in their policy and batch only: one adapter, applied before any policy (as runner.py)
         model = apply_adapter(model, adapter, compute_dtype(first), first.device)
-        stacks = [blocks for _, blocks in find_stacks(model)]
+        stacks = block_lists(model)
         optimizer = make_optimizer(first, model)
         steps = {label: TrainingStep(model, optimizer, make_batch(spec, spec.model_config()[0], first.device), spec)
                  for label, spec in zip(labels, specs)}

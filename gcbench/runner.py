@@ -38,7 +38,7 @@ from gcbench.estimators.stored import stored_prediction
 from gcbench.instruments import CpuInstrument, CudaInstrument, Progress, instrument_for
 from gcbench.measure import RecomputeFlops, SavedActivations, counting_flops, storage_bytes
 from gcbench.optimizers import optimizer_kind
-from gcbench.models import build_meta_model, build_model, count_params, find_stacks, stack_sizes, stack_text
+from gcbench.models import block_lists, build_meta_model, build_model, count_params, stack_text, total_blocks
 from gcbench.policies import Plan, apply_to_stacks
 from gcbench.results.schema import Status, mix_text, new_record, timing_note_fields
 from gcbench.fsdp import AgreedBudget, in_rank, shard_model
@@ -77,7 +77,7 @@ class ModelSize:
     @classmethod
     def of(cls, meta_model: nn.Module, elem: int = 4) -> ModelSize:
         """`elem`: bytes per element of a frozen parameter (the run's precision)."""
-        blocks = [block for _, stack in find_stacks(meta_model) for block in stack]
+        blocks = [block for stack in block_lists(meta_model) for block in stack]
         largest = max(blocks, key=count_params)
         trainable = lambda module: [s for p, s in zip(module.parameters(), param_shapes(module))  # noqa: E731
                                     if p.requires_grad]
@@ -206,7 +206,7 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
     config, family = spec.model_config()
     out: dict[str, Any] = {
         "family": family,
-        "n_layers": sum(stack_sizes(config).values()),  # an encoder-decoder's: both stacks'
+        "n_layers": total_blocks(config),  # an encoder-decoder's: both stacks'
         "stacks": stack_text(config),
         "n_params": model_size(spec).n_params,
         "attn_implementation": config._attn_implementation or "sdpa",
@@ -218,7 +218,7 @@ def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, prog
     model = build_model(config, adapter.build_device(spec.device), spec.param_dtype)
     # the adapter before the policy: the policy wraps blocks that already hold the adapted layers
     model = apply_adapter(model, adapter, compute_dtype(spec), spec.device)
-    stacks = [blocks for _, blocks in find_stacks(model)]  # ModuleLists: the policy puts its wrappers back into them
+    stacks = block_lists(model)  # ModuleLists: the policy puts its wrappers back into them
     apply_to_stacks(spec.policy, stacks)
     compiled = spec.compile == BLOCKS
     if compiled:  # after the policy, as torchtitan does (apply_ac, then apply_compile)

@@ -3,7 +3,7 @@ Test modules import these from here, never from each other or from conftest."""
 
 import torch
 
-from gcbench.models import build_model, find_stacks
+from gcbench.models import block_lists, build_model
 from gcbench.policies import POLICIES, apply_to_stacks, classic
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
@@ -35,7 +35,7 @@ def gradients(model_name: str, policy, dropout_seed: int = 1, device: str = "cpu
     torch.manual_seed(0)
     model = build_model(config, device, torch.float32)
     params = list(model.parameters())
-    apply_to_stacks(spec.policy, [blocks for _, blocks in find_stacks(model)])  # an encoder-decoder's two
+    apply_to_stacks(spec.policy, block_lists(model))  # an encoder-decoder's two
     torch.manual_seed(dropout_seed)
     loss = model(**make_batch(spec, config, device)).loss
     loss.backward()

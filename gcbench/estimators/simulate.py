@@ -39,7 +39,7 @@ from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.estimators.step_clock import StepClock
 from gcbench.losses import CPU_TARGET
 from gcbench.measure import PhasePeaks, collect_garbage, counting_flops, listening_to_host_moves, storage_bytes
-from gcbench.models import build_model, experts_implementation, find_stacks, total_blocks
+from gcbench.models import block_lists, build_model, experts_implementation, total_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, Policy, apply_to_stacks
 from gcbench.resolved import ResolvedRun, resolve
@@ -257,7 +257,7 @@ def _fake_step(spec: ResolvedRun, cuda: bool, ran: set[str] | None = None,
     if adapter.quantised:
         with fake:
             quantise_fakes(model)
-    stacks = [blocks for _, blocks in find_stacks(model)]
+    stacks = block_lists(model)
     apply_to_stacks(spec.policy, stacks)
     _refuse_compiled(model, spec.policy)
     try:
