@@ -19,29 +19,7 @@ import transformers
 from torch import nn
 
 from gcbench.errors import GcbenchError
-
-
-def seq2seq(config: transformers.PretrainedConfig) -> bool:
-    """Whether the model is a text encoder-decoder (T5, BART): an encoder stack reads the input ids, a decoder stack
-    the targets shifted right, with cross-attention to the encoder's output (a ForConditionalGeneration head)."""
-    return bool(getattr(config, "is_encoder_decoder", False))
-
-
-def image_classifier(config: transformers.PretrainedConfig) -> bool:
-    """Whether the model is an image classifier (ViT, DeiT, DINOv2, SigLIP's vision tower): a family transformers
-    has an image-classification head for and no language-model head. It reads pixel values, not token ids."""
-    from transformers.models.auto import modeling_auto as auto
-
-    family = config.model_type
-    language = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-    return (family in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES and not seq2seq(config)
-            and not any(family in names for names in language))
-
-
-def block_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
-    """The config that holds the blocks' sizes: an image classifier's vision config where it has one (SigLIP's
-    image classifier is its vision tower), else the config itself."""
-    return (getattr(config, "vision_config", None) or config) if image_classifier(config) else config
+from gcbench.modality import block_config, seq2seq
 
 
 def find_blocks(model: nn.Module, origin: str | None = None) -> nn.ModuleList:

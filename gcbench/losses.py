@@ -118,7 +118,7 @@ _LOGIT_CHANGES = {
 def not_chunkable(config: Any) -> str | None:
     """Why the model's own loss is not cross-entropy on its LM head's output, or None when it is (and so a chunked
     or fused loss on the body's hidden states computes the same loss)."""
-    from gcbench.models import auto_class, classifies
+    from gcbench.modality import auto_class, classifies
 
     import transformers
 

@@ -18,14 +18,11 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-                                                    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-                                                    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
-from gcbench.blocks import (DECODER_LAYERS, block_config, block_lists, find_blocks, find_stacks, group_refusal,
-                            image_classifier, image_tokens, seq2seq, stack_sizes, stack_text, total_blocks)
+from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stacks, group_refusal, image_tokens,
+                            stack_sizes, stack_text, total_blocks)
 from gcbench.errors import GcbenchError
+from gcbench.modality import auto_class, block_config, choose_head, image_classifier, seq2seq
 from gcbench.presets import MODELS, Preset
 
 __all__ = ["MODELS", "Preset", "block_lists", "build_meta_model", "build_model", "count_params", "describe",
@@ -185,56 +182,6 @@ def _validation_message(e: BaseException) -> str:
     return re.sub(r"^Class validation error for validator '\w+': \w+: ", "", text)
 
 
-SEQ_CLS = "single_label_classification"  # transformers' problem_type of a classifier with one label per sequence
-
-
-def auto_class(config: transformers.PretrainedConfig, origin: str | None = None, head: str | None = None) -> type:
-    """The Auto class with a training head (labels -> loss). `head` (fields.HEADS; None: the one prepare_config
-    chose, which it writes into the config as its problem_type): "lm" is a masked LM for an encoder (a family
-    transformers has a masked-LM head for, not configured as a decoder), a causal LM otherwise; "seq-cls" is the
-    family's sequence-classification head (ForSequenceClassification: a classifier over one token's hidden state,
-    a label per sequence)."""
-    family = config.model_type
-    where = f"{origin}: " if origin else ""
-    if getattr(config, "is_encoder_decoder", False) and family not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        raise GcbenchError(f"{where}{family} is an encoder-decoder model without a text-to-text head in transformers "
-                           f"{transformers.__version__} (a speech or vision encoder reads features gcbench does not "
-                           "make up); gcbench trains text encoder-decoders (t5, bart, ...)")
-    if image_classifier(config):
-        if (head or ("seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm")) == "seq-cls":
-            raise GcbenchError(f"{where}{family} is an image classifier: it trains its own head (a label per image) "
-                               "under the default --head")
-        return transformers.AutoModelForImageClassification
-    if head is None:
-        head = "seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm"
-    if head == "seq-cls":
-        if seq2seq(config):  # its classifier reads the decoder's eos token, which random ids do not hold
-            raise GcbenchError(f"{where}--head seq-cls: {family} is an encoder-decoder; gcbench trains its "
-                               "text-to-text head (--head lm)")
-        if family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
-            return transformers.AutoModelForSequenceClassification
-        raise GcbenchError(f"{where}{family} models have no sequence-classification head in transformers "
-                           f"{transformers.__version__}; use --head lm")
-    if seq2seq(config):
-        return transformers.AutoModelForSeq2SeqLM
-    if encoder(config):
-        return transformers.AutoModelForMaskedLM
-    if family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForCausalLM
-    raise GcbenchError(f"{where}{family} models have no causal-LM or masked-LM head in transformers "
-                       f"{transformers.__version__}; gcbench trains language models")
-
-
-def encoder(config: transformers.PretrainedConfig) -> bool:
-    """Whether the model is an encoder (BERT-like: a family with a masked-LM head, not configured as a decoder)."""
-    return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-
-
-def classifies(config: transformers.PretrainedConfig) -> bool:
-    """Whether the run's model is a sequence classifier (--head seq-cls): one label per sequence, not per token."""
-    return getattr(config, "problem_type", None) == SEQ_CLS
-
-
 def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
                    attn: str | None, head: str = "lm") -> transformers.PretrainedConfig:
     """Apply the run's shape to a config: truncate blocks, check positions, the head, training-only settings."""
@@ -273,7 +220,7 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
         # T5's convention, the pad id, else 0; which id changes no memory
         pad = getattr(config, "pad_token_id", None)
         config.decoder_start_token_id = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else 0
-    _choose_head(config, head)
+    choose_head(config, head)
     sdpa = auto_class(config)._model_mapping[type(config)]._supports_sdpa
     if attn == "sdpa" and not sdpa:
         raise GcbenchError(f"{family} models have no SDPA attention in transformers {transformers.__version__}; "
@@ -281,26 +228,6 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     # Set here, so that every reader (the step, the estimators, the record) sees the one the model runs.
     config._attn_implementation = attn or ("sdpa" if sdpa else "eager")
     return config
-
-
-def _choose_head(config: transformers.PretrainedConfig, head: str) -> None:
-    """Write the head into the config (its problem_type, which every reader of the config then sees): seq-cls, a
-    single-label classifier of the config's num_labels classes (transformers' default: 2); lm, none (a config.json
-    of a fine-tuned classifier names its problem_type: an LM run drops it).
-
-    A decoder's classifier reads each sequence's last token that is not padding, so transformers refuses a batch of
-    several sequences without a pad_token_id. Where the config has none, its eos_token_id stands in (what
-    fine-tuning recipes set: model.config.pad_token_id = tokenizer.eos_token_id), else id 0: which id it is changes
-    no memory (it decides which position's hidden state is classified, and the embedding row left without a
-    gradient)."""
-    config.problem_type = SEQ_CLS if head == "seq-cls" else None
-    auto_class(config)  # a family without the head is refused here, before anything is built
-    if head != "seq-cls" or encoder(config) or getattr(config, "pad_token_id", None) is not None:
-        return
-    eos = getattr(config, "eos_token_id", None)
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    config.pad_token_id = eos if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < \
-        config.vocab_size else 0
 
 
 def _rope_settings(config) -> list[dict]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gcbench.losses import loss_of, parse_loss
+from gcbench.modality import batch_of, inputs_of
 from gcbench.nf4 import quantisation_state
 from gcbench.optimizers import optimizer_kind
 from gcbench.fsdp import rank_and_world
@@ -198,31 +199,6 @@ def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
     if world > 1:  # its own storage: the other ranks' rows are not its memory
         drawn = {name: t[rank * rows:(rank + 1) * rows].clone() for name, t in drawn.items()}
     return batch_of({name: t.to(device) for name, t in drawn.items()}, config)
-
-
-def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of each input a step draws for `rows` rows: token ids of --seq; an encoder-decoder's targets
-    too, as long as its input (its labels: the model shifts them into the decoder); an image classifier's pixel
-    values (its config's channels and image size, fp32: the model casts them to its own dtype)."""
-    from gcbench.models import block_config, image_classifier, seq2seq
-
-    if image_classifier(config):
-        vision = block_config(config)
-        return {"pixel_values": ((rows, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
-    ids = ((rows, spec.seq_len), torch.long)
-    return {"input_ids": ids, "labels": ids} if seq2seq(config) else {"input_ids": ids}
-
-
-def batch_of(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """The model's inputs and their labels: the ids for a language model (a causal LM shifts them, an MLM predicts
-    them), an encoder-decoder's targets (drawn as its labels); for a classifier (--head seq-cls, an image
-    classifier) class 0 for every row (which class changes no memory: one int64 per row either way)."""
-    from gcbench.models import classifies, image_classifier
-
-    first = next(iter(inputs.values()))
-    if classifies(config) or image_classifier(config):
-        return {**inputs, "labels": torch.zeros(first.shape[0], dtype=torch.long, device=first.device)}
-    return {**inputs, "labels": inputs.get("labels", inputs.get("input_ids"))}
 
 
 def param_shapes(model: nn.Module) -> list[tuple[int, ...]]:

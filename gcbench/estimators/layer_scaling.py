@@ -40,7 +40,8 @@ from gcbench.adapters import apply_adapter, compute_dtype, parse_adapter
 from gcbench.errors import GcbenchError
 from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.step_time import StepWork
-from gcbench.models import build_model, find_blocks, image_classifier, stack_sizes
+from gcbench.modality import image_classifier
+from gcbench.models import build_model, find_blocks, stack_sizes
 from gcbench.resolved import ResolvedRun
 from gcbench.results.schema import peak_phase
 

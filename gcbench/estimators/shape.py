@@ -35,7 +35,7 @@ class Shape:
 
     @classmethod
     def of(cls, spec: ResolvedRun, config) -> Shape:
-        from gcbench.models import block_config
+        from gcbench.modality import block_config
 
         config = block_config(config)  # an image classifier's vision config, where it has one
         heads = config.num_attention_heads

@@ -44,7 +44,8 @@ from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, Policy, apply_to_stacks
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
-from gcbench.step import TrainingStep, batch_of, inputs_of, make_optimizer
+from gcbench.modality import batch_of, inputs_of
+from gcbench.step import TrainingStep, make_optimizer
 
 
 def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, *,

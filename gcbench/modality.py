@@ -1,0 +1,136 @@
+"""What a family reads and trains: its modality (a text decoder or encoder, a text encoder-decoder, an image
+classifier), the transformers head with a training loss for it (auto_class), and the random inputs a step draws for
+it (inputs_of, batch_of). Each is read off the config and transformers' Auto mappings, not a table per family.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+
+from gcbench.errors import GcbenchError
+
+if TYPE_CHECKING:
+    from gcbench.step import StepSpec
+
+
+def seq2seq(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model is a text encoder-decoder (T5, BART): an encoder stack reads the input ids, a decoder stack
+    the targets shifted right, with cross-attention to the encoder's output (a ForConditionalGeneration head)."""
+    return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def image_classifier(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model is an image classifier (ViT, DeiT, DINOv2, SigLIP's vision tower): a family transformers
+    has an image-classification head for and no language-model head. It reads pixel values, not token ids."""
+    family = config.model_type
+    language = (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    return (family in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES and not seq2seq(config)
+            and not any(family in names for names in language))
+
+
+def block_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """The config that holds the blocks' sizes: an image classifier's vision config where it has one (SigLIP's
+    image classifier is its vision tower), else the config itself."""
+    return (getattr(config, "vision_config", None) or config) if image_classifier(config) else config
+
+
+SEQ_CLS = "single_label_classification"  # transformers' problem_type of a classifier with one label per sequence
+
+
+def auto_class(config: transformers.PretrainedConfig, origin: str | None = None, head: str | None = None) -> type:
+    """The Auto class with a training head (labels -> loss). `head` (fields.HEADS; None: the one prepare_config
+    chose, which it writes into the config as its problem_type): "lm" is a masked LM for an encoder (a family
+    transformers has a masked-LM head for, not configured as a decoder), a causal LM otherwise; "seq-cls" is the
+    family's sequence-classification head (ForSequenceClassification: a classifier over one token's hidden state,
+    a label per sequence)."""
+    family = config.model_type
+    where = f"{origin}: " if origin else ""
+    if getattr(config, "is_encoder_decoder", False) and family not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        raise GcbenchError(f"{where}{family} is an encoder-decoder model without a text-to-text head in transformers "
+                           f"{transformers.__version__} (a speech or vision encoder reads features gcbench does not "
+                           "make up); gcbench trains text encoder-decoders (t5, bart, ...)")
+    if image_classifier(config):
+        if (head or ("seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm")) == "seq-cls":
+            raise GcbenchError(f"{where}{family} is an image classifier: it trains its own head (a label per image) "
+                               "under the default --head")
+        return transformers.AutoModelForImageClassification
+    if head is None:
+        head = "seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm"
+    if head == "seq-cls":
+        if seq2seq(config):  # its classifier reads the decoder's eos token, which random ids do not hold
+            raise GcbenchError(f"{where}--head seq-cls: {family} is an encoder-decoder; gcbench trains its "
+                               "text-to-text head (--head lm)")
+        if family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+            return transformers.AutoModelForSequenceClassification
+        raise GcbenchError(f"{where}{family} models have no sequence-classification head in transformers "
+                           f"{transformers.__version__}; use --head lm")
+    if seq2seq(config):
+        return transformers.AutoModelForSeq2SeqLM
+    if encoder(config):
+        return transformers.AutoModelForMaskedLM
+    if family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    raise GcbenchError(f"{where}{family} models have no causal-LM or masked-LM head in transformers "
+                       f"{transformers.__version__}; gcbench trains language models")
+
+
+def encoder(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model is an encoder (BERT-like: a family with a masked-LM head, not configured as a decoder)."""
+    return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+
+
+def classifies(config: transformers.PretrainedConfig) -> bool:
+    """Whether the run's model is a sequence classifier (--head seq-cls): one label per sequence, not per token."""
+    return getattr(config, "problem_type", None) == SEQ_CLS
+
+
+def choose_head(config: transformers.PretrainedConfig, head: str) -> None:
+    """Write the head into the config (its problem_type, which every reader of the config then sees): seq-cls, a
+    single-label classifier of the config's num_labels classes (transformers' default: 2); lm, none (a config.json
+    of a fine-tuned classifier names its problem_type: an LM run drops it).
+
+    A decoder's classifier reads each sequence's last token that is not padding, so transformers refuses a batch of
+    several sequences without a pad_token_id. Where the config has none, its eos_token_id stands in (what
+    fine-tuning recipes set: model.config.pad_token_id = tokenizer.eos_token_id), else id 0: which id it is changes
+    no memory (it decides which position's hidden state is classified, and the embedding row left without a
+    gradient)."""
+    config.problem_type = SEQ_CLS if head == "seq-cls" else None
+    auto_class(config)  # a family without the head is refused here, before anything is built
+    if head != "seq-cls" or encoder(config) or getattr(config, "pad_token_id", None) is not None:
+        return
+    eos = getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    config.pad_token_id = eos if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < \
+        config.vocab_size else 0
+
+
+
+def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each input a step draws for `rows` rows: token ids of --seq; an encoder-decoder's targets
+    too, as long as its input (its labels: the model shifts them into the decoder); an image classifier's pixel
+    values (its config's channels and image size, fp32: the model casts them to its own dtype)."""
+    if image_classifier(config):
+        vision = block_config(config)
+        return {"pixel_values": ((rows, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
+    ids = ((rows, spec.seq_len), torch.long)
+    return {"input_ids": ids, "labels": ids} if seq2seq(config) else {"input_ids": ids}
+
+
+def batch_of(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """The model's inputs and their labels: the ids for a language model (a causal LM shifts them, an MLM predicts
+    them), an encoder-decoder's targets (drawn as its labels); for a classifier (--head seq-cls, an image
+    classifier) class 0 for every row (which class changes no memory: one int64 per row either way)."""
+    first = next(iter(inputs.values()))
+    if classifies(config) or image_classifier(config):
+        return {**inputs, "labels": torch.zeros(first.shape[0], dtype=torch.long, device=first.device)}
+    return {**inputs, "labels": inputs.get("labels", inputs.get("input_ids"))}
+
+
