@@ -62,11 +62,15 @@ def find_stacks(model: nn.Module, origin: str | None = None) -> list[tuple[str, 
     sizes = stack_sizes(model.config)
     where = origin or model.config.model_type
     if "blocks" in sizes:
-        blocks = _block_list(model, sizes["blocks"], f"{where}: {type(model).__name__}", "num_hidden_layers")
-        return [("blocks", blocks)]
-    parts = {"encoder": model.get_encoder(), "decoder": model.get_decoder()}
-    return [(name, _block_list(parts[name], n, f"{where}: the {name} of {type(model).__name__}", "layers"))
-            for name, n in sizes.items()]
+        stacks = [("blocks", _block_list(model, sizes["blocks"], f"{where}: {type(model).__name__}",
+                                         "num_hidden_layers"))]
+    else:
+        parts = {"encoder": model.get_encoder(), "decoder": model.get_decoder()}
+        stacks = [(name, _block_list(parts[name], n, f"{where}: the {name} of {type(model).__name__}", "layers"))
+                  for name, n in sizes.items()]
+    for name, blocks in stacks:
+        blocks.stack = name  # a policy that names one stack finds it by this (policies.base.apply_to_stacks)
+    return stacks
 
 
 def block_lists(model: nn.Module) -> list[nn.ModuleList]:

@@ -191,8 +191,14 @@ def _check_stacks(spec: RunSpec, policy: Policy, config: Any) -> None:
     own); what a model of two stacks cannot run yet, in one line."""
     from gcbench.models import stack_sizes
 
-    for name, n in stack_sizes(config).items():
-        policy.validate(n, "model" if name == "blocks" else name)
+    sizes = stack_sizes(config)
+    if policy.stack and policy.stack not in sizes:
+        has = "one stack of blocks: leave stack out" if "blocks" in sizes else \
+            f"the stacks {' and '.join(sizes)}"
+        raise GcbenchError(f"{policy}: stack={policy.stack} is not a stack of this model, which has {has}")
+    for name, n in sizes.items():
+        if policy.applies_to(name):
+            policy.validate(n, "model" if name == "blocks" else name)
     _refused_policy(spec, policy, config)
 
 
@@ -201,7 +207,7 @@ def _refused_policy(spec: RunSpec, policy: Policy, config: Any) -> None:
     from gcbench.models import build_meta_model, group_refusal, stack_sizes
 
     sizes = stack_sizes(config)
-    grouped = any(len(group) > 1 for n in sizes.values() for group in policy.groups(n))
+    grouped = any(len(group) > 1 for name, n in sizes.items() if policy.applies_to(name) for group in policy.groups(n))
     if grouped and (why := group_refusal(config, build_meta_model)):
         raise PolicyRefused(f"{policy}: {why}")
     if len(sizes) == 1:
@@ -209,8 +215,9 @@ def _refused_policy(spec: RunSpec, policy: Policy, config: Any) -> None:
     if spec.shard != "none":
         raise GcbenchError("--shard fsdp2: gcbench shards a model of one stack of blocks, not an encoder-decoder")
     if policy.name == "plan":
-        raise PolicyRefused("plan: a plan chooses among one stack's blocks, not an encoder-decoder's two; give "
-                            "another policy, which both stacks then take")
+        raise PolicyRefused("plan: a plan chooses among one stack's blocks, not among an encoder-decoder's two "
+                            "(nor within one of them, stack=, yet); give another policy, which both stacks then take "
+                            "(or the one stack= names)")
 
 
 def distinct_runs(runs: Iterable[tuple[ResolvedRun, Mapping[str, Any]]], twice: str) -> list[ResolvedRun]:

@@ -58,6 +58,30 @@ def test_a_policy_counts_its_blocks_in_each_stack():
         tiny_spec("tiny-bart", "every-k:k=3")
 
 
+def test_a_policy_that_names_one_stack_wraps_that_stack_only_and_the_record_says_so():
+    stacks = [blocks for _, blocks in _stacks("tiny-bart")]
+    policy = parse_policy("full:stack=decoder")
+    assert (str(policy), str(parse_policy("full"))) == ("full:stack=decoder", "full")
+    undo = apply_to_stacks(policy, stacks)
+    assert [[isinstance(b, CheckpointedGroup) for b in blocks] for blocks in stacks] == [[False] * 3, [True] * 2]
+    undo()
+    record = run(tiny_spec("tiny-bart", "sqrtn:stack=encoder", seq_len=SEQ, predict=True))
+    assert record["policy"] == "sqrtn" and record["policy_options"] == {"stack": "encoder"}
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    assert_gradients_equal_none("tiny-bart", "sqrtn:stack=encoder", seq_len=SEQ)
+
+
+@pytest.mark.parametrize("model,policy,words", [
+    ("tiny-bart", "full:stack=vision", "stack=vision is not a stack of this model, which has the stacks encoder and "
+     "decoder"),
+    ("tiny-llama", "full:stack=decoder", "which has one stack of blocks: leave stack out"),
+    ("tiny-bart", "every-k:k=3,stack=decoder", "the decoder has 2 blocks, so k must be 1..2")])
+def test_a_stack_the_model_lacks_is_refused_in_one_line(model, policy, words):
+    with pytest.raises(GcbenchError, match=words):
+        tiny_spec(model, policy, seq_len=SEQ)
+    tiny_spec("tiny-bart", "every-k:k=3,stack=encoder", seq_len=SEQ)  # the encoder has 3
+
+
 @pytest.mark.parametrize("policy", ["segments:k=2", "sqrtn"])
 def test_t5_refuses_a_group_of_blocks_in_one_line_that_says_why(policy):
     result = runner.invoke(app, ["run", "--model", "tiny-t5", "--seq", "32", "--policy", policy, "--device", "cpu"])

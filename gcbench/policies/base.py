@@ -145,6 +145,12 @@ class Policy:
     # and stays there), so what a dispatch-mode instrument counts (FLOPs; on CPU the live-tensor peaks) would
     # describe another model: the runner reports those fields as None and counts saved bytes before any such mode.
     hidden_from_dispatch_modes: ClassVar[bool] = False
+    # A model of several stacks of blocks (an encoder-decoder's encoder and decoder): the one the policy applies to,
+    # the others left as they are (none); "" applies it to every stack, each on its own (apply_to_stacks). Every
+    # policy takes it; a policy names it only where it is given ("full:stack=decoder").
+    stack: str = dataclasses.field(default="", kw_only=True, metadata={
+        "help": "the stack of blocks it applies to, the others left as they are (default: every stack)",
+        "every_policy": True})
 
     def alike_blocks(self, n_blocks: int) -> bool:
         """Whether every block of `n_blocks` is treated the same way (each its own checkpoint, or none), the same
@@ -210,7 +216,13 @@ class Policy:
         return None
 
     def options(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in option_fields(self)}
+        """The options given (`stack` where it is: every record before it applies to every stack)."""
+        return {f.name: getattr(self, f.name) for f in option_fields(self) if f.name != "stack" or self.stack}
+
+    def applies_to(self, stack: str) -> bool:
+        """Whether the policy wraps the blocks of `stack` (blocks.find_stacks' name): every stack unless one is
+        named."""
+        return not self.stack or self.stack == stack
 
     def __str__(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options().items())
@@ -218,8 +230,9 @@ class Policy:
 
 
 def apply_to_stacks(policy: Policy, stacks: list[nn.ModuleList]) -> Callable[[], None]:
-    """Apply `policy` to each stack of blocks (models.find_stacks) on its own, its groups counted in that stack's
-    blocks (an encoder-decoder's `sqrtn` is sqrt(N) of the encoder's and of the decoder's); one undo for all."""
+    """Apply `policy` to each stack of blocks (models.block_lists) on its own, its groups counted in that stack's
+    blocks (an encoder-decoder's `sqrtn` is sqrt(N) of the encoder's and of the decoder's), or to the one stack it
+    names (`stack=`); one undo for all."""
     undos: list[Callable[[], None]] = []
 
     def undo() -> None:
@@ -228,7 +241,8 @@ def apply_to_stacks(policy: Policy, stacks: list[nn.ModuleList]) -> Callable[[],
 
     try:
         for blocks in stacks:
-            undos.append(policy.apply(blocks))
+            if policy.applies_to(getattr(blocks, "stack", "blocks")):
+                undos.append(policy.apply(blocks))
     except BaseException:
         undo()  # no stack left half-wrapped
         raise
