@@ -133,10 +133,8 @@ def policies() -> None:
     """List the checkpoint policies, their options and what they do."""
     from gcbench.policies import POLICIES, option_fields
 
-    table = Table(title="checkpoint policies (N = number of blocks)", caption="every policy also takes stack=NAME "
-                  "on a model of several stacks (encoder, decoder): that stack only, the others as they are")
-    for column in ("name", "options", "meaning"):
-        table.add_column(column)
+    table = Table("name", "options", "meaning", title="checkpoint policies (N = number of blocks)", caption="every "
+                  "policy also takes stack=NAME on a model of several stacks (encoder, decoder): that one only")
     for name, cls in POLICIES.items():
         opts = ", ".join(f"{f.name}={f.default} ({f.metadata.get('help', '')})" for f in option_fields(cls)
                          if not f.metadata.get("every_policy"))
