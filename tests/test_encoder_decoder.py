@@ -139,14 +139,18 @@ def test_a_command_given_no_policy_runs_the_defaults_the_model_takes_and_names_t
                                  "out": str(tmp_path / "r.jsonl")})
     assert [spec.policy.name for spec in grid.expand()] == ["none", "full", "every-k"]
     assert "left out for tiny-t5: sqrtn: T5Stack.forward unpacks" in grid.left_out()
-    result = runner.invoke(app, ["estimate", "--model", "tiny-t5", "--seq", "32", "--fit", "--gpu-memory", "64MiB",
-                                 "--device", "cpu", "--format", "json"])
-    assert result.exit_code == 0, result.output
-    assert [json.loads(line)["policy"] for line in result.stdout.splitlines()][:3] == ["none", "full", "sac:mm=all"]
     named = SweepSpec.load(None, {"model": "tiny-t5", "seq": "32", "batch": "1", "policy": "sqrtn", "device": "cpu",
                                   "out": str(tmp_path / "r.jsonl")})
     with pytest.raises(GcbenchError, match="sqrtn: T5Stack.forward unpacks"):
         named.expand()
+
+
+@pytest.mark.slow  # a fit searched by simulation, per default policy
+def test_a_fit_given_no_policy_searches_the_defaults_the_model_takes():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-t5", "--seq", "32", "--fit", "--gpu-memory", "64MiB",
+                                 "--device", "cpu", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["policy"] for line in result.stdout.splitlines()][:3] == ["none", "full", "sac:mm=all"]
 
 
 def test_a_classifier_head_on_an_encoder_decoder_is_refused_in_one_line():
