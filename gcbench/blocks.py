@@ -1,6 +1,7 @@
 """The stacks of transformer blocks in a model, found by one rule for every family: a model of one stack (a decoder,
 an encoder, an image classifier's vision tower) has one block list; a text encoder-decoder (T5, BART) two, its
-encoder's and its decoder's, and a policy applies to each on its own (policies.base.apply_to_stacks). What the
+encoder's and its decoder's; a vision-language model (LLaVA) two, its vision tower's and its language model's; and
+a policy applies to each on its own (policies.base.apply_to_stacks). What the
 blocks cannot do (be grouped into one checkpoint) and see (an image's tokens) is read off a meta build. Nothing here
 is a table per family.
 """
@@ -19,7 +20,7 @@ import transformers
 from torch import nn
 
 from gcbench.errors import GcbenchError
-from gcbench.modality import block_config, seq2seq
+from gcbench.modality import block_config, image_inputs, seq2seq, vision_language
 
 
 def find_blocks(model: nn.Module, origin: str | None = None) -> nn.ModuleList:
@@ -38,7 +39,10 @@ DECODER_LAYERS = ("num_decoder_layers", "decoder_layers")
 
 def stack_sizes(config: transformers.PretrainedConfig) -> dict[str, int]:
     """Blocks per stack, by the stack's name: {"blocks": N} for a model of one stack, {"encoder": N, "decoder": M}
-    for an encoder-decoder. A policy applies to each stack on its own (its own N)."""
+    for an encoder-decoder, {"vision": N, "language": M} for a vision-language model. A policy applies to each
+    stack on its own (its own N)."""
+    if vision_language(config):
+        return {"vision": config.vision_config.num_hidden_layers, "language": config.text_config.num_hidden_layers}
     if not seq2seq(config):
         return {"blocks": block_config(config).num_hidden_layers}
     decoder = next((getattr(config, k) for k in DECODER_LAYERS if getattr(config, k, None)), None)
@@ -58,19 +62,39 @@ def stack_text(config: transformers.PretrainedConfig) -> str | None:
 
 def find_stacks(model: nn.Module, origin: str | None = None) -> list[tuple[str, nn.ModuleList]]:
     """(name, block list) of each stack, in the order the forward runs them: the model's own for one stack; the
-    encoder's, then the decoder's, of an encoder-decoder (each found by find_blocks' rule inside that part)."""
+    encoder's, then the decoder's, of an encoder-decoder; a vision-language model's vision tower's, then its
+    language model's (each the module built from that part's config): each found by find_blocks' rule inside its
+    part."""
     sizes = stack_sizes(model.config)
     where = origin or model.config.model_type
     if "blocks" in sizes:
         stacks = [("blocks", _block_list(model, sizes["blocks"], f"{where}: {type(model).__name__}",
                                          "num_hidden_layers"))]
     else:
-        parts = {"encoder": model.get_encoder(), "decoder": model.get_decoder()}
+        parts = _vision_language_parts(model) if "vision" in sizes else \
+            {"encoder": model.get_encoder(), "decoder": model.get_decoder()}
         stacks = [(name, _block_list(parts[name], n, f"{where}: the {name} of {type(model).__name__}", "layers"))
                   for name, n in sizes.items()]
     for name, blocks in stacks:
         blocks.stack = name  # a policy that names one stack finds it by this (policies.base.apply_to_stacks)
     return stacks
+
+
+def _vision_language_parts(model: nn.Module) -> dict[str, nn.Module]:
+    """A vision-language model's vision tower and language model: the outermost module built from each part's
+    config (transformers builds each with AutoModel.from_config(config.vision_config), ...text_config)."""
+    config = model.config
+    wanted = {"vision": config.vision_config, "language": config.text_config}
+    found = {}
+    for module in model.modules():
+        for name, part in wanted.items():
+            if name not in found and getattr(module, "config", None) is part:
+                found[name] = module
+    if len(found) < 2:
+        raise GcbenchError(f"{config.model_type}: {type(model).__name__} has no module built from its "
+                           f"{' and '.join(sorted(set(wanted) - set(found)))} config, so gcbench cannot find its "
+                           "blocks")
+    return found
 
 
 def block_lists(model: nn.Module) -> list[nn.ModuleList]:
@@ -171,4 +195,23 @@ def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], n
                                f"{vision.image_size} image with this config: {why}") from None
         finally:
             hook.remove()
+    return _IMAGE_TOKENS[key]
+
+
+def tokens_per_image(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = "") -> int:
+    """The tokens one image becomes in a vision-language model's language model: the rows of the features its
+    get_image_features hands the language model for one image (LLaVA: the patches, its CLS token dropped or kept as
+    vision_feature_select_strategy says), read off the model `build` makes on the meta device, once per config."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _IMAGE_TOKENS:
+        pixels = {name: torch.empty(shape, dtype=dtype, device="meta")
+                  for name, (shape, dtype) in image_inputs(config, 1).items()}
+        try:
+            features = build(config).get_image_features(**pixels, return_dict=True).pooler_output
+            _IMAGE_TOKENS[key] = features[0].shape[0]
+        except Exception as e:  # noqa: BLE001 - the config's image, refused by the model's own code
+            vision = config.vision_config
+            why = " ".join(str(e).split())[:200]
+            raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {vision.image_size}x"
+                               f"{vision.image_size} image with this config: {why}") from None
     return _IMAGE_TOKENS[key]

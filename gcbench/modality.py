@@ -1,5 +1,5 @@
 """What a family reads and trains: its modality (a text decoder or encoder, a text encoder-decoder, an image
-classifier), the transformers head with a training loss for it (auto_class), and the random inputs a step draws for
+classifier, a vision-language model), the transformers head with a training loss for it (auto_class), and the random inputs a step draws for
 it (inputs_of, batch_of). Each is read off the config and transformers' Auto mappings, not a table per family.
 """
 
@@ -11,7 +11,8 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
-                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES,
                                                     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
@@ -36,9 +37,27 @@ def image_classifier(config: transformers.PretrainedConfig) -> bool:
             and not any(family in names for names in language))
 
 
+def vision_language(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model is a vision-language model that puts each image's features in the text's place (LLaVA,
+    Qwen2-VL): a family transformers has an image-text-to-text head for, whose config holds a vision config, a text
+    config and the image's placeholder token (image_token_id), and whose model scatters the vision tower's output
+    at those placeholders (its get_placeholder_mask). Others (Mllama, whose text attends to the image through
+    cross-attention layers) train their text model alone, as before."""
+    family = config.model_type
+    if family not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or not isinstance(
+            getattr(config, "image_token_id", None), int):
+        return False
+    parts = (getattr(config, "vision_config", None), getattr(config, "text_config", None))
+    base = getattr(transformers, MODEL_MAPPING_NAMES.get(family, ""), None)
+    return all(isinstance(p, transformers.PretrainedConfig) for p in parts) and hasattr(base, "get_placeholder_mask")
+
+
 def block_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
     """The config that holds the blocks' sizes: an image classifier's vision config where it has one (SigLIP's
-    image classifier is its vision tower), else the config itself."""
+    image classifier is its vision tower), a vision-language model's text config (its language model: the heads,
+    the vocabulary, the LM head's loss), else the config itself."""
+    if vision_language(config):
+        return config.text_config
     return (getattr(config, "vision_config", None) or config) if image_classifier(config) else config
 
 
@@ -57,6 +76,11 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None,
         raise GcbenchError(f"{where}{family} is an encoder-decoder model without a text-to-text head in transformers "
                            f"{transformers.__version__} (a speech or vision encoder reads features gcbench does not "
                            "make up); gcbench trains text encoder-decoders (t5, bart, ...)")
+    if vision_language(config):
+        if head == "seq-cls" or classifies(config):
+            raise GcbenchError(f"{where}--head seq-cls: {family} is a vision-language model; gcbench trains its "
+                               "causal LM head over the text and image tokens (--head lm)")
+        return transformers.AutoModelForImageTextToText
     if image_classifier(config):
         if (head or ("seq-cls" if getattr(config, "problem_type", None) == SEQ_CLS else "lm")) == "seq-cls":
             raise GcbenchError(f"{where}{family} is an image classifier: it trains its own head (a label per image) "
@@ -112,11 +136,34 @@ def choose_head(config: transformers.PretrainedConfig, head: str) -> None:
         config.vocab_size else 0
 
 
+IMAGE_TOKENS = "_image_tokens"  # the prepared config's attribute: the tokens one image adds to the LM's sequence
+IGNORE_INDEX = -100  # transformers' (and torch's cross_entropy's) label that no loss is computed for
+
+
+def image_tokens_per_sample(spec: StepSpec, config) -> int:
+    """The tokens a vision-language model's images add to each sample's text: --images x the tokens one image
+    becomes (read off the model when the config was prepared: models.prepare_config); 0 for any other model."""
+    if not vision_language(config):
+        return 0
+    return (getattr(spec, "images", None) or 1) * getattr(config, IMAGE_TOKENS)
+
+
+def image_inputs(config, images: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of a vision-language model's pixel values for `images` images, as its vision tower takes
+    them: LLaVA's (images, channels, size, size), the vision config's, fp32 (the model casts them)."""
+    vision = config.vision_config
+    return {"pixel_values": ((images, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
+
 
 def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of each input a step draws for `rows` rows: token ids of --seq; an encoder-decoder's targets
     too, as long as its input (its labels: the model shifts them into the decoder); an image classifier's pixel
-    values (its config's channels and image size, fp32: the model casts them to its own dtype)."""
+    values (its config's channels and image size, fp32: the model casts them to its own dtype); a vision-language
+    model's ids of --seq text tokens and its images' placeholders (image_tokens_per_sample), and the pixel values
+    of --images images per row, as its vision tower takes them (LLaVA: rows x images, channels, size, size)."""
+    if vision_language(config):
+        return {"input_ids": ((rows, spec.seq_len + image_tokens_per_sample(spec, config)), torch.long),
+                **image_inputs(config, rows * (getattr(spec, "images", None) or 1))}
     if image_classifier(config):
         vision = block_config(config)
         return {"pixel_values": ((rows, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
@@ -129,8 +176,30 @@ def batch_of(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]
     them), an encoder-decoder's targets (drawn as its labels); for a classifier (--head seq-cls, an image
     classifier) class 0 for every row (which class changes no memory: one int64 per row either way)."""
     first = next(iter(inputs.values()))
+    if vision_language(config):
+        return _vision_language_batch(inputs, config)
     if classifies(config) or image_classifier(config):
         return {**inputs, "labels": torch.zeros(first.shape[0], dtype=torch.long, device=first.device)}
     return {**inputs, "labels": inputs.get("labels", inputs.get("input_ids"))}
 
 
+
+
+def _vision_language_batch(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A vision-language model's ids with each row's image placeholders first (as many as its images become, the
+    image token repeated: the model puts the vision tower's output there), then the text; the random text made
+    free of the config's special vision tokens (image, video, vision start and end), which would be taken for
+    images. Labels: the ids, the image positions -100 (no loss on them, as training recipes do: LLaVA's, TRL's);
+    a tensor of their own, where a text model's labels are its ids. Where the placeholders sit changes no memory."""
+    ids = inputs["input_ids"]
+    rows = ids.shape[0]
+    placeholders = inputs["pixel_values"].shape[0] // rows * getattr(config, IMAGE_TOKENS)
+    special = {v for k, v in config.to_dict().items() if k.endswith(("token_id", "token_index")) and isinstance(v, int)
+               and not isinstance(v, bool)}
+    plain = min(set(range(len(special) + 1)) - special)  # the smallest id that is not a special one
+    for token in special:
+        ids = ids.masked_fill(ids == token, plain)
+    ids[:, :placeholders] = config.image_token_id
+    labels = ids.clone()
+    labels[:, :placeholders] = IGNORE_INDEX
+    return {**inputs, "input_ids": ids, "labels": labels}

@@ -2,7 +2,7 @@
 
 Any transformers family builds through the Auto classes, random weights, nothing downloaded but a config.json:
 a causal LM for decoders, a masked LM for encoders, a text-to-text model for encoder-decoders, an image classifier
-for vision encoders. The stacks of blocks are found by one rule for every family (blocks.py: find_stacks), and the
+for vision encoders, an image-text-to-text model for vision-language models. The stacks of blocks are found by one rule for every family (blocks.py: find_stacks), and the
 longest sequence by another (max_positions); nothing here is a table per family.
 """
 
@@ -20,10 +20,12 @@ import transformers
 from torch import nn
 
 from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stacks, group_refusal, image_tokens,
-                            stack_sizes, stack_text, total_blocks)
+                            stack_sizes, stack_text, tokens_per_image, total_blocks)
 from gcbench.errors import GcbenchError
-from gcbench.modality import auto_class, block_config, choose_head, image_classifier, seq2seq
+from gcbench.modality import IMAGE_TOKENS, auto_class, block_config, choose_head, image_classifier, seq2seq, \
+    vision_language
 from gcbench.presets import MODELS, Preset
+from gcbench.units import plural
 
 __all__ = ["MODELS", "Preset", "block_lists", "build_meta_model", "build_model", "count_params", "describe",
            "experts_implementation", "find_blocks", "find_stacks", "group_refusal", "load_config", "max_positions",
@@ -83,8 +85,9 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
                                                                                      str]:
     """(config, family) from config.json fields; `origin` names them in errors (a path, a Hub id, a preset).
 
-    A multimodal config (a text model beside a vision tower) becomes its text model's config: that is the stack
-    of blocks gcbench trains. `auto_map` is dropped: the model is always transformers' own class for its
+    A vision-language model's config (modality.vision_language: LLaVA, Qwen2-VL) is kept whole: its vision tower
+    and its language model train. Any other multimodal config (a text model beside a tower gcbench makes no inputs
+    for) becomes its text model's config. `auto_map` is dropped: the model is always transformers' own class for its
     model_type, never code from the Hub."""
     data = dict(data)
     family = data.pop("model_type", None)
@@ -103,7 +106,8 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
     try:
         config = cls(**{k: v for k, v in data.items() if k != "auto_map"})
         # a text encoder-decoder is its own text model (T5's text config for a decoder is a copy that drops fields)
-        text = config if seq2seq(config) or image_classifier(config) else config.get_text_config(decoder=True)
+        whole = seq2seq(config) or image_classifier(config) or vision_language(config)
+        text = config if whole else config.get_text_config(decoder=True)
     except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
         raise GcbenchError(f"{origin}: transformers refuses this config: {_validation_message(e)}") from None
     if text is not config:
@@ -129,10 +133,11 @@ MAX_LAYERS = 1_000  # blocks; the deepest published models have about 130
 def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     """The rules a config must obey to be built and trained (an image classifier's on its blocks' config)."""
     whole, text, config = config, not image_classifier(config), block_config(config)
-    for name in _SIZES:
-        value = getattr(config, name, None)
-        if value is not None and not _positive_int(value):
-            raise GcbenchError(f"{origin}: {name} must be a positive integer, got {value!r}")
+    for part, where in ((config, ""), *(((whole.vision_config, "vision_config's "),) if vision_language(whole) else ())):
+        for name in _SIZES:
+            value = getattr(part, name, None)
+            if value is not None and not _positive_int(value):
+                raise GcbenchError(f"{origin}: {where}{name} must be a positive integer, got {value!r}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *(("vocab_size",) if text else ())):
         if getattr(config, name, None) is None:
             raise GcbenchError(f"{origin}: {name} is missing: gcbench trains transformer language models and image "
@@ -155,8 +160,9 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     config = whole
     head = auto_class(config, origin, "lm")  # the head a run chooses is prepare_config's
     pad = getattr(config, "pad_token_id", None)
-    if text and _positive_int(pad) and pad >= config.vocab_size:  # transformers' own words name neither field
-        raise GcbenchError(f"{origin}: pad_token_id ({pad}) must be below vocab_size ({config.vocab_size})")
+    vocab = getattr(block_config(config), "vocab_size", None)  # a VLM's: its language model's
+    if text and _positive_int(pad) and pad >= vocab:  # transformers' own words name neither field
+        raise GcbenchError(f"{origin}: pad_token_id ({pad}) must be below vocab_size ({vocab})")
     try:
         model = _meta_build(head, config)  # no memory, no init: whatever else transformers refuses, say it now
     except Exception as e:  # noqa: BLE001
@@ -164,6 +170,8 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     find_stacks(model, origin)
     if image_classifier(config):
         image_tokens(config, build_meta_model, origin)  # an image its patches do not fit: said now
+    if vision_language(config):
+        tokens_per_image(config, build_meta_model, origin)
 
 
 def _positive_int(value: object) -> bool:
@@ -183,20 +191,26 @@ def _validation_message(e: BaseException) -> str:
 
 
 def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
-                   attn: str | None, head: str = "lm") -> transformers.PretrainedConfig:
-    """Apply the run's shape to a config: truncate blocks, check positions, the head, training-only settings."""
-    blocks = block_config(config)  # an image classifier's vision config, where it has one
+                   attn: str | None, head: str = "lm", images: int | None = None) -> transformers.PretrainedConfig:
+    """Apply the run's shape to a config: truncate blocks, check positions, the head, training-only settings. A
+    vision-language model's `seq_len` is its text's tokens; its language model sees its `images` too."""
+    blocks = block_config(config)  # an image classifier's vision config, a VLM's text config
     n = blocks.num_hidden_layers
+    if images is not None and not vision_language(config):
+        raise GcbenchError(f"--images {images}: this {family} model has no vision tower that gcbench feeds (--images "
+                           "is for vision-language models: llava, qwen2_vl, ...)")
     if layers is not None:
         sizes = stack_sizes(config)
         if not 1 <= layers <= min(sizes.values()):
             has = f"{n} blocks" if len(sizes) == 1 else " and ".join(f"{m} in its {k}" for k, m in sizes.items())
             raise GcbenchError(f"--layers {layers} is out of range: the model has {has}")
-        for key, value in vars(blocks).items():
-            # per-block lists (layer_types: Gemma's local/global pattern, Qwen's sliding layers) keep the first N
-            if isinstance(value, list) and len(value) == n and not key.endswith(("token_id", "token_ids")):
-                setattr(blocks, key, value[:layers])
-        blocks.num_hidden_layers = layers
+        for part in (config.vision_config, blocks) if vision_language(config) else (blocks,):  # each stack its N
+            n = part.num_hidden_layers
+            for key, value in vars(part).items():
+                # per-block lists (layer_types: Gemma's local/global pattern, Qwen's sliding layers) keep the first N
+                if isinstance(value, list) and len(value) == n and not key.endswith(("token_id", "token_ids")):
+                    setattr(part, key, value[:layers])
+            part.num_hidden_layers = layers
         for key in DECODER_LAYERS if "decoder" in sizes else ():  # an encoder-decoder: each stack its first N
             if getattr(config, key, None):
                 setattr(config, key, layers)
@@ -206,7 +220,14 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
             raise GcbenchError(f"--seq {seq_len}: this {family} model reads {side}x{side} images, {tokens} tokens "
                                f"each (its patches and class tokens): give --seq {tokens} (another image size needs a "
                                "config.json that sets it)")
-    limit, learned = (None, False) if image_classifier(config) else max_positions(config)
+    limit, learned = (None, False) if image_classifier(config) else max_positions(blocks)
+    if vision_language(config):
+        setattr(config, IMAGE_TOKENS, tokens_per_image(config, build_meta_model, family))
+        if limit is not None and seq_len + (images or 1) * getattr(config, IMAGE_TOKENS) > limit:
+            each = getattr(config, IMAGE_TOKENS)
+            raise GcbenchError(f"--seq {seq_len}: with {plural(images or 1, 'image')} of {each} tokens, this {family} "
+                               f"model's language model would see {seq_len + (images or 1) * each} tokens, beyond its "
+                               f"{limit} positions (--seq counts the text's tokens alone)")
     if limit is not None and seq_len > limit:
         if learned:
             raise GcbenchError(f"--seq {seq_len} exceeds the {limit} learned positions of this {family} model")
@@ -215,6 +236,9 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
                            f"(max_position_embeddings{', times its rope_scaling factor' if scaled else ''}); for "
                            "longer sequences use a config.json that allows them")
     config.use_cache = False
+    for part in (getattr(config, "text_config", None), getattr(config, "vision_config", None)):
+        if isinstance(part, transformers.PretrainedConfig) and vision_language(config):
+            part.use_cache = False  # the language model reads its own config's
     if seq2seq(config) and not isinstance(getattr(config, "decoder_start_token_id", None), int):
         # the decoder's first input (transformers 5 keeps it in the generation config when the file omits it):
         # T5's convention, the pad id, else 0; which id changes no memory
@@ -327,9 +351,9 @@ def describe(name: str) -> dict[str, Any]:
         "hidden": blocks.hidden_size,
         "heads": heads,
         "kv_heads": getattr(blocks, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
-        "vocab": getattr(config, "vocab_size", None),
+        "vocab": getattr(blocks, "vocab_size", None),
         "max_seq": image_tokens(config, build_meta_model) if image_classifier(config) else
-        max_positions(config)[0],
+        max_positions(blocks)[0],
         "summary": p.summary,
         "source": p.source,
     }

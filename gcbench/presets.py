@@ -164,6 +164,17 @@ preset("siglip-so400m", "SigLIP So400m vision tower at 384x384: 27 x 1152, 16 he
        text_config=dict(hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, intermediate_size=4304,
                         vocab_size=32000, max_position_embeddings=64))
 
+# Vision-language models: a vision tower's blocks, then a language model's, two stacks; --seq is the text's tokens,
+# each image (--images per sample) adds the tokens its vision tower makes (`gcbench models` shows them).
+preset("llava-1.5-7b", "LLaVA-1.5 7B: CLIP ViT-L/14 tower at 336x336 (24 x 1024, 576 tokens per image) + Vicuna "
+       "7B (32 x 4096)", f"{HF}/llava-hf/llava-1.5-7b-hf/blob/main/config.json", "llava",
+       image_token_index=32000, pad_token_id=32001, projector_hidden_act="gelu", tie_word_embeddings=False,
+       vision_feature_layer=-2, vision_feature_select_strategy="default",
+       # the file's text_config names the rest by its base (lmsys/vicuna-7b-v1.5): llama's defaults, 4096 x 32
+       text_config=dict(model_type="llama", max_position_embeddings=4096, rms_norm_eps=1e-5, vocab_size=32064),
+       vision_config=dict(model_type="clip_vision_model", hidden_size=1024, image_size=336, intermediate_size=4096,
+                          num_attention_heads=16, num_hidden_layers=24, patch_size=14, projection_dim=768))
+
 # Tiny presets for CI: a few blocks, hidden <= 128, dropout on so that RNG replay in recompute is exercised.
 preset("tiny-llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1", "CI", "llama",
        hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -189,3 +200,12 @@ preset("tiny-bart", "CI: 3 + 2 x 64, 4 heads, dropout 0.1 everywhere (an encoder
 preset("tiny-vit", "CI: 3 x 64, 4 heads, 32x32 images of 8x8 patches (17 tokens), dropout 0.1", "CI", "vit",
        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, image_size=32,
        patch_size=8, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+preset("tiny-llava", "CI: CLIP tower 3 x 64 on 32x32 images of 8x8 patches (16 tokens each) + Llama 3 x 64, "
+       "dropout 0.1", "CI", "llava",
+       image_token_index=511, vision_feature_layer=-2, vision_feature_select_strategy="default",
+       tie_word_embeddings=False,
+       text_config=dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
+                        attention_dropout=0.1),
+       vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, image_size=32, patch_size=8, attention_dropout=0.1))

@@ -153,6 +153,8 @@ def resolve(spec: RunSpec | ResolvedRun, *, devices_here: bool = True,
 
         _check_sharding(spec, policy, device, devices_here and not in_rank())
     config, family = config or _prepared_config(*config_fields(spec))
+    if spec.images is None and "vision" in _stack_names(config):  # a VLM's default: one image a sample
+        spec = dataclasses.replace(spec, images=1)
     _check_stacks(spec, policy, config)
     check_compile(spec, policy, device)
     spec = dataclasses.replace(spec, adapter=_checked_adapter(spec, config))
@@ -186,6 +188,12 @@ def runnable_defaults(policies: tuple[str, ...], fields: Mapping[str, Any]) -> t
     return kept, refused
 
 
+def _stack_names(config: Any) -> tuple[str, ...]:
+    from gcbench.models import stack_sizes
+
+    return tuple(stack_sizes(config))
+
+
 def _check_stacks(spec: RunSpec, policy: Policy, config: Any) -> None:
     """The policy's options against each stack's blocks (an encoder-decoder's policy applies to each stack on its
     own); what a model of two stacks cannot run yet, in one line."""
@@ -212,12 +220,13 @@ def _refused_policy(spec: RunSpec, policy: Policy, config: Any) -> None:
         raise PolicyRefused(f"{policy}: {why}")
     if len(sizes) == 1:
         return
+    what = "a vision-language model" if "vision" in sizes else "an encoder-decoder"
     if spec.shard != "none":
-        raise GcbenchError("--shard fsdp2: gcbench shards a model of one stack of blocks, not an encoder-decoder")
+        raise GcbenchError(f"--shard fsdp2: gcbench shards a model of one stack of blocks, not {what}")
     if policy.name == "plan":
-        raise PolicyRefused("plan: a plan chooses among one stack's blocks, not among an encoder-decoder's two "
-                            "(nor within one of them, stack=, yet); give another policy, which both stacks then take "
-                            "(or the one stack= names)")
+        raise PolicyRefused(f"plan: a plan chooses among one stack's blocks, not among {what}'s two (nor within "
+                            "one of them, stack=, yet); give another policy, which both stacks then take (or the one "
+                            "stack= names)")
 
 
 def distinct_runs(runs: Iterable[tuple[ResolvedRun, Mapping[str, Any]]], twice: str) -> list[ResolvedRun]:
@@ -254,18 +263,18 @@ def resolve_record(record: Mapping[str, Any], **how: Any) -> ResolvedRun:
 
 def config_fields(spec: RunSpec) -> tuple[Any, ...]:
     """The fields a run's model config is prepared from (_prepared_config): runs that agree on them share one."""
-    return spec.model, spec.layers, spec.seq_len, spec.attn, spec.head
+    return spec.model, spec.layers, spec.seq_len, spec.attn, spec.head, spec.images
 
 
-def _prepared_config(model: str, layers: int | None, seq_len: int, attn: str | None, head: str
-                     ) -> tuple[Any, str]:
+def _prepared_config(model: str, layers: int | None, seq_len: int, attn: str | None, head: str,
+                     images: int | None = None) -> tuple[Any, str]:
     """(config, family) with the run's layers, sequence length, attention and head applied, from the model's config
     as read once (a copy: preparing writes into it)."""
     from gcbench.models import prepare_config
 
     config, family = _raw_config(model, _file_state(model))
     return prepare_config(copy.deepcopy(config), family, layers=layers, seq_len=seq_len, attn=attn,
-                          head=head), family
+                          head=head, images=images), family
 
 
 @functools.lru_cache(maxsize=32)

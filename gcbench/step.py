@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gcbench.losses import loss_of, parse_loss
-from gcbench.modality import batch_of, inputs_of
+from gcbench.modality import batch_of, block_config, inputs_of
 from gcbench.nf4 import quantisation_state
 from gcbench.optimizers import optimizer_kind
 from gcbench.fsdp import rank_and_world
@@ -193,7 +193,7 @@ def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(spec.seed)
     rank, world = rank_and_world()
     rows = spec.batch_size * spec.grad_accum
-    drawn = {name: torch.randint(0, config.vocab_size, shape, generator=gen) if dtype == torch.long else
+    drawn = {name: torch.randint(0, block_config(config).vocab_size, shape, generator=gen) if dtype == torch.long else
              torch.randn(shape, generator=gen, dtype=dtype) for name, (shape, dtype) in inputs_of(spec, config,
                                                                                             rows * world).items()}
     if world > 1:  # its own storage: the other ranks' rows are not its memory

@@ -374,7 +374,11 @@ def _unpacked_batch() -> Iterator[None]:
     ones) to skip the mask for SDPA's `is_causal`, but refuses to read a fake tensor and then builds a full 4-D mask
     — a different (and larger) step than the real one, which runs without a mask. gcbench batches are never packed
     nor padded, so the answer the real run computes is known: no packing, and a padding mask that masks nothing,
-    which reads as none."""
+    which reads as none. A VLM's check that its image placeholders number its features reads a count: batch_of
+    places as many, so transformers' switch TRANSFORMERS_DISABLE_TORCH_CHECK skips it in the fake step."""
+    import os
+    from unittest import mock
+
     import transformers.masking_utils as masking
 
     unpadded = lambda check: lambda padding_mask, *args, **kwargs: check(None, *args, **kwargs)  # noqa: E731
@@ -384,7 +388,8 @@ def _unpacked_batch() -> Iterator[None]:
     for name, original in originals.items():
         setattr(masking, name, patches[name](original))
     try:
-        yield
+        with mock.patch.dict(os.environ, {"TRANSFORMERS_DISABLE_TORCH_CHECK": "1"}):
+            yield
     finally:
         for name, original in originals.items():
             setattr(masking, name, original)

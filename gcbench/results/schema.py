@@ -21,8 +21,8 @@ from gcbench.units import parse_bytes
 # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
 # world_size and the per-rank fields); 4: adapters, the loss and compiled blocks (adapter, loss, compile); 5: the
 # head (head)
-SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)  # an older record reads as one with ADDED_SPEC_FIELDS' values
+SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # an older record reads as one with ADDED_SPEC_FIELDS' values
 
 
 class Status(enum.StrEnum):
