@@ -97,12 +97,12 @@ class Adapter:
                                   "own 4-bit layer on fake tensors)" if any(m == "bitsandbytes" for m, _ in missing)
                                   else ""))
 
-    def lora_config(self) -> Any:
+    def lora_config(self, model: nn.Module | None = None) -> Any:
         from peft import LoraConfig
 
         return LoraConfig(
             r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, use_dora=self.name == "dora",
-            target_modules=ALL_LINEAR if self.targets == (ALL_LINEAR,) else list(self.targets),
+            target_modules=all_linear(model) if self.targets == (ALL_LINEAR,) else list(self.targets),
             # peft's default sets B = 0, so that the adapted model starts as the base; then A's gradient is zero
             # (it is B^T times the incoming gradient) and a test that gradients under every policy equal none's
             # would compare zeros for half the adapters. Both random (nn.Linear's own init) keeps every gradient
@@ -195,6 +195,25 @@ def check_targets(adapter: Adapter, config: Any, build_meta_model: Callable[[Any
                            f"model" + (" that its 4-bit base quantises" if _UNMATCHED[key].startswith("skip") else ""))
 
 
+def all_linear(model: nn.Module | None) -> str | list[str]:
+    """What `targets=all-linear` adapts: peft's all-linear (every linear layer but the output layer), held to the
+    language model in a vision-language model (a module built from the config's text_config beside a vision_config:
+    LLaVA's own LoRA recipe, find_all_linear_names, leaves the vision tower and the projector out, and peft's
+    all-linear would take them too); there, the language model's linear layers by their full names."""
+    from torch import nn
+
+    config = getattr(model, "config", None)
+    text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
+    if model is None or text is None or vision is None:
+        return ALL_LINEAR
+    language = next((name for name, m in model.named_modules() if getattr(m, "config", None) is text), None)
+    if language is None:  # an image classifier of a two-tower config (SigLIP): no language model in it
+        return ALL_LINEAR
+    part = model.get_submodule(language)
+    return [f"{language}.{name}" for name, m in part.named_modules()
+            if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+
+
 def compute_dtype(spec: Any) -> torch.dtype:
     """The dtype the run's matmuls compute in: autocast's (amp), else the parameters' (a resolved run)."""
     return spec.autocast_dtype or spec.param_dtype
@@ -240,7 +259,7 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
     with warnings.catch_warnings(), quiet_logger("peft"):
         warnings.simplefilter("ignore")
         try:
-            wrapped = get_peft_model(model, adapter.lora_config())
+            wrapped = get_peft_model(model, adapter.lora_config(model))
         except ValueError as e:  # a target that names no module
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise GcbenchError(f"--adapter {adapter.name}: {plain(first)}") from None

@@ -130,11 +130,12 @@ def not_chunkable(config: Any) -> str | None:
     if auto_class(config) is transformers.AutoModelForSeq2SeqLM:
         return (f"{family} is an encoder-decoder: its LM head reads the decoder's output inside the model; only a "
                 "causal LM's linear head on the body's hidden states is chunked here")
-    if auto_class(config) is not transformers.AutoModelForCausalLM:
+    if auto_class(config) not in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
         return (f"{family} trains a masked-LM head (a transform before its decoder, no shift): only a causal LM's "
                 "linear head can be chunked exactly")
-    for name, plain in _LOGIT_CHANGES.items():
-        value = getattr(config, name, None)
+    for name, plain in _LOGIT_CHANGES.items():  # a VLM's in its config or its language model's (Gemma 3's)
+        value = next((v for c in (config, getattr(config, "text_config", None)) if (v := getattr(c, name, None))
+                      not in plain), None)
         if value not in plain:
             what = "adds its router's auxiliary loss to the loss" if name == "output_router_logits" else \
                 "changes the logits after its LM head"

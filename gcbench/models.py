@@ -85,8 +85,8 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
                                                                                      str]:
     """(config, family) from config.json fields; `origin` names them in errors (a path, a Hub id, a preset).
 
-    A vision-language model's config (modality.vision_language: LLaVA, Qwen2-VL) is kept whole: its vision tower
-    and its language model train. Any other multimodal config (a text model beside a tower gcbench makes no inputs
+    A vision-language model's config (modality.vision_language: LLaVA, Qwen2-VL) that gives its vision_config is
+    kept whole: its vision tower and its language model train. Any other multimodal config (a text model beside a tower gcbench makes no inputs
     for) becomes its text model's config. `auto_map` is dropped: the model is always transformers' own class for its
     model_type, never code from the Hub."""
     data = dict(data)
@@ -106,7 +106,8 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
     try:
         config = cls(**{k: v for k, v in data.items() if k != "auto_map"})
         # a text encoder-decoder is its own text model (T5's text config for a decoder is a copy that drops fields)
-        whole = seq2seq(config) or image_classifier(config) or vision_language(config)
+        # a VLM whose file describes its vision tower (one left to transformers' default trains its text model)
+        whole = seq2seq(config) or image_classifier(config) or (vision_language(config) and "vision_config" in data)
         text = config if whole else config.get_text_config(decoder=True)
     except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
         raise GcbenchError(f"{origin}: transformers refuses this config: {_validation_message(e)}") from None
@@ -338,7 +339,8 @@ def count_params(module: nn.Module) -> int:
 
 def describe(name: str) -> dict[str, Any]:
     """One row of `gcbench models`: name, family, params, layers, hidden, heads and kv heads, vocab, max seq (an
-    image classifier: no vocabulary, and the one --seq it takes, its image's tokens)."""
+    image classifier: no vocabulary, and the one --seq it takes, its image's tokens; a vision-language model: its
+    language model's, and the longest --seq of text beside one image)."""
     p = MODELS[name]
     config, family = load_config(name)
     blocks = block_config(config)
@@ -353,7 +355,7 @@ def describe(name: str) -> dict[str, Any]:
         "kv_heads": getattr(blocks, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
         "vocab": getattr(blocks, "vocab_size", None),
         "max_seq": image_tokens(config, build_meta_model) if image_classifier(config) else
-        max_positions(blocks)[0],
+        max_positions(blocks)[0] - (tokens_per_image(config, build_meta_model) if vision_language(config) else 0),
         "summary": p.summary,
         "source": p.source,
     }
