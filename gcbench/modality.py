@@ -5,6 +5,8 @@ it (inputs_of, batch_of). Each is read off the config and transformers' Auto map
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,15 +43,31 @@ def vision_language(config: transformers.PretrainedConfig) -> bool:
     """Whether the model is a vision-language model that puts each image's features in the text's place (LLaVA,
     Qwen2-VL): a family transformers has an image-text-to-text head for, whose config holds a vision config, a text
     config and the image's placeholder token (image_token_id), and whose model scatters the vision tower's output
-    at those placeholders (its get_placeholder_mask). Others (Mllama, whose text attends to the image through
-    cross-attention layers) train their text model alone, as before."""
+    at those placeholders (its get_placeholder_mask), and whose tower takes images of one size and nothing else
+    (its vision config's image_size and num_channels; its get_image_features requires the pixel values alone: what
+    gcbench makes). Others train their text model alone, as before: Mllama (its text attends to the image through
+    cross-attention layers), Qwen2-VL (its tower reads images of any size as flattened patches and their grid,
+    image_grid_thw), LLaVA-NeXT and Mistral 3 (tiles of each image's own size, image_sizes)."""
     family = config.model_type
     if family not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or not isinstance(
             getattr(config, "image_token_id", None), int):
         return False
-    parts = (getattr(config, "vision_config", None), getattr(config, "text_config", None))
-    base = getattr(transformers, MODEL_MAPPING_NAMES.get(family, ""), None)
-    return all(isinstance(p, transformers.PretrainedConfig) for p in parts) and hasattr(base, "get_placeholder_mask")
+    vision, text = getattr(config, "vision_config", None), getattr(config, "text_config", None)
+    if not (isinstance(vision, transformers.PretrainedConfig) and isinstance(text, transformers.PretrainedConfig)
+            and all(hasattr(vision, k) for k in ("image_size", "num_channels"))):
+        return False
+    return _takes_pixels_alone(getattr(transformers, MODEL_MAPPING_NAMES.get(family, ""), None))
+
+
+@functools.cache
+def _takes_pixels_alone(base: type | None) -> bool:
+    """Whether a VLM's base model places image features at placeholders and computes them from pixel values alone."""
+    features = getattr(base, "get_image_features", None)
+    if features is None or not hasattr(base, "get_placeholder_mask"):
+        return False
+    required = [name for name, p in inspect.signature(features).parameters.items() if name != "self"
+                and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return required == ["pixel_values"]
 
 
 def block_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:

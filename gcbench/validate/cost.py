@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gcbench.fields import DEFAULT_MAX_STEPS, DEFAULT_MAX_TIME_S
 from gcbench.gpus import gpu
+from gcbench.modality import block_config
 from gcbench.resolved import ResolvedRun
 from gcbench.timing import MIN_STEPS
 
@@ -80,7 +81,8 @@ def step_flops(spec: ResolvedRun, n_params: int) -> float:
     tokens = spec.batch_size * spec.seq_len * spec.grad_accum
     recompute = 0 if str(spec.policy) == "none" else 1
     blocks = _blocks(spec)
-    attention = 4 * spec.batch_size * spec.seq_len ** 2 * config.hidden_size * blocks * spec.grad_accum
+    hidden = block_config(config).hidden_size  # a vision-language model's: its language model's
+    attention = 4 * spec.batch_size * spec.seq_len ** 2 * hidden * blocks * spec.grad_accum
     return (6 + 2 * recompute) * n_params * tokens + (3 + recompute) * attention
 
 

@@ -116,6 +116,8 @@ class Sizes:
     moe: str = "qwen3-30b-a3b,deepseek-v2-lite"
     vision: str = "vit-base"
     vision_shape: tuple[int, int] = (197, 32)
+    vlm: str = "llava-1.5-7b"  # the first 2 blocks of its tower and of its language model, one image a sample
+    vlm_shape: tuple[int, int] = (512, 4)  # text tokens (the language model sees 512 + 576), batch
 
 
 REAL = Sizes(large="llama-7b", small="gpt2", layers=8, seq=2048, batch=4, line_seq="2048", line_batch="1,2,4,8",
@@ -125,7 +127,8 @@ SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, 
               canonical_seq=32, small_seq=64, small_batch=2, fit_range="1..64", cap="16MiB", rounds=2,
               optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full",
               adapters="lora", losses="chunked", precisions="fp32,amp-bf16", families="tiny-gpt2", timed_s=0.5,
-              seq2seq="tiny-t5", seq2seq_shape=(64, 2), moe="tiny-mixtral", vision="tiny-vit", vision_shape=(17, 2))
+              seq2seq="tiny-t5", seq2seq_shape=(64, 2), moe="tiny-mixtral", vision="tiny-vit", vision_shape=(17, 2),
+              vlm="tiny-llava", vlm_shape=(32, 2))
 
 
 def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
@@ -226,13 +229,18 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
              "patches as tokens",
              {"model": s.vision, "seq": s.vision_shape[0], "batch": s.vision_shape[1], "policy": "none,full",
               **short}),
+        Step("vision-language-2layers", StepKind.SWEEP, "a vision-language model's first 2 blocks of each stack under "
+             "none and full: pixel values through its vision tower, its image tokens among the text's",
+             {"model": s.vlm, "layers": 2, "seq": s.vlm_shape[0], "batch": s.vlm_shape[1], "policy": "none,full",
+              **short}),
     ]
     return [Tier(1, "core: every policy at one llama-7b-sized config", tuple(core)),
             Tier(2, "limits: where memory runs out", tuple(limits)),
             Tier(3, "levers, FSDP2 and --devices", tuple(levers)),
             Tier(4, "timing: paired ratios and harness overhead", tuple(timing)),
             Tier(5, "breadth: precisions and families", tuple(breadth)),
-            Tier(6, "beyond one stack of text blocks: encoder-decoders, experts, images", tuple(beyond))]
+            Tier(6, "beyond one stack of text blocks: encoder-decoders, experts, images, image and text",
+                 tuple(beyond))]
 
 
 def steps_of(plan: list[Tier]) -> list[tuple[Tier, Step]]:
