@@ -355,7 +355,8 @@ def describe(name: str) -> dict[str, Any]:
         "kv_heads": getattr(blocks, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
         "vocab": getattr(blocks, "vocab_size", None),
         "max_seq": image_tokens(config, build_meta_model) if image_classifier(config) else
-        max_positions(blocks)[0] - (tokens_per_image(config, build_meta_model) if vision_language(config) else 0),
+        max_positions(blocks)[0] - tokens_per_image(config, build_meta_model) if vision_language(config) else
+        max_positions(blocks)[0],
         "summary": p.summary,
         "source": p.source,
     }
