@@ -1,6 +1,7 @@
 """What a family reads and trains: its modality (a text decoder or encoder, a text encoder-decoder, an image
-classifier, a vision-language model), the transformers head with a training loss for it (auto_class), and the random inputs a step draws for
-it (inputs_of, batch_of). Each is read off the config and transformers' Auto mappings, not a table per family.
+classifier, a vision-language model), the transformers head with a training loss for it (auto_class), and the
+random inputs a step draws for it (inputs_of, batch_of). Each is read off the config and transformers' Auto
+mappings, not a table per family.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def image_classifier(config: transformers.PretrainedConfig) -> bool:
 
 def vision_language(config: transformers.PretrainedConfig) -> bool:
     """Whether the model is a vision-language model that puts each image's features in the text's place (LLaVA,
-    Qwen2-VL): a family transformers has an image-text-to-text head for, whose config holds a vision config, a text
+    Gemma 3): a family transformers has an image-text-to-text head for, whose config holds a vision config, a text
     config and the image's placeholder token (image_token_id), and whose model scatters the vision tower's output
     at those placeholders (its get_placeholder_mask), and whose tower takes images of one size and nothing else
     (its vision config's image_size and num_channels; its get_image_features requires the pixel values alone: what
@@ -199,8 +200,6 @@ def batch_of(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]
     if classifies(config) or image_classifier(config):
         return {**inputs, "labels": torch.zeros(first.shape[0], dtype=torch.long, device=first.device)}
     return {**inputs, "labels": inputs.get("labels", inputs.get("input_ids"))}
-
-
 
 
 def _vision_language_batch(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

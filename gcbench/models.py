@@ -2,8 +2,9 @@
 
 Any transformers family builds through the Auto classes, random weights, nothing downloaded but a config.json:
 a causal LM for decoders, a masked LM for encoders, a text-to-text model for encoder-decoders, an image classifier
-for vision encoders, an image-text-to-text model for vision-language models. The stacks of blocks are found by one rule for every family (blocks.py: find_stacks), and the
-longest sequence by another (max_positions); nothing here is a table per family.
+for vision encoders, an image-text-to-text model for vision-language models. The stacks of blocks are found by one
+rule for every family (blocks.py: find_stacks), and the longest sequence by another (max_positions); nothing here is
+a table per family.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
                                                                                      str]:
     """(config, family) from config.json fields; `origin` names them in errors (a path, a Hub id, a preset).
 
-    A vision-language model's config (modality.vision_language: LLaVA, Qwen2-VL) that gives its vision_config is
-    kept whole: its vision tower and its language model train. Any other multimodal config (a text model beside a tower gcbench makes no inputs
-    for) becomes its text model's config. `auto_map` is dropped: the model is always transformers' own class for its
+    A vision-language model's config (modality.vision_language: LLaVA, Gemma 3) that gives its vision_config is
+    kept whole: its vision tower and its language model train. Any other multimodal config (a text model beside a
+    tower gcbench makes no inputs for) becomes its text model's config. `auto_map` is dropped: the model is always transformers' own class for its
     model_type, never code from the Hub."""
     data = dict(data)
     family = data.pop("model_type", None)
@@ -134,7 +135,8 @@ MAX_LAYERS = 1_000  # blocks; the deepest published models have about 130
 def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     """The rules a config must obey to be built and trained (an image classifier's on its blocks' config)."""
     whole, text, config = config, not image_classifier(config), block_config(config)
-    for part, where in ((config, ""), *(((whole.vision_config, "vision_config's "),) if vision_language(whole) else ())):
+    towers = ((whole.vision_config, "vision_config's "),) if vision_language(whole) else ()
+    for part, where in ((config, ""), *towers):
         for name in _SIZES:
             value = getattr(part, name, None)
             if value is not None and not _positive_int(value):

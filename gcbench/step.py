@@ -91,9 +91,10 @@ class TrainingStep:
         self._autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype else contextlib.nullcontext
         self.scaler = _grad_scaler(self.device) if dtype == torch.float16 else None
         # micro-batches: views of rows of the one batch (the same storage), so accumulating N of them computes the
-        # gradient of the whole batch, as one batch of N x --batch would (mean-reduced loss)
-        n, rows = spec.grad_accum, spec.batch_size
-        self.micro_batches = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(n)] \
+        # gradient of the whole batch, as one batch of N x --batch would (mean-reduced loss); each input's rows cut
+        # in N (a vision-language model's pixel values have --images rows a sample)
+        n = spec.grad_accum
+        self.micro_batches = [{k: v.tensor_split(n)[i] for k, v in batch.items()} for i in range(n)] \
             if n > 1 else [batch]
         self.loss = parse_loss(getattr(spec, "loss", "ce"))
         self.held: list = []

@@ -117,7 +117,8 @@ def test_the_simulation_is_exact_on_cpu_under_every_policy():
         record = run(tiny_spec("tiny-llava", policy, seq_len=SEQ, predict=True))
         assert record["status"] == "ok", (policy, record.get("error"))
         assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
-    for overrides in ({"images": 2}, {"adapter": "lora"}, {"loss": "chunked"}, {"loss": "litgpt"}):
+    for overrides in ({"images": 2}, {"images": 2, "grad_accum": 2}, {"adapter": "lora"}, {"loss": "chunked"},
+                      {"loss": "litgpt"}):
         record = run(tiny_spec("tiny-llava", "full", seq_len=SEQ, predict=True, **overrides))
         assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], overrides
 
