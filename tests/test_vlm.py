@@ -161,8 +161,9 @@ def test_the_published_llava_config_runs_as_it_is(tmp_path):
 
 @pytest.mark.slow  # a simulation of two blocks of each stack at 7B's widths
 def test_the_preset_is_estimated_for_a_card():
-    result = runner.invoke(app, ["estimate", "--model", "llava-1.5-7b", "--seq", "512", "--layers", "2", "--policy",
-                                 "none,full", "--gpu", "h100-80gb", "--method", "simulate", "--format", "json"])
+    result = runner.invoke(app, ["estimate", "--model", "llava-1.5-7b", "--seq", "512", "--batch", "16", "--layers",
+                                 "2", "--policy", "none,full", "--gpu", "h100-80gb", "--method", "simulate", "--format",
+                                 "json"])
     assert result.exit_code == 0, result.output
     none, full = (json.loads(line) for line in result.stdout.splitlines())
     assert full["peak_bytes"] < none["peak_bytes"]
