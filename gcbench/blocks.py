@@ -1,9 +1,9 @@
 """The stacks of transformer blocks in a model, found by one rule for every family: a model of one stack (a decoder,
-an encoder, an image classifier's vision tower) has one block list; a text encoder-decoder (T5, BART) two, its
+an encoder, an image classifier's vision tower) has one block list; an encoder-decoder (T5, BART, Whisper) two, its
 encoder's and its decoder's; a vision-language model (LLaVA) two, its vision tower's and its language model's; and
-a policy applies to each on its own (policies.base.apply_to_stacks). What the
-blocks cannot do (be grouped into one checkpoint) and see (an image's tokens) is read off a meta build. Nothing here
-is a table per family.
+a policy applies to each on its own (policies.base.apply_to_stacks). What the blocks cannot do (be grouped into one
+checkpoint) and see (an image's tokens, a speech encoder's frames and positions) is read off a meta build. Nothing
+here is a table per family.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import math
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -215,3 +216,40 @@ def tokens_per_image(config: transformers.PretrainedConfig, build: Callable[[Any
             raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {vision.image_size}x"
                                f"{vision.image_size} image with this config: {why}") from None
     return _IMAGE_TOKENS[key]
+
+
+_SPEECH: dict[str, tuple[int, int]] = {}  # config text -> speech_input's answer
+
+
+def speech_input(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = ""
+                 ) -> tuple[int, int]:
+    """(frames of log-mel features per sample, the positions the encoder's blocks see) of a speech encoder: its
+    positions (max_source_positions) times the strides of its conv stem's Conv1d layers (Whisper's 1 and 2: 3,000
+    frames, 30 s of audio, make 1,500 positions; WhisperEncoder refuses any other count), read off the model `build`
+    makes on the meta device, and the positions off the first block's input in a forward of the encoder there,
+    once per config."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _SPEECH:
+        model = build(config)
+        encoder = model.get_encoder()
+        frames = config.max_source_positions * math.prod(
+            m.stride[0] for m in encoder.modules() if isinstance(m, nn.Conv1d))
+        seen: list[int] = []
+
+        def first_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen.append((args[0] if args else next(iter(kwargs.values()))).shape[1])
+            raise _Seen
+
+        hook = find_stacks(model)[0][1][0].register_forward_pre_hook(first_input, with_kwargs=True)
+        try:
+            encoder(input_features=torch.empty(1, config.num_mel_bins, frames, device="meta"))
+        except _Seen:
+            pass
+        except Exception as e:  # noqa: BLE001 - the config's features, refused by the model's own code
+            why = " ".join(str(e).split())[:200]
+            raise GcbenchError(f"{origin or config.model_type}: transformers cannot encode {frames} frames of "
+                               f"{config.num_mel_bins} log-mel bins with this config: {why}") from None
+        finally:
+            hook.remove()
+        _SPEECH[key] = frames, seen[0]
+    return _SPEECH[key]

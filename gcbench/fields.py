@@ -178,6 +178,10 @@ RUN_FIELDS: tuple[Field, ...] = (
           "the tokens its vision tower makes to the language model's sequence, beside --seq's text tokens (default: "
           "1; refused for a model without a vision tower)", None, estimate=True, added=(6, None),
           words=_counted("image")),
+    Field("target_len", "target-len", Int(1, 1_000_000), "an encoder-decoder's target tokens per sample, the "
+          "decoder's length (T5, BART, Whisper; default: as long as --seq, at most the decoder's learned positions: "
+          "Whisper's 448)", None, axis=True, ascending=True, added=(6, None),
+          words=lambda value, record: f"target {value}" if value is not None else "", unset="target default"),
     Field("precision", "precision", Choice(tuple(PRECISIONS), "precision"), "fp32 | bf16 (pure: weights, grads and "
           "optimizer state in bf16) | amp-bf16 (fp32 weights, grads and state; bf16 autocast) | amp-fp16 (the same "
           "with fp16 autocast and a gradient scaler) (default: bf16 on CUDA, fp32 on CPU)", "", role=Role.LEVER,

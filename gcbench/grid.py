@@ -191,7 +191,8 @@ class SweepSpec:
         varying = tuple(n for n in LEVER_FIELDS if varies(n))
         levers = lever_text({**{n: get(n) for n in LEVER_FIELDS}, "precision": get("precision") or "auto precision"},
                             leave_out=varying)
-        return (f"layers {get('layers') or 'all'} · " + (f"{levers} · " if levers else "")
+        target = f"target {get('target_len')} · " if get("target_len") and not varies("target_len") else ""
+        return (f"layers {get('layers') or 'all'} · {target}" + (f"{levers} · " if levers else "")
                 + f"device {get('device')} · threads {get('threads') or 'auto'} · warm-up {get('warmup_steps')} + "
                 f"{_steps_text(get)} · memory cap {cap} · timeout {self.timeout_s:g} s · "
                 f"isolation {self.isolation}" + ("" if self.paired else " · not paired")

@@ -118,7 +118,7 @@ _LOGIT_CHANGES = {
 def not_chunkable(config: Any) -> str | None:
     """Why the model's own loss is not cross-entropy on its LM head's output, or None when it is (and so a chunked
     or fused loss on the body's hidden states computes the same loss)."""
-    from gcbench.modality import auto_class, classifies
+    from gcbench.modality import auto_class, classifies, seq2seq
 
     import transformers
 
@@ -127,7 +127,7 @@ def not_chunkable(config: Any) -> str | None:
         return "--head seq-cls trains a classifier (one label per sequence, a few logits): there is no LM head to chunk"
     if auto_class(config) is transformers.AutoModelForImageClassification:
         return f"{family} is an image classifier (a label per image, a few logits): there is no LM head to chunk"
-    if auto_class(config) is transformers.AutoModelForSeq2SeqLM:
+    if seq2seq(config):  # text (AutoModelForSeq2SeqLM) or speech (AutoModelForSpeechSeq2Seq)
         return (f"{family} is an encoder-decoder: its LM head reads the decoder's output inside the model; only a "
                 "causal LM's linear head on the body's hidden states is chunked here")
     if auto_class(config) not in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):

@@ -1,5 +1,5 @@
-"""What a family reads and trains: its modality (a text decoder or encoder, a text encoder-decoder, an image
-classifier, a vision-language model), the transformers head with a training loss for it (auto_class), and the
+"""What a family reads and trains: its modality (a text decoder or encoder, a text or speech encoder-decoder, an
+image classifier, a vision-language model), the transformers head with a training loss for it (auto_class), and the
 random inputs a step draws for it (inputs_of, batch_of). Each is read off the config and transformers' Auto
 mappings, not a table per family.
 """
@@ -17,7 +17,8 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
                                                     MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES,
                                                     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-                                                    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+                                                    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                                                    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
 from gcbench.errors import GcbenchError
 
@@ -26,9 +27,39 @@ if TYPE_CHECKING:
 
 
 def seq2seq(config: transformers.PretrainedConfig) -> bool:
-    """Whether the model is a text encoder-decoder (T5, BART): an encoder stack reads the input ids, a decoder stack
-    the targets shifted right, with cross-attention to the encoder's output (a ForConditionalGeneration head)."""
+    """Whether the model is an encoder-decoder (T5, BART, Whisper): an encoder stack reads the input (token ids, or
+    a speech encoder's audio features), a decoder stack the targets shifted right, with cross-attention to the
+    encoder's output (a ForConditionalGeneration head)."""
     return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def speech(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model is a speech encoder-decoder (Whisper): an encoder-decoder transformers has a speech-to-text
+    head for (AutoModelForSpeechSeq2Seq) and no text-to-text head. Its encoder reads audio features, not ids."""
+    family = config.model_type
+    return seq2seq(config) and family in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES \
+        and family not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+
+# What a speech encoder must size for gcbench to make up its input: log-mel features of num_mel_bins channels, as
+# many frames as its conv stem turns into its max_source_positions positions (transformers' WhisperEncoder: conv1
+# reads num_mel_bins channels, embed_positions holds max_source_positions rows, each added to one frame's output)
+MEL_FIELDS = ("num_mel_bins", "max_source_positions")
+# Where prepare_config writes a speech encoder's frames per sample (read off its conv stem: blocks.speech_input)
+FRAMES = "gcbench_mel_frames"
+
+
+def target_tokens(config: transformers.PretrainedConfig, seq_len: int, target_len: int | None = None) -> int | None:
+    """An encoder-decoder's target tokens per sample, the decoder's length: --target-len where given, else as long
+    as --seq, at most the decoder's own position table where its config sizes one apart from the encoder's
+    (max_target_positions: Whisper's 448; BART's decoder shares max_position_embeddings with its encoder, which
+    --seq is held to). None for a model of one stack."""
+    if not seq2seq(config):
+        return None
+    if target_len is not None:
+        return target_len
+    limit = getattr(config, "max_target_positions", None)
+    return min(seq_len, limit) if isinstance(limit, int) and limit > 0 else seq_len
 
 
 def image_classifier(config: transformers.PretrainedConfig) -> bool:
@@ -91,10 +122,16 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None,
     a label per sequence)."""
     family = config.model_type
     where = f"{origin}: " if origin else ""
-    if getattr(config, "is_encoder_decoder", False) and family not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        raise GcbenchError(f"{where}{family} is an encoder-decoder model without a text-to-text head in transformers "
-                           f"{transformers.__version__} (a speech or vision encoder reads features gcbench does not "
-                           "make up); gcbench trains text encoder-decoders (t5, bart, ...)")
+    if seq2seq(config) and family not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        if not speech(config):
+            raise GcbenchError(f"{where}{family} is an encoder-decoder model without a text-to-text or speech-to-text "
+                               f"head in transformers {transformers.__version__}; gcbench trains text encoder-decoders "
+                               "(t5, bart, ...) and speech ones (whisper)")
+        if missing := [name for name in MEL_FIELDS if getattr(config, name, None) is None]:
+            raise GcbenchError(f"{where}{family} is a speech encoder-decoder whose encoder reads features gcbench "
+                               f"does not make up (its config has no {' or '.join(missing)}): gcbench makes up "
+                               "log-mel features for an encoder that sizes num_mel_bins and max_source_positions "
+                               "(whisper)")
     if vision_language(config):
         if head == "seq-cls" or classifies(config):
             raise GcbenchError(f"{where}--head seq-cls: {family} is a vision-language model; gcbench trains its "
@@ -110,11 +147,13 @@ def auto_class(config: transformers.PretrainedConfig, origin: str | None = None,
     if head == "seq-cls":
         if seq2seq(config):  # its classifier reads the decoder's eos token, which random ids do not hold
             raise GcbenchError(f"{where}--head seq-cls: {family} is an encoder-decoder; gcbench trains its "
-                               "text-to-text head (--head lm)")
+                               f"{'speech' if speech(config) else 'text'}-to-text head (--head lm)")
         if family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
             return transformers.AutoModelForSequenceClassification
         raise GcbenchError(f"{where}{family} models have no sequence-classification head in transformers "
                            f"{transformers.__version__}; use --head lm")
+    if speech(config):
+        return transformers.AutoModelForSpeechSeq2Seq
     if seq2seq(config):
         return transformers.AutoModelForSeq2SeqLM
     if encoder(config):
@@ -176,10 +215,13 @@ def image_inputs(config, images: int) -> dict[str, tuple[tuple[int, ...], torch.
 
 def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of each input a step draws for `rows` rows: token ids of --seq; an encoder-decoder's targets
-    too, as long as its input (its labels: the model shifts them into the decoder); an image classifier's pixel
-    values (its config's channels and image size, fp32: the model casts them to its own dtype); a vision-language
-    model's ids of --seq text tokens and its images' placeholders (image_tokens_per_sample), and the pixel values
-    of --images images per row, as its vision tower takes them (LLaVA: rows x images, channels, size, size)."""
+    too, ids of --target-len (target_tokens; its labels: the model shifts them into the decoder); a speech
+    encoder's log-mel features in place of the input ids (num_mel_bins x the frames its conv stem reads), in the
+    parameters' dtype, as a training script casts them (WhisperEncoder's conv does not cast its input: bf16 weights
+    refuse fp32 features); an image classifier's pixel values (its config's channels and image size), fp32: the
+    model casts them to its own dtype; a vision-language model's ids of --seq text tokens and its images'
+    placeholders (image_tokens_per_sample), and the pixel values of --images images per row, as its vision tower
+    takes them (LLaVA: rows x images, channels, size, size)."""
     if vision_language(config):
         return {"input_ids": ((rows, spec.seq_len + image_tokens_per_sample(spec, config)), torch.long),
                 **image_inputs(config, rows * (getattr(spec, "images", None) or 1))}
@@ -187,7 +229,13 @@ def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, .
         vision = block_config(config)
         return {"pixel_values": ((rows, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
     ids = ((rows, spec.seq_len), torch.long)
-    return {"input_ids": ids, "labels": ids} if seq2seq(config) else {"input_ids": ids}
+    if not seq2seq(config):
+        return {"input_ids": ids}
+    targets = ((rows, target_tokens(config, spec.seq_len, spec.target_len)), torch.long)
+    if speech(config):
+        return {"input_features": ((rows, config.num_mel_bins, getattr(config, FRAMES)), spec.param_dtype),
+                "labels": targets}
+    return {"input_ids": ids, "labels": targets}
 
 
 def batch_of(inputs: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

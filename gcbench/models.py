@@ -21,10 +21,10 @@ import transformers
 from torch import nn
 
 from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stacks, group_refusal, image_tokens,
-                            stack_sizes, stack_text, tokens_per_image, total_blocks)
+                            speech_input, stack_sizes, stack_text, tokens_per_image, total_blocks)
 from gcbench.errors import GcbenchError
-from gcbench.modality import IMAGE_TOKENS, auto_class, block_config, choose_head, image_classifier, seq2seq, \
-    vision_language
+from gcbench.modality import FRAMES, IMAGE_TOKENS, auto_class, block_config, choose_head, image_classifier, seq2seq, \
+    speech, vision_language
 from gcbench.presets import MODELS, Preset
 from gcbench.units import plural
 
@@ -125,7 +125,7 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
 # Sizes every family's config has (through its attribute_map: gpt2's n_embd is hidden_size); None means "derived".
 _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
           "vocab_size", "max_position_embeddings", "n_positions", "head_dim", "n_inner", *DECODER_LAYERS,
-          "image_size", "patch_size", "num_channels")
+          "image_size", "patch_size", "num_channels", "num_mel_bins", "max_source_positions", "max_target_positions")
 
 
 _CHECKED: set[tuple[str, str]] = set()  # (origin, config text) already checked
@@ -175,6 +175,8 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
         image_tokens(config, build_meta_model, origin)  # an image its patches do not fit: said now
     if vision_language(config):
         tokens_per_image(config, build_meta_model, origin)
+    if speech(config):
+        speech_input(config, build_meta_model, origin)  # features its conv stem cannot read: said now
 
 
 def _positive_int(value: object) -> bool:
@@ -194,9 +196,11 @@ def _validation_message(e: BaseException) -> str:
 
 
 def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers: int | None, seq_len: int,
-                   attn: str | None, head: str = "lm", images: int | None = None) -> transformers.PretrainedConfig:
+                   attn: str | None, head: str = "lm", images: int | None = None, target_len: int | None = None
+                   ) -> transformers.PretrainedConfig:
     """Apply the run's shape to a config: truncate blocks, check positions, the head, training-only settings. A
-    vision-language model's `seq_len` is its text's tokens; its language model sees its `images` too."""
+    vision-language model's `seq_len` is its text's tokens; its language model sees its `images` too. An
+    encoder-decoder's `target_len` is its decoder's (modality.target_tokens)."""
     blocks = block_config(config)  # an image classifier's vision config, a VLM's text config
     n = blocks.num_hidden_layers
     if images is not None and not vision_language(config):
@@ -223,7 +227,15 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
             raise GcbenchError(f"--seq {seq_len}: this {family} model reads {side}x{side} images, {tokens} tokens "
                                f"each (its patches and class tokens): give --seq {tokens} (another image size needs a "
                                "config.json that sets it)")
-    limit, learned = (None, False) if image_classifier(config) else max_positions(blocks)
+    if speech(config):
+        frames, tokens = speech_input(config, build_meta_model)
+        if seq_len != tokens:
+            raise GcbenchError(f"--seq {seq_len}: this {family} model's encoder reads {frames} frames of log-mel "
+                               f"features per sample, {tokens} positions (max_source_positions): give --seq {tokens} "
+                               "(another length needs a config.json that sets max_source_positions)")
+        setattr(config, FRAMES, frames)  # what the step draws (modality.inputs_of)
+    _check_targets(config, family, target_len)
+    limit, learned = (None, False) if image_classifier(config) or speech(config) else max_positions(blocks)
     if vision_language(config):
         setattr(config, IMAGE_TOKENS, tokens_per_image(config, build_meta_model, family))
         if limit is not None and seq_len + (images or 1) * getattr(config, IMAGE_TOKENS) > limit:
@@ -255,6 +267,21 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     # Set here, so that every reader (the step, the estimators, the record) sees the one the model runs.
     config._attn_implementation = attn or ("sdpa" if sdpa else "eager")
     return config
+
+
+def _check_targets(config: transformers.PretrainedConfig, family: str, target_len: int | None) -> None:
+    """--target-len against the model: an encoder-decoder's, within its decoder's positions (its own table where the
+    config sizes one, max_target_positions, else the positions both stacks share)."""
+    if target_len is None:
+        return
+    if not seq2seq(config):
+        raise GcbenchError(f"--target-len {target_len}: this {family} model is not an encoder-decoder (T5, BART, "
+                           "Whisper); its one sequence is --seq")
+    own = getattr(config, "max_target_positions", None)
+    limit = own or max_positions(config)[0]
+    if limit is not None and target_len > limit:
+        raise GcbenchError(f"--target-len {target_len} exceeds the {limit} positions of this {family} model's decoder "
+                           f"({'max_target_positions' if own else 'max_position_embeddings'})")
 
 
 def _rope_settings(config) -> list[dict]:
@@ -358,7 +385,7 @@ def describe(name: str) -> dict[str, Any]:
         "vocab": getattr(blocks, "vocab_size", None),
         "max_seq": image_tokens(config, build_meta_model) if image_classifier(config) else
         max_positions(blocks)[0] - tokens_per_image(config, build_meta_model) if vision_language(config) else
-        max_positions(blocks)[0],
+        speech_input(config, build_meta_model)[1] if speech(config) else max_positions(blocks)[0],
         "summary": p.summary,
         "source": p.source,
     }

@@ -175,6 +175,21 @@ preset("llava-1.5-7b", "LLaVA-1.5 7B: CLIP ViT-L/14 tower at 336x336 (24 x 1024,
        vision_config=dict(model_type="clip_vision_model", hidden_size=1024, image_size=336, intermediate_size=4096,
                           num_attention_heads=16, num_hidden_layers=24, patch_size=14, projection_dim=768))
 
+# Speech encoder-decoders: log-mel features in, text out (docs/models.md, "Speech encoder-decoders"); --seq is the
+# encoder's positions per sample, fixed by max_source_positions (1500: 30 s of audio, 3000 frames of features),
+# --target-len the decoder's tokens (default as long as --seq, at most max_target_positions: 448). The token ids
+# are left at transformers' defaults: which ids they are changes no memory.
+_WHISPER = dict(max_source_positions=1500, max_target_positions=448, dropout=0.0, attention_dropout=0.0,
+                activation_dropout=0.0, scale_embedding=False)
+preset("whisper-small", "Whisper small 242M: 12 + 12 x 768, 12 heads, GELU 3072, 80 mel bins, 1500 + 448 positions",
+       f"{HF}/openai/whisper-small/blob/main/config.json", "whisper",
+       d_model=768, encoder_layers=12, decoder_layers=12, encoder_attention_heads=12, decoder_attention_heads=12,
+       encoder_ffn_dim=3072, decoder_ffn_dim=3072, num_mel_bins=80, vocab_size=51865, **_WHISPER)
+preset("whisper-large-v3", "Whisper large-v3 1.54B: 32 + 32 x 1280, 20 heads, GELU 5120, 128 mel bins",
+       f"{HF}/openai/whisper-large-v3/blob/main/config.json", "whisper",
+       d_model=1280, encoder_layers=32, decoder_layers=32, encoder_attention_heads=20, decoder_attention_heads=20,
+       encoder_ffn_dim=5120, decoder_ffn_dim=5120, num_mel_bins=128, vocab_size=51866, **_WHISPER)
+
 # Tiny presets for CI: a few blocks, hidden <= 128, dropout on so that RNG replay in recompute is exercised.
 preset("tiny-llama", "CI: 4 x 64, GQA 4/2 heads, attention dropout 0.1", "CI", "llama",
        hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -209,3 +224,9 @@ preset("tiny-llava", "CI: CLIP tower 3 x 64 on 32x32 images of 8x8 patches (16 t
                         attention_dropout=0.1),
        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                           num_attention_heads=4, image_size=32, patch_size=8, attention_dropout=0.1))
+preset("tiny-whisper", "CI: 2 + 2 x 64, 4 heads, 80 mel bins, 16 + 32 positions, dropout 0.1 everywhere (speech)",
+       "CI", "whisper",
+       d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+       encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80, vocab_size=512, max_source_positions=16,
+       max_target_positions=32, dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, pad_token_id=1,
+       bos_token_id=1, eos_token_id=1, decoder_start_token_id=2)

@@ -263,18 +263,18 @@ def resolve_record(record: Mapping[str, Any], **how: Any) -> ResolvedRun:
 
 def config_fields(spec: RunSpec) -> tuple[Any, ...]:
     """The fields a run's model config is prepared from (_prepared_config): runs that agree on them share one."""
-    return spec.model, spec.layers, spec.seq_len, spec.attn, spec.head, spec.images
+    return spec.model, spec.layers, spec.seq_len, spec.attn, spec.head, spec.images, spec.target_len
 
 
 def _prepared_config(model: str, layers: int | None, seq_len: int, attn: str | None, head: str,
-                     images: int | None = None) -> tuple[Any, str]:
-    """(config, family) with the run's layers, sequence length, attention and head applied, from the model's config
-    as read once (a copy: preparing writes into it)."""
+                     images: int | None = None, target_len: int | None = None) -> tuple[Any, str]:
+    """(config, family) with the run's layers, sequence length, attention, head, images and target length applied,
+    from the model's config as read once (a copy: preparing writes into it)."""
     from gcbench.models import prepare_config
 
     config, family = _raw_config(model, _file_state(model))
     return prepare_config(copy.deepcopy(config), family, layers=layers, seq_len=seq_len, attn=attn,
-                          head=head, images=images), family
+                          head=head, images=images, target_len=target_len), family
 
 
 @functools.lru_cache(maxsize=32)

@@ -36,6 +36,7 @@ class StepSpec(Protocol):
 
     batch_size: int
     seq_len: int
+    target_len: int | None  # an encoder-decoder's targets per sample; None: its default (modality.target_tokens)
     seed: int
     device: str
     optimizer: str
@@ -188,9 +189,9 @@ def make_optimizer(spec: StepSpec, model: nn.Module, multi_tensor: bool | None =
 
 def make_batch(spec: StepSpec, config, device: str) -> dict[str, torch.Tensor]:
     """Random inputs for the whole step (grad_accum x batch rows: token ids, or an image classifier's pixel values
-    from a standard normal) and their labels (batch_of). In a sharded run, this rank's rows of every rank's:
-    together the ranks train on exactly the rows one process of world x batch rows would (the same seed draws
-    them)."""
+    or a speech encoder's log-mel features from a standard normal) and their labels (batch_of). In a sharded run,
+    this rank's rows of every rank's: together the ranks train on exactly the rows one process of world x batch rows
+    would (the same seed draws them)."""
     gen = torch.Generator().manual_seed(spec.seed)
     rank, world = rank_and_world()
     rows = spec.batch_size * spec.grad_accum

@@ -28,13 +28,13 @@ def tiny_spec(model="tiny-llama", policy="none", **overrides) -> ResolvedRun:
 
 
 def gradients(model_name: str, policy, dropout_seed: int = 1, device: str = "cpu", **overrides):
-    """(loss, gradients in parameter order) of one fp32 forward+backward under `policy` (a string, or a Policy:
+    """(loss, gradients of the trainable parameters in order) of one fp32 forward+backward under `policy` (a string, or a Policy:
     a plan with its mix chosen)."""
     spec = tiny_spec(model_name, policy, device=device, precision="fp32", **overrides)
     config, _ = spec.model_config()
     torch.manual_seed(0)
     model = build_model(config, device, torch.float32)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # Whisper's encoder positions are fixed
     apply_to_stacks(spec.policy, block_lists(model))  # an encoder-decoder's two
     torch.manual_seed(dropout_seed)
     loss = model(**make_batch(spec, config, device)).loss

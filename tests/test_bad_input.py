@@ -84,7 +84,8 @@ def test_config_json_that_transformers_rejects_is_one_line(tmp_path, no_measurin
 
 
 @pytest.mark.parametrize("text,words", [("[1, 2]", ["one JSON object", "list"]), ("", ["not a JSON config"]),
-                                        ('{"model_type": "whisper"}', ["whisper is an encoder-decoder model without a text-to-text head"]),
+                                        ('{"model_type": "speech_to_text"}', ["speech_to_text is a speech encoder-"
+                                                                              "decoder", "gcbench does not make up"]),
                                         ('{"model_type": "my-own", "auto_map": {}}', ["'my-own' is not a family",
                                                                                       "trust_remote_code"])])
 def test_config_json_that_is_no_config_is_one_line(tmp_path, text, words):

@@ -151,7 +151,7 @@ def test_local_config_json(tmp_path):
     result = runner.invoke(app, [*TINY_RUN[:2], str(config), *TINY_RUN[3:], "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert read_records(out)[0]["n_layers"] == 2
-    config.write_text(json.dumps({"model_type": "whisper"}))
+    config.write_text(json.dumps({"model_type": "speech_to_text"}))
     bad = runner.invoke(app, [*TINY_RUN[:2], str(config), *TINY_RUN[3:], "--out", str(out)])
     assert bad.exit_code == 2 and "encoder-decoder" in bad.stderr
 

@@ -98,10 +98,14 @@ def test_what_two_stacks_cannot_run_yet_is_refused_before_anything_runs():
 
 
 def test_a_speech_encoder_decoder_is_refused_for_its_real_reason(tmp_path):
+    """Whisper trains (tests/test_speech.py); Speech2Text's encoder reads its features as frames x their channels
+    (input_feat_per_channel), not Whisper's log-mel bins x frames: gcbench does not make them up."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "whisper", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
-                                "encoder_attention_heads": 4, "decoder_attention_heads": 4, "vocab_size": 512}))
-    with pytest.raises(GcbenchError, match="a speech or vision encoder reads features gcbench does not make up"):
+    path.write_text(json.dumps({"model_type": "speech_to_text", "d_model": 64, "encoder_layers": 2,
+                                "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                                "vocab_size": 512}))
+    with pytest.raises(GcbenchError, match="speech encoder-decoder whose encoder reads features gcbench does not make "
+                                           r"up \(its config has no num_mel_bins\)"):
         load_config(str(path))
 
 

@@ -45,11 +45,15 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     experts = ", ".join(sorted({r["experts_kernel"] for r in predicted_rows if r.get("experts_kernel")}))
     varying = [f for f in LEVERS if len({str(r.get(f)) for r in rows}) > 1]
     shared = lever_text(first, leave_out=tuple(varying))
+    # an encoder-decoder's target length: a column where it varies, the title where all rows share one that is set
+    targets = {r.get("target_len") for r in rows}
+    if len(targets) == 1 and first.get("target_len"):
+        shared = " · ".join(w for w in (run_field("target_len").text(first), shared) if w)
     title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
              f"({predicted}){' · ' + markup(shared) if shared else ''} · attention: {kernels}"
              f"{' · experts: ' + experts if experts else ''}")
     sharded = any(r.get("shard") not in (None, "none") for r in rows)
-    columns = _columns(rows, varying, len(models) > 1, scale, memory_bytes)
+    columns = _columns(rows, varying, len(models) > 1, scale, memory_bytes, len(targets) > 1)
     left_out = []
     several_methods = len({r["method"] for r in rows}) > 1
     # several methods: a config's rows differ in the method alone: shortened last, never left out (issue 48)
@@ -85,10 +89,11 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
 
 
 def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: bool, scale: int,
-             memory_bytes: int | None) -> list[_Column]:
+             memory_bytes: int | None, several_targets: bool = False) -> list[_Column]:
     """Every column the rows call for, its cells rich markup."""
     columns = ([_Column("model", True, [markup(r["model"]) for r in rows])] if several_models else []) + [
         _Column("seq", False, [str(r["seq_len"]) for r in rows]),
+        *([_Column("target", False, [str(r.get("target_len") or "dflt") for r in rows])] if several_targets else []),
         _Column("batch", False, [str(r["batch_size"]) for r in rows]),
         _Column("policy", True, [markup(policy_label(r)) for r in rows]),
         *(_Column(LEVERS[f], True, [markup(_lever_cell(f, r.get(f))) for r in rows]) for f in varying),

@@ -31,8 +31,9 @@ def run_table(record: dict[str, Any]) -> Table:
     world = record.get("world_size") or 1
     compiled = record.get("compile_ms") is not None
     # markup(): names from a config, a path or a Hub id are shown as they are, never read as rich tags
-    title = (f"{markup(record['model'])}{f' ({markup(shape)})' if shape else ''} · seq {record['seq_len']} · batch "
-             f"{record['batch_size']} · {markup(policy_label(record))} · {markup(levers)} · {where}")
+    target = f" · target {record['target_len']}" if record.get("target_len") else ""  # an encoder-decoder's
+    title = (f"{markup(record['model'])}{f' ({markup(shape)})' if shape else ''} · seq {record['seq_len']}{target} · "
+             f"batch {record['batch_size']} · {markup(policy_label(record))} · {markup(levers)} · {where}")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")

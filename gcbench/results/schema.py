@@ -20,7 +20,7 @@ from gcbench.units import parse_bytes
 
 # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
 # world_size and the per-rank fields); 4: adapters, the loss and compiled blocks (adapter, loss, compile); 5: the
-# head (head)
+# head (head); 6: a vision-language model's images (images) and an encoder-decoder's target length (target_len)
 SCHEMA_VERSION = 6
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # an older record reads as one with ADDED_SPEC_FIELDS' values
 
