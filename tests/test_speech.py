@@ -22,7 +22,7 @@ from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
 
 runner = CliRunner()
 SEQ = 16  # tiny-whisper: 16 positions per sample, from 32 frames of log-mel features (its conv stem halves them)
-POLICIES = ("full", "every-k", "segments:k=2", "sqrtn", "sac", "attn", "offload")
+POLICIES = ("full", "every-k", "segments:k=2", "sqrtn", "sac", "attn", "offload", "full:stack=encoder")
 # The keys of openai/whisper-small's config.json (https://huggingface.co/openai/whisper-small/blob/main/config.json),
 # generation settings and token lists included (suppress_tokens shortened): a user's file, not edited for gcbench
 WHISPER_SMALL = {
