@@ -108,23 +108,11 @@ def run(
 @app.command()
 def models() -> None:
     """List the model presets. Any other model: --model path/to/config.json, or a Hub id (owner/name)."""
-    from rich import box
-    from gcbench.models import MODELS, describe
+    from gcbench.models import MODALITIES, MODELS, describe
+    from gcbench.report.models_table import models_table
 
-    wide = console.width >= 120  # the one-line summaries only where they need not wrap
-    table = Table(title="model presets (random weights, built from their config.json)", box=box.SIMPLE_HEAD,
-                  pad_edge=False, collapse_padding=True,
-                  caption="heads: query/key-value heads · sources of the values: docs/models.md"
-                  + ("" if wide else "\n(summaries in a terminal of 120 columns or more)"), caption_justify="left")
-    numbers = ("params", "layers", "hidden", "heads", "vocab", "max seq")
-    for col in ("name", "family", *numbers, *(["summary"] if wide else [])):
-        table.add_column(col, justify="right" if col in numbers else "left", no_wrap=col != "summary")
-    for name in MODELS:
-        row = describe(name)
-        params = f"{row['params'] / 1e9:.2f} B" if row["params"] >= 1e9 else f"{row['params'] / 1e6:.1f} M"
-        cells = [name, row["family"], params, str(row["layers"]), str(row["hidden"]),
-                 f"{row['heads']}/{row['kv_heads']}", str(row["vocab"] or "-"), str(row["max_seq"] or "-")]
-        table.add_row(*cells, *([row["summary"]] if wide else []))
+    rows = sorted((describe(name) for name in MODELS), key=lambda row: MODALITIES.index(row["modality"]))
+    table = models_table(rows, wide=console.width >= 120)
     console.print(table)
 
 

@@ -169,6 +169,21 @@ def encoder(config: transformers.PretrainedConfig) -> bool:
     return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
 
 
+# What each modality trains, in words (`gcbench models` groups its presets by them, in this order)
+MODALITIES = ("causal LM", "masked LM", "text-to-text", "speech-to-text", "image classifier", "vision-language")
+
+
+def modality_name(config: transformers.PretrainedConfig) -> str:
+    """The modality a model trains, as MODALITIES words it."""
+    if vision_language(config):
+        return "vision-language"
+    if image_classifier(config):
+        return "image classifier"
+    if seq2seq(config):
+        return "speech-to-text" if speech(config) else "text-to-text"
+    return "masked LM" if encoder(config) else "causal LM"
+
+
 def classifies(config: transformers.PretrainedConfig) -> bool:
     """Whether the run's model is a sequence classifier (--head seq-cls): one label per sequence, not per token."""
     return getattr(config, "problem_type", None) == SEQ_CLS

@@ -23,8 +23,8 @@ from torch import nn
 from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stacks, group_refusal, image_tokens,
                             speech_input, stack_sizes, stack_text, tokens_per_image, total_blocks)
 from gcbench.errors import GcbenchError
-from gcbench.modality import FRAMES, IMAGE_TOKENS, auto_class, block_config, choose_head, image_classifier, seq2seq, \
-    speech, vision_language
+from gcbench.modality import FRAMES, IMAGE_TOKENS, MODALITIES, auto_class, block_config, choose_head, image_classifier, \
+    modality_name, seq2seq, speech, vision_language
 from gcbench.presets import MODELS, Preset
 from gcbench.units import plural
 
@@ -377,6 +377,7 @@ def describe(name: str) -> dict[str, Any]:
     return {
         "name": name,
         "family": family,
+        "modality": modality_name(config),
         "params": count_params(build_meta_model(config)),
         "layers": total_blocks(config),
         "hidden": blocks.hidden_size,
