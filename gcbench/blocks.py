@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 from gcbench.errors import GcbenchError
-from gcbench.modality import block_config, image_inputs, seq2seq, vision_language
+from gcbench.modality import block_config, image_inputs, image_shape, seq2seq, vision_language
 
 
 def find_blocks(model: nn.Module, origin: str | None = None) -> nn.ModuleList:
@@ -175,9 +175,10 @@ def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], n
     """The tokens an image classifier's blocks see per image: its patches and the class tokens it adds (ViT one,
     DeiT two, SigLIP none), read off the first block's input in a forward of the model `build` makes on the meta
     device, once per config."""
+    channels, side = image_shape(config, origin)  # a classifier fed no image of a fixed size: refused here
     key = config.to_json_string(use_diff=False)
     if key not in _IMAGE_TOKENS:
-        model, vision = build(config), block_config(config)
+        model = build(config)
         first = find_stacks(model)[0][1][0]
 
         def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -185,15 +186,15 @@ def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], n
             raise _Seen
 
         hook = first.register_forward_pre_hook(seen, with_kwargs=True)
-        pixels = torch.empty(1, vision.num_channels, vision.image_size, vision.image_size, device="meta")
+        pixels = torch.empty(1, channels, side, side, device="meta")
         try:
             model(pixel_values=pixels)
         except _Seen:
             pass
         except Exception as e:  # noqa: BLE001 - the config's image, refused by the model's own code
             why = " ".join(str(e).split())[:200]
-            raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {vision.image_size}x"
-                               f"{vision.image_size} image with this config: {why}") from None
+            raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {side}x{side} image "
+                               f"with this config: {why}") from None
         finally:
             hook.remove()
     return _IMAGE_TOKENS[key]

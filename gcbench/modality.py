@@ -111,6 +111,24 @@ def block_config(config: transformers.PretrainedConfig) -> transformers.Pretrain
     return (getattr(config, "vision_config", None) or config) if image_classifier(config) else config
 
 
+def image_shape(config: transformers.PretrainedConfig, origin: str | None = None) -> tuple[int, int]:
+    """(channels, side) of the images an image classifier is fed: its config's num_channels and image_size. A
+    classifier whose config names no such image (ImageGPT reads token ids; SigLIP2's NaFlex tower, patches of
+    images of any size) is refused in one line naming what its forward reads."""
+    vision = block_config(config)
+    shape = getattr(vision, "num_channels", None), getattr(vision, "image_size", None)
+    missing = [k for k, v in zip(("num_channels", "image_size"), shape) if not isinstance(v, int)]
+    if not missing:
+        return shape
+    cls = auto_class(config)._model_mapping[type(config)]
+    names = [p for p in inspect.signature(cls.forward).parameters if p != "self"]
+    reads = names[:names.index("labels")] if "labels" in names else names
+    shown = ", ".join(reads[:3]) + (", ..." if len(reads) > 3 else "")
+    raise GcbenchError(f"{origin or config.model_type}: {config.model_type}'s image classifier ({cls.__name__}) "
+                       f"reads {shown}, and its config has no {' or '.join(missing)}: gcbench feeds an image "
+                       "classifier images of its config's channels and size (pixel_values) only")
+
+
 SEQ_CLS = "single_label_classification"  # transformers' problem_type of a classifier with one label per sequence
 
 
@@ -241,8 +259,8 @@ def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, .
         return {"input_ids": ((rows, spec.seq_len + image_tokens_per_sample(spec, config)), torch.long),
                 **image_inputs(config, rows * (getattr(spec, "images", None) or 1))}
     if image_classifier(config):
-        vision = block_config(config)
-        return {"pixel_values": ((rows, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
+        channels, side = image_shape(config)
+        return {"pixel_values": ((rows, channels, side, side), torch.float32)}
     ids = ((rows, spec.seq_len), torch.long)
     if not seq2seq(config):
         return {"input_ids": ids}
