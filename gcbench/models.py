@@ -25,6 +25,7 @@ from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stack
 from gcbench.errors import GcbenchError
 from gcbench.modality import FRAMES, IMAGE_TOKENS, MODALITIES, auto_class, block_config, choose_head, image_classifier, \
     modality_name, seq2seq, speech, vision_language
+from gcbench.per_layer import cut_layers, layer_configs, layer_values, shown
 from gcbench.presets import MODELS, Preset
 from gcbench.units import plural
 
@@ -137,12 +138,13 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     whole, text, config = config, not image_classifier(config), block_config(config)
     towers = ((whole.vision_config, "vision_config's "),) if vision_language(whole) else ()
     for part, where in ((config, ""), *towers):
-        for name in _SIZES:
-            value = getattr(part, name, None)
-            if value is not None and not _positive_int(value):
-                raise GcbenchError(f"{origin}: {where}{name} must be a positive integer, got {value!r}")
+        for at, layer in layer_configs(part):  # a config whose layers differ: each layer's (per_layer.py)
+            for name in _SIZES:
+                value = getattr(layer, name, None)
+                if value is not None and not _positive_int(value):
+                    raise GcbenchError(f"{origin}: {where}{at}{name} must be a positive integer, got {value!r}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *(("vocab_size",) if text else ())):
-        if getattr(config, name, None) is None:
+        if None in layer_values(config, name):
             raise GcbenchError(f"{origin}: {name} is missing: gcbench trains transformer language models and image "
                                "classifiers")
     for stack, n in stack_sizes(whole).items():  # a meta build of millions of blocks would take the machine down
@@ -153,13 +155,14 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
         factor = rope.get("factor", 1.0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1e6:
             raise GcbenchError(f"{origin}: rope_scaling's factor must be a number from 1 to 1e6, got {factor!r}")
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads % kv:
-        raise GcbenchError(f"{origin}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
-    if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
-        raise GcbenchError(f"{origin}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
-                           f"({heads})")
+    for where, layer in layer_configs(config):
+        heads = layer.num_attention_heads
+        kv = getattr(layer, "num_key_value_heads", None) or heads
+        if heads % kv:
+            raise GcbenchError(f"{origin}: {where}num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
+        if getattr(layer, "head_dim", None) is None and layer.hidden_size % heads:
+            raise GcbenchError(f"{origin}: {where}hidden_size ({layer.hidden_size}) must be a multiple of "
+                               f"num_attention_heads ({heads})")
     config = whole
     head = auto_class(config, origin, "lm")  # the head a run chooses is prepare_config's
     pad = getattr(config, "pad_token_id", None)
@@ -218,6 +221,7 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
                 if isinstance(value, list) and len(value) == n and not key.endswith(("token_id", "token_ids")):
                     setattr(part, key, value[:layers])
             part.num_hidden_layers = layers
+            cut_layers(part, layers)  # a config whose layers differ: the first N layers' own values
         for key in DECODER_LAYERS if "decoder" in sizes else ():  # an encoder-decoder: each stack its first N
             if getattr(config, key, None):
                 setattr(config, key, layers)
@@ -373,16 +377,15 @@ def describe(name: str) -> dict[str, Any]:
     p = MODELS[name]
     config, family = load_config(name)
     blocks = block_config(config)
-    heads = blocks.num_attention_heads
     return {
         "name": name,
         "family": family,
         "modality": modality_name(config),
         "params": count_params(build_meta_model(config)),
         "layers": total_blocks(config),
-        "hidden": blocks.hidden_size,
-        "heads": heads,
-        "kv_heads": getattr(blocks, "num_key_value_heads", None) or heads,  # fewer than heads: GQA
+        "hidden": shown(blocks, "hidden_size"),  # where the layers differ: each value ("4,2")
+        "heads": shown(blocks, "num_attention_heads"),
+        "kv_heads": shown(blocks, "num_key_value_heads") or shown(blocks, "num_attention_heads"),  # fewer: GQA
         "vocab": getattr(blocks, "vocab_size", None),
         "max_seq": image_tokens(config, build_meta_model) if image_classifier(config) else
         max_positions(blocks)[0] - tokens_per_image(config, build_meta_model) if vision_language(config) else

@@ -230,3 +230,13 @@ preset("tiny-whisper", "CI: 2 + 2 x 64, 4 heads, 80 mel bins, 16 + 32 positions,
        encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80, vocab_size=512, max_source_positions=16,
        max_target_positions=32, dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, pad_token_id=1,
        bos_token_id=1, eos_token_id=1, decoder_start_token_id=2)
+# Gemma 4's text model, its layers unlike: the full-attention layers (global_head_dim, num_global_key_value_heads,
+# keys as values) are per-layer overrides (per_layer_config); the last 2 layers reuse the keys and values of the
+# first 2 (num_kv_shared_layers); every layer adds its own per-layer input (hidden_size_per_layer_input).
+preset("tiny-gemma4", "CI: 4 x 64, local/global layers of head size 16/32 and 2/1 kv heads, 2 sharing kv, "
+       "per-layer inputs of 8, attention dropout 0.1", "CI", "gemma4_text",
+       hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+       head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+       layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16, num_kv_shared_layers=2,
+       hidden_size_per_layer_input=8, vocab_size=512, vocab_size_per_layer_input=512, max_position_embeddings=2048,
+       attention_dropout=0.1)

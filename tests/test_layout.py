@@ -29,7 +29,7 @@ LAYERS = [
     ("env",),
     ("resolved",),
     ("step", "fsdp", "policies", "compiled", "losses", "liger_model", "models", "blocks", "modality", "presets",
-     "hub"),
+     "hub", "per_layer"),
     ("instruments",),
     ("measure", "timing", "nvml"),
     ("host_work",),

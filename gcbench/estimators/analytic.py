@@ -19,7 +19,9 @@ from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.loss_head import loss_head_terms
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES, Shape, attention_kernel
 from gcbench.losses import CPU_TARGET
+from gcbench.modality import block_config
 from gcbench.models import build_model, find_blocks
+from gcbench.per_layer import varying
 from gcbench.policies import EveryK, Full, NoCheckpoint, Policy, Segments, SqrtN
 from gcbench.resolved import ResolvedRun, resolve
 from gcbench.spec import RunSpec
@@ -259,7 +261,10 @@ def unavailable(spec: RunSpec | ResolvedRun) -> str | None:
         known = ", ".join(cls.name for cls in ANALYTIC_POLICIES)
         return (f"the analytic model does not know policy {spec.policy.name!r} (it knows policies that only group "
                 f"blocks into plain checkpoints: {known})")
-    _, family = spec.model_config()
+    config, family = spec.model_config()
+    if differ := varying(block_config(config)):  # per_layer.py: one formula per block takes one value for all
+        return (f"the analytic model has no formulas for models whose layers differ ({', '.join(sorted(differ))} "
+                "per layer: per_layer_config)")
     if family not in ARCHITECTURES:
         return (f"the analytic model has no formulas for {family} models (it has them for "
                 f"{', '.join(sorted(ARCHITECTURES))})")

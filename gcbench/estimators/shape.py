@@ -36,29 +36,30 @@ class Shape:
     @classmethod
     def of(cls, spec: ResolvedRun, config) -> Shape:
         from gcbench.modality import block_config
+        from gcbench.per_layer import uniform
 
         config = block_config(config)  # an image classifier's vision config, where it has one
-        heads = config.num_attention_heads
+        # one value for every layer: where a config's layers differ (per_layer.py), GcbenchError, not a wrong value
+        one = lambda name: uniform(config, name, reader="the analytic model")  # noqa: E731
+        hidden, heads = one("hidden_size"), one("num_attention_heads")
         stream = torch.tensor([], dtype=spec.param_dtype).element_size()
-        window = getattr(config, "sliding_window", None)
+        window = one("sliding_window")
         return cls(
             family=type(config).model_type,
             batch=spec.batch_size,
             seq=spec.seq_len,
-            hidden=config.hidden_size,
+            hidden=hidden,
             heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-            or 4 * config.hidden_size,
+            kv_heads=one("num_key_value_heads") or heads,
+            head_dim=one("head_dim") or hidden // heads,
+            intermediate=one("intermediate_size") or one("n_inner") or 4 * hidden,
             vocab=getattr(config, "vocab_size", None) or 0,  # an image classifier has none
             stream_bytes=stream,
             act_bytes=2 if spec.autocast_dtype is not None else stream,
             amp=spec.autocast_dtype is not None,
-            attn_dropout=float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", None)
-                               or getattr(config, "attention_probs_dropout_prob", 0.0) or 0.0),
-            hidden_dropout=float(getattr(config, "resid_pdrop", None) or getattr(config, "hidden_dropout_prob", 0.0)
-                                 or 0.0),
+            attn_dropout=float(one("attention_dropout") or one("attn_pdrop") or one("attention_probs_dropout_prob")
+                               or 0.0),
+            hidden_dropout=float(one("resid_pdrop") or one("hidden_dropout_prob") or 0.0),
             has_mask=bool(window) and spec.seq_len >= window,
             attn_impl=getattr(config, "_attn_implementation", None) or "sdpa",
         )
@@ -114,6 +115,15 @@ def attention_kernel(spec: ResolvedRun, config, target: str) -> str:
     """The kernel the step's attention runs on `target` (the model's own attention when it is eager)."""
     if (getattr(config, "_attn_implementation", None) or "sdpa") == "eager":
         return "eager"
+    from gcbench.modality import block_config
+    from gcbench.per_layer import layer_configs
+
+    # a config whose layers differ (Gemma 4's head sizes): each layer's kernel, the distinct ones joined by "+"
+    return "+".join(sorted({_layer_kernel(spec, layer, target)
+                            for _, layer in layer_configs(block_config(config))}))
+
+
+def _layer_kernel(spec: ResolvedRun, config, target: str) -> str:
     shape = Shape.of(spec, config)
     if target == "cpu":
         return cpu_kernel(shape.attn_dropout)

@@ -1,0 +1,63 @@
+"""Configs whose layers differ: transformers' heterogeneous configs (transformers/integrations/heterogeneity, from
+transformers 5.24), where `per_layer_config` overrides some attributes for some layers. Gemma 4 is one: its
+full-attention layers have their own head_dim (global_head_dim) and, with attention_k_eq_v, their own key/value
+heads. Such an attribute (one of the config's `per_layer_attributes`) is not read off the config as a whole:
+transformers raises AmbiguousGlobalPerLayerAttributeError rather than hand out a value that is wrong for some layers
+(unless `allow_global_per_layer_attribute_access` is set, which gcbench never sets). gcbench reads it layer by layer,
+as the model's own code does (`config.per_layer_config[i]`: the config with that layer's overrides applied).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gcbench.errors import GcbenchError
+
+
+def varying(config: Any) -> set[str]:
+    """The attributes whose value differs between layers (empty for a config whose layers are alike, and for a
+    transformers without per-layer configs)."""
+    return set(getattr(config, "per_layer_attributes", None) or ())
+
+
+def layer_configs(config: Any) -> list[tuple[str, Any]]:
+    """(where, config) of each layer that may differ, for checks and error messages: ("", config) where the layers
+    are alike, else ("layer i: ", config.per_layer_config[i]) for each layer."""
+    if not varying(config):
+        return [("", config)]
+    return [(f"layer {i}: ", layer) for i, layer in enumerate(config.per_layer_config)]
+
+
+def layer_values(config: Any, name: str, default: Any = None) -> list[Any]:
+    """The distinct values of attribute `name` over the layers, in layer order ([value] where they are alike)."""
+    values: list[Any] = []
+    for _, layer in layer_configs(config):
+        value = getattr(layer, name, default)
+        if value not in values:
+            values.append(value)
+    return values
+
+
+def shown(config: Any, name: str, default: Any = None) -> Any:
+    """The attribute as a table shows it: its value, or where the layers differ their values joined by commas
+    (`gcbench models`: Gemma 4's key/value heads "4,2")."""
+    values = layer_values(config, name, default)
+    return values[0] if len(values) == 1 else ",".join(str(v) for v in values)
+
+
+def uniform(config: Any, name: str, default: Any = None, reader: str = "this estimate") -> Any:
+    """The attribute's value, the same in every layer; GcbenchError where the layers differ (a formula that takes
+    one value for all layers would be wrong for some of them)."""
+    values = layer_values(config, name, default)
+    if len(values) > 1:
+        raise GcbenchError(f"{reader} takes one {name} for every layer, and this model's layers differ "
+                           f"({', '.join(map(str, values))}: per_layer_config)")
+    return values[0]
+
+
+def cut_layers(config: Any, n: int) -> None:
+    """Keep the per-layer overrides of the first `n` layers (--layers n; num_hidden_layers already n): transformers
+    refuses overrides for layers the model does not have."""
+    spec = getattr(config, "_heterogeneity_spec", None)
+    if spec is not None:
+        config.per_layer_config = {i: dict(o) for i, o in spec.per_layer_overrides.items() if i < n}
