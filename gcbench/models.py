@@ -221,7 +221,7 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
                 if isinstance(value, list) and len(value) == n and not key.endswith(("token_id", "token_ids")):
                     setattr(part, key, value[:layers])
             part.num_hidden_layers = layers
-            cut_layers(part, layers)  # a config whose layers differ: the first N layers' own values
+            cut_layers(part, layers, n)  # per-layer settings (per_layer.py): the first N layers' own
         for key in DECODER_LAYERS if "decoder" in sizes else ():  # an encoder-decoder: each stack its first N
             if getattr(config, key, None):
                 setattr(config, key, layers)
@@ -270,6 +270,12 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
                            "use --attn eager")
     # Set here, so that every reader (the step, the estimators, the record) sees the one the model runs.
     config._attn_implementation = attn or ("sdpa" if sdpa else "eager")
+    if layers is not None:  # the first N blocks may not make a model (a layer reusing what a cut one made): say it
+        try:
+            build_meta_model(config)
+        except Exception as e:  # noqa: BLE001
+            raise GcbenchError(f"--layers {layers}: transformers cannot build this {family} model from its first "
+                               f"{layers} blocks: {_one_line(e)}") from None
     return config
 
 

@@ -55,9 +55,14 @@ def uniform(config: Any, name: str, default: Any = None, reader: str = "this est
     return values[0]
 
 
-def cut_layers(config: Any, n: int) -> None:
-    """Keep the per-layer overrides of the first `n` layers (--layers n; num_hidden_layers already n): transformers
-    refuses overrides for layers the model does not have."""
+def cut_layers(config: Any, n: int, total: int) -> None:
+    """What the first `n` of `total` layers keep (--layers n; num_hidden_layers already n): their own per-layer
+    overrides (transformers refuses overrides for layers the model lacks), and of a count of trailing layers, the
+    ones among the first n: num_kv_shared_layers counts the last layers, which reuse the keys and values of earlier
+    ones (Gemma 4: the first shared layer is num_hidden_layers - num_kv_shared_layers)."""
     spec = getattr(config, "_heterogeneity_spec", None)
     if spec is not None:
         config.per_layer_config = {i: dict(o) for i, o in spec.per_layer_overrides.items() if i < n}
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:
+        config.num_kv_shared_layers = max(0, n - (total - shared))
