@@ -25,7 +25,7 @@ from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stack
 from gcbench.errors import GcbenchError
 from gcbench.modality import FRAMES, IMAGE_TOKENS, MODALITIES, auto_class, block_config, choose_head, image_classifier, \
     modality_name, seq2seq, speech, vision_language
-from gcbench.per_layer import cut_layers, layer_configs, layer_values, shown
+from gcbench.per_layer import cut_layers, layer_configs, layer_values, reuses_missing_kv, shown
 from gcbench.presets import MODELS, Preset
 from gcbench.units import plural
 
@@ -147,6 +147,8 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
         if None in layer_values(config, name):
             raise GcbenchError(f"{origin}: {name} is missing: gcbench trains transformer language models and image "
                                "classifiers")
+    if why := reuses_missing_kv(config):
+        raise GcbenchError(f"{origin}: {why}")
     for stack, n in stack_sizes(whole).items():  # a meta build of millions of blocks would take the machine down
         if n > MAX_LAYERS:
             name = "num_hidden_layers" if stack in ("blocks", "encoder") else "the decoder's layers"

@@ -66,3 +66,14 @@ def cut_layers(config: Any, n: int, total: int) -> None:
     shared = getattr(config, "num_kv_shared_layers", None)
     if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:
         config.num_kv_shared_layers = max(0, n - (total - shared))
+
+
+def reuses_missing_kv(config: Any) -> str | None:
+    """Why the model cannot train alone where every layer reuses keys and values (num_kv_shared_layers counts the
+    last layers, which read those of earlier layers): then no layer of it makes them. Gemma 4's assistant models are
+    so: they read their target model's (gemma4_assistant's config sets all its layers shared). None otherwise."""
+    shared, n = getattr(config, "num_kv_shared_layers", None), getattr(config, "num_hidden_layers", None)
+    if isinstance(shared, int) and isinstance(n, int) and shared >= n > 0:
+        return (f"num_kv_shared_layers ({shared}) covers all {n} layers: every layer reuses the keys and values of "
+                "layers this model lacks (an assistant reads its target model's), so it does not train alone")
+    return None

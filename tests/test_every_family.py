@@ -48,6 +48,7 @@ def resolve_family(family: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("family,answer", [("gemma4_text", "ok"), ("dots3_note_text", "ok"),
                                            ("embedding_gemma2_text", "no causal-LM or masked-LM head"),
+                                           ("gemma4_unified_assistant", r"num_kv_shared_layers \(30\) covers all 30"),
                                            ("imagegpt", "reads input_ids, .* has no num_channels or image_size"),
                                            ("siglip2", "reads pixel_values, pixel_attention_mask, .* no image_size")])
 def test_a_family_that_crashed_resolves_or_is_refused_in_one_line(tmp_path, family, answer):
