@@ -29,9 +29,10 @@ from gcbench.per_layer import cut_layers, layer_configs, layer_values, reuses_mi
 from gcbench.presets import MODELS, Preset
 from gcbench.units import plural
 
-__all__ = ["MODELS", "Preset", "block_lists", "build_meta_model", "build_model", "count_params", "describe",
-           "experts_implementation", "find_blocks", "find_stacks", "group_refusal", "load_config", "max_positions",
-           "image_classifier", "image_tokens", "prepare_config", "seq2seq", "stack_sizes", "stack_text", "total_blocks"]
+__all__ = ["MODALITIES", "MODELS", "Preset", "block_lists", "build_meta_model", "build_model", "count_params",
+           "describe", "experts_implementation", "find_blocks", "find_stacks", "group_refusal", "load_config",
+           "max_positions", "image_classifier", "image_tokens", "prepare_config", "seq2seq", "stack_sizes",
+           "stack_text", "total_blocks"]
 
 transformers.logging.set_verbosity_error()  # config-validation chatter about random-init presets is noise here
 
