@@ -22,7 +22,7 @@ from gcbench.launch.inline import InProcessRunner
 from gcbench.launch import failure_record
 from gcbench.results import rewrite, store
 from gcbench.results.rewrite import compact_records, replace_record
-from gcbench.results.schema import ADDED_SPEC_FIELDS, config_key, new_record
+from gcbench.results.schema import ADDED_SPEC_FIELDS, SCHEMA_VERSION, config_key, new_record
 from gcbench.results.store import append_record, read_records, records_after
 from gcbench.sweeps.orchestrate import NOT_YET_PAIRED, Sweep
 from tests.helpers import tiny_spec
@@ -208,7 +208,7 @@ def test_an_older_schemas_line_is_replaced_by_its_newer_version(tmp_path):
     old = {k: v for k, v in versions("a").items() if k not in ADDED_SPEC_FIELDS} | {"schema_version": 4}
     out.write_text(json.dumps(old) + "\n")
     replace_record(out, versions("a", time_ratio=1.3))
-    assert [(r["schema_version"], r["time_ratio"]) for r in read_plainly(out)] == [(5, 1.3)]
+    assert [(r["schema_version"], r["time_ratio"]) for r in read_plainly(out)] == [(SCHEMA_VERSION, 1.3)]
     out.write_text(json.dumps(old) + "\n" + json.dumps(versions("a", time_ratio=1.3)) + "\n")
     assert compact_records(out) == 1 and len(read_plainly(out)) == 1
 
