@@ -6,7 +6,7 @@ allocator, and every policy at one llama-7b-sized config (8 of its 32 blocks, se
 beside the measurement. Later tiers: where memory runs out (the OOM line and `fit`), the levers beside
 checkpointing and FSDP2 at world size 1 and `--devices`, timing (paired ratios, harness overhead, CV), then
 breadth: fp32 and autocast, and three more families; last, what is not one stack of text blocks: encoder-decoders,
-mixtures of experts, an image classifier.
+mixtures of experts, an image classifier, a speech encoder-decoder, a vision-language model.
 
 `--smoke` is the same plan on tiny models with memory caps, for the fake GPU in CI and a quick look on a real one.
 Pure data and cheap: no torch here (configs are resolved on demand, by the callers).
@@ -116,6 +116,8 @@ class Sizes:
     moe: str = "qwen3-30b-a3b,deepseek-v2-lite"
     vision: str = "vit-base"
     vision_shape: tuple[int, int] = (197, 32)
+    speech: str = "whisper-small"  # whole: 30 s of audio (its encoder's 1500 positions), targets of 448 tokens
+    speech_shape: tuple[int, int] = (1500, 8)  # seq (the encoder's positions, the config's), batch
     vlm: str = "llava-1.5-7b"  # the first 2 blocks of its tower and of its language model, one image a sample
     vlm_shape: tuple[int, int] = (512, 4)  # text tokens (the language model sees 512 + 576), batch
 
@@ -128,7 +130,7 @@ SMOKE = Sizes(large="tiny-llama", small="tiny-gpt2", layers=4, seq=64, batch=2, 
               optimizers="adamw", policies="none,full", shard_policies="full", fit_policies="full",
               adapters="lora", losses="chunked", precisions="fp32,amp-bf16", families="tiny-gpt2", timed_s=0.5,
               seq2seq="tiny-t5", seq2seq_shape=(64, 2), moe="tiny-mixtral", vision="tiny-vit", vision_shape=(17, 2),
-              vlm="tiny-llava", vlm_shape=(32, 2))
+              vlm="tiny-llava", vlm_shape=(32, 2), speech="tiny-whisper", speech_shape=(16, 2))
 
 
 def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
@@ -229,6 +231,10 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
              "patches as tokens",
              {"model": s.vision, "seq": s.vision_shape[0], "batch": s.vision_shape[1], "policy": "none,full",
               **short}),
+        Step("speech", StepKind.SWEEP, "a speech encoder-decoder under none and full: log-mel features into its "
+             "encoder, target ids (as many as its decoder's positions) into its decoder",
+             {"model": s.speech, "seq": s.speech_shape[0], "batch": s.speech_shape[1], "policy": "none,full",
+              **short}),
         Step("vision-language-2layers", StepKind.SWEEP, "a vision-language model's first 2 blocks of each stack under "
              "none and full: pixel values through its vision tower, its image tokens among the text's",
              {"model": s.vlm, "layers": 2, "seq": s.vlm_shape[0], "batch": s.vlm_shape[1], "policy": "none,full",
@@ -239,7 +245,7 @@ def tiers(smoke: bool = False, bitsandbytes: bool = False) -> list[Tier]:
             Tier(3, "levers, FSDP2 and --devices", tuple(levers)),
             Tier(4, "timing: paired ratios and harness overhead", tuple(timing)),
             Tier(5, "breadth: precisions and families", tuple(breadth)),
-            Tier(6, "beyond one stack of text blocks: encoder-decoders, experts, images, image and text",
+            Tier(6, "beyond one stack of text blocks: encoder-decoders, experts, images, speech, image and text",
                  tuple(beyond))]
 
 
