@@ -174,7 +174,7 @@ RUN_FIELDS: tuple[Field, ...] = (
           "none", role=Role.POLICY, axis=True, required=True, plan=("none", "full", "sac"), plan_role="class"),
     Field("layers", "layers", Int(1, 1_000), "keep only the first N blocks (activation memory is linear in N; "
           "default: all)", None, estimate=True, words=_counted("layer"), unset="all layers"),
-    Field("images", "images", Int(1, 64), "images per sample of a vision-language model (llava, qwen2_vl): each adds "
+    Field("images", "images", Int(1, 64), "images per sample of a vision-language model (llava, gemma3): each adds "
           "the tokens its vision tower makes to the language model's sequence, beside --seq's text tokens (default: "
           "1; refused for a model without a vision tower)", None, estimate=True, added=(6, None),
           words=_counted("image")),

@@ -211,7 +211,7 @@ def prepare_config(config: transformers.PretrainedConfig, family: str, *, layers
     n = blocks.num_hidden_layers
     if images is not None and not vision_language(config):
         raise GcbenchError(f"--images {images}: this {family} model has no vision tower that gcbench feeds (--images "
-                           "is for vision-language models: llava, qwen2_vl, ...)")
+                           "is for vision-language models: llava, gemma3, ...)")
     if layers is not None:
         sizes = stack_sizes(config)
         if not 1 <= layers <= min(sizes.values()):
