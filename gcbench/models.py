@@ -19,12 +19,14 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stacks, group_refusal, image_tokens,
                             speech_input, stack_sizes, stack_text, tokens_per_image, total_blocks)
 from gcbench.errors import GcbenchError
-from gcbench.modality import FRAMES, IMAGE_TOKENS, MODALITIES, auto_class, block_config, choose_head, image_classifier, \
-    modality_name, seq2seq, speech, vision_language
+from gcbench.modality import (FRAMES, IMAGE_TOKENS, MODALITIES, auto_class, block_config, choose_head,
+                              image_classifier, modality_name, seq2seq, speech, vision_language)
 from gcbench.per_layer import cut_layers, layer_configs, layer_values, reuses_missing_kv, shown
 from gcbench.presets import MODELS, Preset
 from gcbench.units import plural
@@ -90,7 +92,8 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
 
     A vision-language model's config (modality.vision_language: LLaVA, Gemma 3) that gives its vision_config is
     kept whole: its vision tower and its language model train. Any other multimodal config (a text model beside a
-    tower gcbench makes no inputs for) becomes its text model's config. `auto_map` is dropped: the model is always transformers' own class for its
+    tower gcbench makes no inputs for) becomes its text model's config, refused where transformers has no causal-LM
+    head for that alone (Qwen2-VL's). `auto_map` is dropped: the model is always transformers' own class for its
     model_type, never code from the Hub."""
     data = dict(data)
     family = data.pop("model_type", None)
@@ -115,6 +118,12 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
     except Exception as e:  # noqa: BLE001 - transformers' refusal of the user's values, whatever its type
         raise GcbenchError(f"{origin}: transformers refuses this config: {_validation_message(e)}") from None
     if text is not config:
+        if family in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and text.model_type not in \
+                MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # the real reason, not its text model's missing head
+            raise GcbenchError(f"{origin}: {family} is a vision-language model whose vision tower gcbench makes no "
+                               "inputs for (it takes images of one size into the text's placeholders only: "
+                               f"docs/models.md, 'Vision-language models'), and its text model ({text.model_type}) "
+                               f"has no causal-LM head in transformers {transformers.__version__} to train alone")
         config = text
         family = config.model_type
     key = (origin, json.dumps(data, sort_keys=True, default=str))

@@ -206,3 +206,18 @@ def test_a_vision_config_that_cannot_be_trained_is_one_line(tmp_path, change, wo
     path.write_text(json.dumps(data))
     result = runner.invoke(app, ["estimate", "--model", str(path), "--seq", "32", "--device", "cpu"])
     assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
+
+
+def test_a_vlm_whose_tower_gcbench_cannot_feed_is_refused_for_that_reason(tmp_path):
+    """Qwen2-VL's tower reads images of any size (flattened patches and their grid); its text model has no causal-LM
+    head of its own in transformers: the refusal names the tower, not the text model's missing head."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {"depth": 2, "embed_dim": 64,
+                                                                              "hidden_size": 64, "num_heads": 4},
+                                "text_config": {"model_type": "qwen2_vl_text", "hidden_size": 64,
+                                                "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                "num_key_value_heads": 2, "intermediate_size": 128,
+                                                "vocab_size": 512}}))
+    with pytest.raises(GcbenchError, match="qwen2_vl is a vision-language model whose vision tower gcbench makes no "
+                                           r"inputs for .* its text model \(qwen2_vl_text\) has no causal-LM head"):
+        load_config(str(path))
