@@ -114,16 +114,15 @@ def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_stacks
     assert record["stacks"] == "vision:3,language:3" and record["n_layers"] == 6 and record["images"] == 1
 
 
-@pytest.mark.slow  # a real run per policy
-def test_the_simulation_is_exact_on_cpu_under_every_policy():
-    for policy in ("none", "every-k", "segments:k=2", "sqrtn", "sac", "attn", "offload"):
-        record = run(tiny_spec("tiny-llava", policy, seq_len=SEQ, predict=True))
-        assert record["status"] == "ok", (policy, record.get("error"))
-        assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
-    for overrides in ({"images": 2}, {"images": 2, "grad_accum": 2}, {"adapter": "lora"}, {"loss": "chunked"},
-                      {"loss": "litgpt"}):
-        record = run(tiny_spec("tiny-llava", "full", seq_len=SEQ, predict=True, **overrides))
-        assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], overrides
+@pytest.mark.slow  # a real run each (one test each, so that the workers share them)
+@pytest.mark.parametrize("policy,overrides", [
+    *((policy, {}) for policy in ("none", "every-k", "segments:k=2", "sqrtn", "sac", "attn", "offload")),
+    *(("full", overrides) for overrides in ({"images": 2}, {"images": 2, "grad_accum": 2}, {"adapter": "lora"},
+                                             {"loss": "chunked"}, {"loss": "litgpt"}))])
+def test_the_simulation_is_exact_on_cpu_under_every_policy(policy, overrides):
+    record = run(tiny_spec("tiny-llava", policy, seq_len=SEQ, predict=True, **overrides))
+    assert record["status"] == "ok", (policy, record.get("error"))
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], (policy, overrides)
 
 
 def test_lora_adapts_the_language_model_alone():
