@@ -118,13 +118,12 @@ def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_stacks
     assert record["n_layers"] == {"tiny-t5": 6, "tiny-bart": 5}[model]
 
 
-@pytest.mark.slow  # a real run per model and policy
-@pytest.mark.parametrize("model", POLICIES)
-def test_the_simulation_is_exact_on_cpu_under_every_policy(model):
-    for policy in ("none", *POLICIES[model]):
-        record = run(tiny_spec(model, policy, seq_len=64, predict=True))
-        assert record["status"] == "ok", (policy, record.get("error"))
-        assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
+@pytest.mark.slow  # a real run per model and policy (one test each, so that the workers share them)
+@pytest.mark.parametrize("model,policy", [(m, p) for m, ps in POLICIES.items() for p in ("none", *ps)])
+def test_the_simulation_is_exact_on_cpu_under_every_policy(model, policy):
+    record = run(tiny_spec(model, policy, seq_len=64, predict=True))
+    assert record["status"] == "ok", (policy, record.get("error"))
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
 
 
 def test_presets_estimate_on_a_card_with_each_stack_checkpointed():

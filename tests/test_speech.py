@@ -97,12 +97,12 @@ def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_target
     assert setup_words(record) == "target 24 · fp32 · adamw"
 
 
-@pytest.mark.slow  # a real run per policy
-def test_the_simulation_is_exact_on_cpu_under_every_policy():
-    for policy in ("none", *POLICIES):
-        record = run(tiny_spec("tiny-whisper", policy, seq_len=SEQ, predict=True))
-        assert record["status"] == "ok", (policy, record.get("error"))
-        assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
+@pytest.mark.slow  # a real run per policy (one test each, so that the workers share them)
+@pytest.mark.parametrize("policy", ["none", *POLICIES])
+def test_the_simulation_is_exact_on_cpu_under_every_policy(policy):
+    record = run(tiny_spec("tiny-whisper", policy, seq_len=SEQ, predict=True))
+    assert record["status"] == "ok", (policy, record.get("error"))
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
 
 
 @pytest.mark.slow  # about 30 s: a 59M-parameter model at 1,500 positions
