@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import transformers
@@ -22,8 +22,6 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 
 from gcbench.errors import GcbenchError
 
-if TYPE_CHECKING:
-    from gcbench.step import StepSpec
 
 
 def seq2seq(config: transformers.PretrainedConfig) -> bool:
@@ -231,7 +229,7 @@ IMAGE_TOKENS = "_image_tokens"  # the prepared config's attribute: the tokens on
 IGNORE_INDEX = -100  # transformers' (and torch's cross_entropy's) label that no loss is computed for
 
 
-def image_tokens_per_sample(spec: StepSpec, config) -> int:
+def image_tokens_per_sample(spec: Any, config) -> int:
     """The tokens a vision-language model's images add to each sample's text: --images x the tokens one image
     becomes (read off the model when the config was prepared: models.prepare_config); 0 for any other model."""
     if not vision_language(config):
@@ -246,7 +244,7 @@ def image_inputs(config, images: int) -> dict[str, tuple[tuple[int, ...], torch.
     return {"pixel_values": ((images, vision.num_channels, vision.image_size, vision.image_size), torch.float32)}
 
 
-def inputs_of(spec: StepSpec, config, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def inputs_of(spec: Any, config, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of each input a step draws for `rows` rows: token ids of --seq; an encoder-decoder's targets
     too, ids of --target-len (target_tokens; its labels: the model shifts them into the decoder); a speech
     encoder's log-mel features in place of the input ids (num_mel_bins x the frames its conv stem reads), in the
