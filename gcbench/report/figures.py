@@ -390,6 +390,8 @@ def write_figures(frame: pd.DataFrame, root: Path, folder: str = "figures") -> d
                 fig, caption = result
                 png, svg = f"{folder}/{name}.png", f"{folder}/{name}.svg"
                 fig.savefig(root / png, dpi=PNG_DPI, metadata={"Software": None})
+                # The SVG keeps the layout the PNG's draw computed: constrained layout, half of a save's time, once
+                fig.set_layout_engine("none")
                 fig.savefig(root / svg, metadata={"Date": None})
             files.append(FigureFile(stem, f"{title} — {device}", caption, png, svg))
     return written
