@@ -209,6 +209,13 @@ def _begin(spec: ResolvedRun, target: str) -> None:
     simulate.begin(spec if _one_process_or_fake(spec) else spec.replace(shard="none", nproc=1), target)
 
 
+def begin_prediction(spec: ResolvedRun, target: str) -> None:
+    """Begin the simulation predict_for_run(spec, target) will ask for, in a worker inside sharing.sharing_cores
+    (else at once): begun for many configs, they run side by side."""
+    if spec.compile == "none":  # a compiled config is refused, with nothing begun
+        _begin(spec, target)
+
+
 def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str]) -> Estimate | Unavailable:
     reason = analytic.unavailable(spec) if method == "analytic" else None
     if reason is not None and "simulate" in methods:

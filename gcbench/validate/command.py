@@ -80,9 +80,7 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
         if predict:
             from gcbench.validate.predict import predict_plan
 
-            with err_console.status("predicting") as status:
-                written = predict_plan(validation, cards=CARDS[:1] if smoke else CARDS,
-                                       progress=lambda text: status.update(f"predicting {text}"))
+            written = predict_plan(validation, cards=CARDS[:1] if smoke else CARDS, console=err_console)
             console.print(f"predictions written: {', '.join(str(p) for p in written)}", markup=False,
                           highlight=False)
             return 0

@@ -5,23 +5,27 @@ predicted beside measured."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
-from collections.abc import Callable
+import types
 from pathlib import Path
 
 from rich.console import Console
 
-from gcbench.estimators import predict_for_run
+from gcbench.estimators import begin_prediction, predict_for_run
+from gcbench.estimators.sharing import sharing_cores
 from gcbench.estimators.stored import stored_row
 from gcbench.validate.execute import Validation
 from gcbench.validate.plan import CARDS, StepKind
 
 
-def predict_plan(validation: Validation, cards: tuple[str, ...] = CARDS,
-                 progress: Callable[[str], None] = lambda _: None) -> list[Path]:
+def predict_plan(validation: Validation, cards: tuple[str, ...] = CARDS, console: Console | None = None
+                 ) -> list[Path]:
     """Write `validation.predicted`/predictions.jsonl (one line per planned config) and, per fit step and card,
-    estimate-fit-<step>-<card>.json and .txt; return the files written."""
+    estimate-fit-<step>-<card>.json and .txt; return the files written. Every config's simulation is begun at once,
+    side by side on the machine's cores (estimators/sharing.py: workers forked before `console`'s spinner starts
+    its thread), then each row is written in the plan's order, as one process would."""
     from gcbench.fits.command import predicted_fits
     from gcbench.grid import parse_options
     from gcbench.report.fit_tables import predicted_fit_table
@@ -30,19 +34,24 @@ def predict_plan(validation: Validation, cards: tuple[str, ...] = CARDS,
     folder.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     written = []
-    for planned in validation.steps:
-        if planned.step.kind is StepKind.SWEEP:
-            for spec in planned.specs:
-                progress(f"{planned.step.name}: {spec.model} seq {spec.seq_len} batch {spec.batch_size} "
-                         f"{spec.policy}")
-                here = spec.replace(device="cpu", memory_cap_bytes=None)  # the target says what is predicted
-                row = stored_row(spec.as_record(), "cuda", predict_for_run(here, target="cuda", cards=CARDS))
-                rows[row["key"]] = row
-        elif planned.step.kind is StepKind.FIT:
+    # the target says what is predicted
+    sweeps = [(planned.step.name, spec, spec.replace(device="cpu", memory_cap_bytes=None))
+              for planned in validation.steps if planned.step.kind is StepKind.SWEEP for spec in planned.specs]
+    silent = contextlib.nullcontext(types.SimpleNamespace(update=lambda text: None))
+    with sharing_cores(len(sweeps)), console.status("predicting") if console else silent as status:
+        for _, _, here in sweeps:
+            begin_prediction(here, "cuda")
+        for name, spec, here in sweeps:
+            status.update(f"predicting {name}: {spec.model} seq {spec.seq_len} batch {spec.batch_size} {spec.policy}")
+            row = stored_row(spec.as_record(), "cuda", predict_for_run(here, target="cuda", cards=CARDS))
+            rows[row["key"]] = row
+        for planned in validation.steps:
+            if planned.step.kind is not StepKind.FIT:
+                continue
             o = planned.step.options
             values, _ = parse_options({k: v for k, v in o.items() if k in ("model", "layers", "seq", "policy")})
             for card in cards:
-                progress(f"{planned.step.name}: estimate --fit --gpu {card}")
+                status.update(f"predicting {planned.step.name}: estimate --fit --gpu {card}")
                 found, field_name, title, caption = predicted_fits(dict(values), None, card, "batch", "0%", "cuda")
                 base = folder / f"estimate-fit-{planned.step.name}-{card}"
                 _write(base.with_suffix(".json"), json.dumps(found, indent=1) + "\n")
