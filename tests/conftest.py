@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gcbench.runner import run
-from tests.helpers import CLASSIC, TINY, tiny_spec
+from tests.helpers import CLASSIC, CLASSIC_SEQ, TINY, tiny_spec
 
 
 def pytest_configure(config):
@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def classic_records():
     """One CPU record per (tiny family, classic policy): measured once, asserted on by many tests."""
-    return {(m, p): run(tiny_spec(m, p, seq_len=256)) for m in TINY for p in CLASSIC}
+    return {(m, p): run(tiny_spec(m, p, seq_len=CLASSIC_SEQ)) for m in TINY for p in CLASSIC}
 
 
 @pytest.fixture

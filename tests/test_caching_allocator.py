@@ -113,6 +113,7 @@ def test_estimate_with_a_cards_memory_replays_the_allocator_on_it_and_says_where
     assert all("reserved_bytes" not in r and "runs_out" not in r for r in plain)  # no card: nothing replayed
 
 
+@pytest.mark.slow  # four allocator replays, 9 s: the default suite passed 4 minutes on 2 cores; CI runs it
 def test_reserved_is_what_max_memory_reserved_reads_the_cards_workspaces_added_in_one_place(monkeypatch):
     """estimate, estimate --fit and the published check add the same workspaces, through gpus.max_memory_reserved."""
     from gcbench import gpus

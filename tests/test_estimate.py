@@ -17,7 +17,7 @@ from gcbench.policies import POLICIES, Full, parse_policy
 from gcbench.results.schema import policy_label
 from gcbench.spec import RunSpec
 from gcbench.runner import run
-from tests.helpers import CLASSIC, TINY, policy_examples, tiny_spec
+from tests.helpers import CLASSIC, CLASSIC_SEQ, TINY, policy_examples, tiny_spec
 
 runner = CliRunner()
 JSON_FIELDS = {"model", "seq_len", "batch_size", "policy", "policy_options", "method", "peak_bytes", "param_bytes",
@@ -29,7 +29,7 @@ JSON_FIELDS = {"model", "seq_len", "batch_size", "policy", "policy_options", "me
 @pytest.mark.parametrize("model", TINY)
 def test_simulate_matches_the_measured_tracked_peak(classic_records, model, policy):
     record = classic_records[model, policy]
-    predicted = simulate(tiny_spec(model, policy, seq_len=256), target="cpu")
+    predicted = simulate(tiny_spec(model, policy, seq_len=CLASSIC_SEQ), target="cpu")
     assert abs(predicted.peak_bytes / record["peak_tracked_bytes"] - 1) <= 0.02
     # the model state is the same tensors in both
     assert (predicted.param_bytes, predicted.grad_bytes, predicted.optimizer_bytes) == \
@@ -41,7 +41,7 @@ def test_simulate_matches_the_measured_tracked_peak(classic_records, model, poli
 @pytest.mark.parametrize("model", TINY)
 def test_analytic_is_within_ten_percent_of_the_measured_peak(classic_records, model, policy):
     record = classic_records[model, policy]
-    predicted = analytic(tiny_spec(model, policy, seq_len=256), target="cpu")
+    predicted = analytic(tiny_spec(model, policy, seq_len=CLASSIC_SEQ), target="cpu")
     assert abs(predicted.peak_bytes / record["peak_tracked_bytes"] - 1) <= 0.10
     assert predicted.seconds < 2
 
@@ -52,7 +52,7 @@ def test_every_record_carries_the_prediction(classic_records, model):
     """The analytic one always (milliseconds); the simulation's with --predict, exact on CPU."""
     plain = classic_records[model, "none"]
     assert plain["prediction_method"] == "analytic" and plain["predicted_peak_bytes_simulate"] is None
-    record = run(tiny_spec(model, "none", seq_len=256, predict=True))
+    record = run(tiny_spec(model, "none", seq_len=CLASSIC_SEQ, predict=True))
     assert record["prediction_method"] == "simulate"
     assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]  # exact on CPU
     assert record["predicted_peak_bytes_analytic"] == plain["predicted_peak_bytes_analytic"]
@@ -63,7 +63,7 @@ def test_every_record_carries_the_prediction(classic_records, model):
 @pytest.mark.parametrize("model", TINY)
 def test_both_methods_order_the_policies_alike(model, target):
     for method in ("analytic", "simulate"):
-        peak = {p: estimate(tiny_spec(model, p, seq_len=256), method, target).peak_bytes
+        peak = {p: estimate(tiny_spec(model, p, seq_len=CLASSIC_SEQ), method, target).peak_bytes
                 for p in ("none", "every-k:k=2", "full")}
         assert peak["none"] > peak["every-k:k=2"] > peak["full"], (method, peak)
 

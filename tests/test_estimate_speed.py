@@ -65,7 +65,8 @@ def test_every_policy_simulates_as_with_a_warm_up_step_and_a_flops_pass(policy, 
                                                  id=",".join(f"{k}={v}" for k, v in lever.items()))
                                     for lever in LEVERS])
 def test_every_lever_simulates_as_with_a_warm_up_step_and_a_flops_pass(lever):
-    spec = tiny_spec(**{"policy": "full", "seq_len": 64, "precision": "bf16", **lever})
+    # two blocks (a first and a last) carry what a lever changes; the policies' test above keeps all four
+    spec = tiny_spec(**{"policy": "full", "seq_len": 64, "precision": "bf16", "layers": 2, **lever})
     _same(simulate(spec, "cuda", flops=True), simulate(spec, "cuda", flops=True, shortcut=False))
     _same(simulate(spec, "cuda"), simulate(spec, "cuda", shortcut=False))
     assert count_flops(spec) == simulate(spec, "cuda", flops=True, shortcut=False).flops

@@ -6,7 +6,7 @@ import torch
 from gcbench.errors import GcbenchError
 from gcbench.models import build_model, find_blocks
 from gcbench.policies import POLICIES, CheckpointedGroup, EveryK, GroupArguments, Segments, SqrtN, parse_policy
-from tests.helpers import CLASSIC, TINY, assert_gradients_equal_none, gradients, tiny_spec
+from tests.helpers import CLASSIC, CLASSIC_SEQ, TINY, assert_gradients_equal_none, gradients, tiny_spec
 
 
 @pytest.mark.parametrize("model_name", TINY)
@@ -88,7 +88,7 @@ def test_saved_bytes_and_tracked_peak_order(classic_records, model_name):
 def test_full_saves_exactly_the_block_inputs_plus_the_unwrapped_rest(classic_records):
     """With every block checkpointed, the saving from `none` is all block internals minus one input per block."""
     rec_none, rec_full = classic_records["tiny-gpt2", "none"], classic_records["tiny-gpt2", "full"]
-    block_input = 2 * 256 * 64 * 4  # batch x seq x hidden x fp32
+    block_input = 2 * CLASSIC_SEQ * 64 * 4  # batch x seq x hidden x fp32
     saved_full = rec_full["saved_activation_bytes"]
     assert saved_full >= 4 * block_input  # 4 stored block inputs
     assert saved_full < rec_none["saved_activation_bytes"] / 2

@@ -21,11 +21,11 @@ from gcbench.policies import (SAC_ATTENTION, SAC_MATMULS, AttentionCore, Compile
 from gcbench.resolved import resolve_record
 from gcbench.runner import run
 from gcbench.step import make_batch
-from tests.helpers import TINY, tiny_spec
+from tests.helpers import CLASSIC_SEQ, TINY, tiny_spec
 from tests.helpers import assert_gradients_equal_none
 
 BEYOND = ("sac", "sac:mm=alternate", "attn", "offload", "offload:what=all", "offload:what=inputs,k=2")
-SEQ, BATCH = 256, 2  # as conftest's classic_records, whose none / full / every-k:k=2 runs are the references
+SEQ, BATCH = CLASSIC_SEQ, 2  # as conftest's classic_records, whose none / full / every-k:k=2 runs are the references
 
 
 @pytest.fixture(scope="module")
