@@ -146,7 +146,8 @@ def test_a_long_model_made_from_two_short_ones_takes_the_whole_ones_time(tmp_pat
     from gcbench.estimators.layer_scaling import StepTrace
     from gcbench.resolved import resolve
 
-    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama"), seq_len=32, batch_size=2, policy="full",
+    # 9 blocks: past the shipped threshold (8), and five blocks of the line beyond the short ones (3, 4)
+    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama", 9), seq_len=32, batch_size=2, policy="full",
                            device="cpu"))
     scaled = sim._simulate(spec, "cuda", True, True)
     whole = sim._simulate(spec, "cuda", True, True, trace=StepTrace())
