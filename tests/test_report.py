@@ -104,10 +104,18 @@ def test_repeated_config_keeps_the_latest_record_never_an_average(tmp_path, reco
     assert frame.attrs["superseded"] == 1
 
 
-def test_report_writes_both_files_and_every_figure_as_valid_images(tmp_path, results):
-    out = tmp_path / "report"
-    result = runner.invoke(app, ["report", str(results), "--out", str(out)])
+@pytest.fixture(scope="module")
+def plain_report(tmp_path_factory, records):
+    """The report of `results` (records without predictions), rendered once for the tests that only read it."""
+    root = tmp_path_factory.mktemp("plain-report")
+    result = runner.invoke(app, ["report", str(write(root / "runs.jsonl", without_predictions(records))), "--out",
+                                 str(root / "report")])
     assert result.exit_code == 0, result.output
+    return root / "report"
+
+
+def test_report_writes_both_files_and_every_figure_as_valid_images(plain_report):
+    out = plain_report
     for name in FIGURES:
         with Image.open(out / "figures" / f"{name}.png") as im:
             im.verify()
@@ -124,12 +132,11 @@ def test_report_writes_both_files_and_every_figure_as_valid_images(tmp_path, res
     assert "prediction error" not in md
 
 
-def test_figures_open_in_matplotlib(tmp_path, results):
+def test_figures_open_in_matplotlib(plain_report):
     import matplotlib.image as mpimg
 
-    runner.invoke(app, ["report", str(results), "--out", str(tmp_path)])
     for name in FIGURES:
-        pixels = mpimg.imread(tmp_path / "figures" / f"{name}.png")
+        pixels = mpimg.imread(plain_report / "figures" / f"{name}.png")
         assert pixels.ndim == 3 and pixels.std() > 0  # an image with something drawn on it
 
 
@@ -194,10 +201,8 @@ def test_prediction_error_per_method(tmp_path, records):
     assert rows[-2].endswith("| 2.0% | 10.0% |") and rows[-1].endswith("| 2.0% | 10.0% |")
 
 
-def test_report_without_per_method_predictions_has_no_such_table(tmp_path, results):
-    out = tmp_path / "report"
-    assert runner.invoke(app, ["report", str(results), "--out", str(out)]).exit_code == 0
-    assert "Prediction error per method" not in (out / "report.md").read_text()
+def test_report_without_per_method_predictions_has_no_such_table(plain_report):
+    assert "Prediction error per method" not in (plain_report / "report.md").read_text()
 
 
 def test_report_from_a_file_with_only_ooms(tmp_path, records):
