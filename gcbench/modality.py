@@ -23,7 +23,6 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 from gcbench.errors import GcbenchError
 
 
-
 def seq2seq(config: transformers.PretrainedConfig) -> bool:
     """Whether the model is an encoder-decoder (T5, BART, Whisper): an encoder stack reads the input (token ids, or
     a speech encoder's audio features), a decoder stack the targets shifted right, with cross-attention to the

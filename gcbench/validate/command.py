@@ -80,7 +80,7 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
         if predict:
             from gcbench.validate.predict import predict_plan
 
-            written = predict_plan(validation, cards=CARDS[:1] if smoke else CARDS, console=err_console)
+            written = predict_plan(validation, err_console, cards=CARDS[:1] if smoke else CARDS)
             console.print(f"predictions written: {', '.join(str(p) for p in written)}", markup=False,
                           highlight=False)
             return 0

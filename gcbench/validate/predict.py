@@ -5,10 +5,8 @@ predicted beside measured."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import types
 from pathlib import Path
 
 from rich.console import Console
@@ -20,8 +18,7 @@ from gcbench.validate.execute import Validation
 from gcbench.validate.plan import CARDS, StepKind
 
 
-def predict_plan(validation: Validation, cards: tuple[str, ...] = CARDS, console: Console | None = None
-                 ) -> list[Path]:
+def predict_plan(validation: Validation, console: Console, cards: tuple[str, ...] = CARDS) -> list[Path]:
     """Write `validation.predicted`/predictions.jsonl (one line per planned config) and, per fit step and card,
     estimate-fit-<step>-<card>.json and .txt; return the files written. Every config's simulation is begun at once,
     side by side on the machine's cores (estimators/sharing.py: workers forked before `console`'s spinner starts
@@ -37,8 +34,7 @@ def predict_plan(validation: Validation, cards: tuple[str, ...] = CARDS, console
     # the target says what is predicted
     sweeps = [(planned.step.name, spec, spec.replace(device="cpu", memory_cap_bytes=None))
               for planned in validation.steps if planned.step.kind is StepKind.SWEEP for spec in planned.specs]
-    silent = contextlib.nullcontext(types.SimpleNamespace(update=lambda text: None))
-    with sharing_cores(len(sweeps)), console.status("predicting") if console else silent as status:
+    with sharing_cores(len(sweeps)), console.status("predicting") as status:
         for _, _, here in sweeps:
             begin_prediction(here, "cuda")
         for name, spec, here in sweeps:
