@@ -35,7 +35,9 @@ def config_with_blocks(tmp_path, family: str, blocks: int = BLOCKS) -> str:
 
 
 def whole_and_scaled(spec, target: str = "cuda") -> tuple[dict, dict, bool]:
-    """(the whole simulation's fields, the default one's, whether that was made from short ones), seconds left out."""
+    """(the whole simulation's fields, the default one's, whether that was made from short ones), seconds left out.
+    A default that was not made from short ones is the whole simulation itself (the code below the scaling, with
+    no trace), so it is not simulated again."""
     made = []
     original = layer_scaling.scaled
 
@@ -48,11 +50,13 @@ def whole_and_scaled(spec, target: str = "cuda") -> tuple[dict, dict, bool]:
         default = sim._simulate(spec, target, True, True)
     finally:
         sim.scaled = original
-    whole = sim._simulate(spec, target, True, True, trace=StepTrace())  # a trace: simulated whole
+    was_scaled = bool(made) and made[0] is not None
+    # a trace: simulated whole
+    whole = sim._simulate(spec, target, True, True, trace=StepTrace()) if was_scaled else default
     # the step's work (the time model's) is held to the whole simulation's by tests/test_step_time.py
     fields = [{f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ("seconds", "work")}
               for e in (whole, default)]
-    return fields[0], fields[1], bool(made) and made[0] is not None
+    return fields[0], fields[1], was_scaled
 
 
 @pytest.fixture(autouse=True)
