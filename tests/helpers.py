@@ -6,6 +6,7 @@ import torch
 from gcbench.models import block_lists, build_model
 from gcbench.policies import POLICIES, apply_to_stacks, classic
 from gcbench.resolved import ResolvedRun, resolve
+from gcbench.runner import run
 from gcbench.spec import RunSpec
 from gcbench.step import make_batch
 
@@ -18,6 +19,17 @@ CLASSIC = tuple(str(cls()) for cls in POLICIES.values() if cls.__module__ == cla
 # conftest's classic_records and the tests that hold predictions against them: long enough that activations
 # outweigh the weights (the analytic model's 10% is a claim about activations), short enough for a cheap CPU step
 CLASSIC_SEQ = 128
+
+
+def run_as_simulated(model="tiny-llama", policy="none", **overrides) -> dict:
+    """The record of a real CPU run of tiny_spec(model, policy, **overrides), predicted beforehand by the
+    simulation, asserted ok and predicted to the byte (the CPU's live-tensor peak, exact by construction): what a
+    test of a family, policy or lever then asserts more of."""
+    record = run(tiny_spec(model, policy, predict=True, **overrides))
+    said = (model, policy, overrides, record.get("error"))
+    assert record["status"] == "ok" and record["prediction_method"] == "simulate", said
+    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], said
+    return record
 
 
 def policy_examples() -> list[str]:

@@ -12,10 +12,9 @@ from gcbench.estimators import estimate
 from gcbench.estimators.shape import CUDA_BLOCK_BYTES
 from gcbench.grid import SweepSpec
 from gcbench.models import build_model, find_blocks
-from gcbench.runner import run
 from gcbench.spec import RunSpec
 from gcbench.step import TrainingStep, make_batch, make_optimizer
-from tests.helpers import CLASSIC, TINY, tiny_spec
+from tests.helpers import CLASSIC, TINY, run_as_simulated, tiny_spec
 
 INIT_SCALE = 2.0**16  # torch.amp.GradScaler's default init_scale
 
@@ -84,9 +83,7 @@ def test_gradients_equal_none_under_amp_fp16(model_name, policy):
 
 
 def test_the_simulation_predicts_an_amp_fp16_run_exactly_on_cpu():
-    record = run(tiny_spec(seq_len=32, predict=True, precision="amp-fp16"))
-    assert record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    record = run_as_simulated(seq_len=32, precision="amp-fp16")
     assert record["predicted_peak_phase"] == record["peak_phase"]
     assert record["mfu"] is None  # a CPU has no known peak
 
@@ -96,8 +93,7 @@ def test_the_simulation_predicts_an_amp_fp16_run_exactly_on_cpu():
                                     dict(model="tiny-gpt2", optimizer="adamw-fused"),
                                     dict(optimizer="adafactor", policy="sac")])
 def test_the_simulation_predicts_each_amp_fp16_lever_exactly_on_cpu(fields):
-    record = run(tiny_spec(**({"seq_len": 32, "predict": True, "precision": "amp-fp16"} | fields)))
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    record = run_as_simulated(**({"seq_len": 32, "precision": "amp-fp16"} | fields))
     assert record["predicted_peak_phase"] == record["peak_phase"]
 
 

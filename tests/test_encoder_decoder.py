@@ -13,8 +13,7 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, find_stacks, load_config
 from gcbench.policies import CheckpointedGroup, GroupArguments, apply_to_stacks, parse_policy
-from gcbench.runner import run
-from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
+from tests.helpers import assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 SEQ = 32
@@ -65,9 +64,8 @@ def test_a_policy_that_names_one_stack_wraps_that_stack_only_and_the_record_says
     undo = apply_to_stacks(policy, stacks)
     assert [[isinstance(b, CheckpointedGroup) for b in blocks] for blocks in stacks] == [[False] * 3, [True] * 2]
     undo()
-    record = run(tiny_spec("tiny-bart", "sqrtn:stack=encoder", seq_len=SEQ, predict=True))
+    record = run_as_simulated("tiny-bart", "sqrtn:stack=encoder", seq_len=SEQ)
     assert record["policy"] == "sqrtn" and record["policy_options"] == {"stack": "encoder"}
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
     assert_gradients_equal_none("tiny-bart", "sqrtn:stack=encoder", seq_len=SEQ)
 
 
@@ -111,9 +109,7 @@ def test_a_speech_encoder_decoder_is_refused_for_its_real_reason(tmp_path):
 
 @pytest.mark.parametrize("model", POLICIES)
 def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_stacks(model):
-    record = run(tiny_spec(model, "full", seq_len=SEQ, predict=True))
-    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    record = run_as_simulated(model, "full", seq_len=SEQ)
     assert record["stacks"] == {"tiny-t5": "encoder:3,decoder:3", "tiny-bart": "encoder:3,decoder:2"}[model]
     assert record["n_layers"] == {"tiny-t5": 6, "tiny-bart": 5}[model]
 
@@ -121,9 +117,7 @@ def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_stacks
 @pytest.mark.slow  # a real run per model and policy (one test each, so that the workers share them)
 @pytest.mark.parametrize("model,policy", [(m, p) for m, ps in POLICIES.items() for p in ("none", *ps)])
 def test_the_simulation_is_exact_on_cpu_under_every_policy(model, policy):
-    record = run(tiny_spec(model, policy, seq_len=64, predict=True))
-    assert record["status"] == "ok", (policy, record.get("error"))
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
+    run_as_simulated(model, policy, seq_len=64)
 
 
 def test_presets_estimate_on_a_card_with_each_stack_checkpointed():

@@ -17,7 +17,7 @@ from gcbench.policies import POLICIES, Full, parse_policy
 from gcbench.results.schema import policy_label
 from gcbench.spec import RunSpec
 from gcbench.runner import run
-from tests.helpers import CLASSIC, CLASSIC_SEQ, TINY, policy_examples, tiny_spec
+from tests.helpers import CLASSIC, CLASSIC_SEQ, TINY, policy_examples, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 JSON_FIELDS = {"model", "seq_len", "batch_size", "policy", "policy_options", "method", "peak_bytes", "param_bytes",
@@ -52,9 +52,7 @@ def test_every_record_carries_the_prediction(classic_records, model):
     """The analytic one always (milliseconds); the simulation's with --predict, exact on CPU."""
     plain = classic_records[model, "none"]
     assert plain["prediction_method"] == "analytic" and plain["predicted_peak_bytes_simulate"] is None
-    record = run(tiny_spec(model, "none", seq_len=CLASSIC_SEQ, predict=True))
-    assert record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]  # exact on CPU
+    record = run_as_simulated(model, "none", seq_len=CLASSIC_SEQ)
     assert record["predicted_peak_bytes_analytic"] == plain["predicted_peak_bytes_analytic"]
 
 

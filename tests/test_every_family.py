@@ -19,9 +19,8 @@ from gcbench.estimators.analytic import unavailable
 from gcbench.estimators.shape import Shape
 from gcbench.models import describe
 from gcbench.resolved import resolve
-from gcbench.runner import run
 from gcbench.spec import RunSpec
-from tests.helpers import CLASSIC, gradients, tiny_spec
+from tests.helpers import CLASSIC, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 G4 = "tiny-gemma4"  # 4 blocks: local/global layers of head size 16/32, the last 2 reusing the first 2's keys/values
@@ -124,16 +123,13 @@ def test_every_policy_gives_nones_gradients(policy):
 
 
 def test_the_simulation_equals_the_measured_peak():
-    record = run(tiny_spec(G4, "sqrtn", seq_len=SEQ, predict=True))
-    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    run_as_simulated(G4, "sqrtn", seq_len=SEQ)
 
 
 @pytest.mark.slow  # a real run per policy
 @pytest.mark.parametrize("policy", ["none", "full", "every-k", "segments:k=3", "sac", "attn", "offload"])
 def test_the_simulation_is_exact_under_every_policy(policy):
-    record = run(tiny_spec(G4, policy, seq_len=SEQ, predict=True))
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    run_as_simulated(G4, policy, seq_len=SEQ)
 
 
 @pytest.mark.parametrize("change,words", [

@@ -22,10 +22,9 @@ from gcbench.estimators.simulate import simulate
 from gcbench.models import MODELS, build_meta_model, describe, find_blocks, find_stacks, load_config
 from gcbench.resolved import resolve
 from gcbench.results.store import read_records
-from gcbench.runner import run
 from gcbench.spec import RunSpec
 from tests.families import FAMILIES, write_family_configs
-from tests.helpers import CLASSIC, assert_gradients_equal_none, gradients, tiny_spec
+from tests.helpers import CLASSIC, assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 BEYOND = ("sac", "sac:mm=alternate", "attn", "offload", "offload:what=all")
@@ -108,10 +107,7 @@ def test_the_simulation_is_exact_on_cpu_for_every_family(family_paths, family):
     """Per-family quirks (tied embeddings, GQA, sliding windows, soft-capping, expert routing) are in the
     simulation because it runs the family's own code: its CPU prediction is the measured peak to the byte."""
     for policy in ("none", "full", "sac"):
-        record = run(tiny_spec(family_paths[family], policy, seq_len=64, predict=True))
-        assert record["status"] == "ok"
-        assert record["prediction_method"] == "simulate"
-        assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+        run_as_simulated(family_paths[family], policy, seq_len=64)
 
 
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it

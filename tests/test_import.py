@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import zlib
 from pathlib import Path
 
 import pytest

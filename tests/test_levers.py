@@ -23,7 +23,7 @@ from gcbench.runner import run
 from gcbench.cli_options import with_bare_switches
 from gcbench.spec import RunSpec
 from gcbench.step import OptimizerInBackward, TrainingStep, make_batch, make_optimizer
-from tests.helpers import tiny_spec
+from tests.helpers import run_as_simulated, tiny_spec
 
 runner = CliRunner()
 STEPPING = [name for name, kind in OPTIMIZERS.items() if kind.steps]
@@ -227,9 +227,7 @@ def test_peak_phase_names_the_phase_that_holds_the_peak(phase, sizes):
                                     dict(precision="bf16", optimizer="adamw-fused")])
 def test_the_simulation_predicts_each_lever_exactly_on_cpu(fields):
     """A CPU run's record carries the simulation's prediction: equal to the measured peak, and so is its phase."""
-    record = run(tiny_spec(seq_len=32, predict=True, **fields))
-    assert record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    record = run_as_simulated(seq_len=32, **fields)
     assert record["predicted_peak_phase"] == record["peak_phase"]
 
 

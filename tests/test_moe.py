@@ -18,8 +18,7 @@ from gcbench.estimators.step_clock import StepClock
 from gcbench.estimators.step_time import GEMM, SYNC
 from gcbench.measure import counting_flops
 from gcbench.models import build_meta_model, build_model, describe, experts_implementation, load_config
-from gcbench.runner import run
-from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
+from tests.helpers import assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 TINY_MOE = "tiny-mixtral"
@@ -42,9 +41,7 @@ def test_every_policy_gives_the_tiny_moe_none_gradients(policy):
 @pytest.mark.parametrize("policy", ["none", pytest.param("full", marks=pytest.mark.slow),
                                     pytest.param("sqrtn", marks=pytest.mark.slow), "sac"])  # a run each: 2 s
 def test_the_simulation_is_the_measured_cpu_peak_of_the_tiny_moe(policy):
-    record = run(tiny_spec(TINY_MOE, policy, seq_len=SEQ, predict=True))
-    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    run_as_simulated(TINY_MOE, policy, seq_len=SEQ)
 
 
 def test_transformers_runs_the_experts_through_torchs_grouped_matmul_on_cuda(monkeypatch):

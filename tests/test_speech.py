@@ -12,13 +12,11 @@ import transformers
 from typer.testing import CliRunner
 
 from gcbench.cli import app
-from gcbench.errors import GcbenchError
 from gcbench.fields import setup_words
 from gcbench.modality import auto_class, target_tokens
 from gcbench.models import build_meta_model, find_stacks, load_config
-from gcbench.runner import run
 from gcbench.step import make_batch
-from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
+from tests.helpers import assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 SEQ = 16  # tiny-whisper: 16 positions per sample, from 32 frames of log-mel features (its conv stem halves them)
@@ -89,9 +87,7 @@ def test_a_published_config_json_runs_unedited_and_its_targets_default_to_the_de
 def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_target():
     from gcbench.report.run_table import run_table
 
-    record = run(tiny_spec("tiny-whisper", "full", seq_len=SEQ, target_len=24, predict=True))
-    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    record = run_as_simulated("tiny-whisper", "full", seq_len=SEQ, target_len=24)
     assert record["stacks"] == "encoder:2,decoder:2" and record["target_len"] == 24
     assert "seq 16 · target 24 · batch 2" in str(run_table(record).title)
     assert setup_words(record) == "target 24 · fp32 · adamw"
@@ -100,15 +96,12 @@ def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_target
 @pytest.mark.slow  # a real run per policy (one test each, so that the workers share them)
 @pytest.mark.parametrize("policy", ["none", *POLICIES])
 def test_the_simulation_is_exact_on_cpu_under_every_policy(policy):
-    record = run(tiny_spec("tiny-whisper", policy, seq_len=SEQ, predict=True))
-    assert record["status"] == "ok", (policy, record.get("error"))
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
+    run_as_simulated("tiny-whisper", policy, seq_len=SEQ)
 
 
 @pytest.mark.slow  # about 30 s: a 59M-parameter model at 1,500 positions
 def test_a_published_config_json_runs_one_block_of_each_stack_exactly(whisper_small):
-    record = run(tiny_spec(whisper_small, seq_len=1500, batch_size=1, layers=1, predict=True))
-    assert record["status"] == "ok" and record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    run_as_simulated(whisper_small, seq_len=1500, batch_size=1, layers=1)
 
 
 @pytest.mark.parametrize("args,words", [
@@ -145,8 +138,7 @@ def test_a_text_encoder_decoder_takes_a_target_length_of_its_own(model):
 
 @pytest.mark.parametrize("model", [pytest.param("tiny-t5", marks=pytest.mark.slow), "tiny-bart"])
 def test_the_simulation_equals_the_measured_peak_with_targets_shorter_than_the_input(model):
-    record = run(tiny_spec(model, "full", seq_len=32, target_len=12, predict=True))
-    assert record["status"] == "ok" and record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    run_as_simulated(model, "full", seq_len=32, target_len=12)
 
 
 def test_estimate_takes_target_lengths_as_an_axis_and_names_them():

@@ -16,7 +16,7 @@ from gcbench.estimators.analytic import unavailable
 from gcbench.models import auto_class, build_model
 from gcbench.runner import run
 from gcbench.step import make_batch
-from tests.helpers import assert_gradients_equal_none, tiny_spec
+from tests.helpers import assert_gradients_equal_none, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 
@@ -81,10 +81,8 @@ def test_every_policy_gives_nones_gradients_with_the_classifier(model, policy):
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-bert"])
 def test_the_simulation_predicts_the_classifiers_measured_peak_exactly_on_cpu(model):
-    record = run(tiny_spec(model, "full", head="seq-cls", seq_len=64, predict=True))
-    assert record["status"] == "ok" and record["head"] == "seq-cls"
-    assert record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    record = run_as_simulated(model, "full", head="seq-cls", seq_len=64)
+    assert record["head"] == "seq-cls"
     lm = run(tiny_spec(model, "full", seq_len=64))
     assert lm["head"] == "lm" and lm["param_bytes"] != record["param_bytes"]  # another head, other weights
 

@@ -11,8 +11,7 @@ from typer.testing import CliRunner
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, find_stacks, image_tokens, load_config
-from gcbench.runner import run
-from tests.helpers import assert_gradients_equal_none, gradients, tiny_spec
+from tests.helpers import assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 TOKENS = 17  # tiny-vit: 32x32 images of 8x8 patches, and its class token
@@ -59,16 +58,13 @@ def test_siglips_blocks_are_its_vision_towers_and_layers_cuts_them(siglip):
 @pytest.mark.parametrize("model,tokens", [("tiny-vit", TOKENS), ("siglip", 16)])
 def test_the_simulation_equals_the_measured_peak(siglip, model, tokens):
     """The labels (one int64 per image) are a tensor of the batch: the simulation holds them as the run does."""
-    record = run(tiny_spec(siglip if model == "siglip" else model, "none", seq_len=tokens, predict=True))
-    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    run_as_simulated(siglip if model == "siglip" else model, "none", seq_len=tokens)
 
 
 @pytest.mark.slow  # a real run per policy
 def test_the_simulation_is_exact_on_cpu_under_every_policy():
     for policy in ("full", "sqrtn", "sac", "attn", "offload"):
-        record = run(tiny_spec("tiny-vit", policy, seq_len=TOKENS, predict=True))
-        assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], policy
+        run_as_simulated("tiny-vit", policy, seq_len=TOKENS)
 
 
 def test_a_preset_is_estimated_for_a_card_in_one_command():

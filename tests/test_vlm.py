@@ -14,9 +14,8 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, count_params, find_stacks, load_config
 from gcbench.policies import CheckpointedGroup, GroupArguments, apply_to_stacks, parse_policy
-from gcbench.runner import run
 from gcbench.step import make_batch
-from tests.helpers import gradients, tiny_spec
+from tests.helpers import gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 SEQ = 32  # text tokens; tiny-llava's 32x32 image of 8x8 patches adds 16 (its CLS token dropped: "default")
@@ -108,9 +107,7 @@ def test_the_batch_holds_each_images_placeholders_and_the_text(images):
 
 
 def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_stacks():
-    record = run(tiny_spec("tiny-llava", "full", seq_len=SEQ, predict=True))
-    assert record["status"] == "ok" and record["prediction_method"] == "simulate"
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"]
+    record = run_as_simulated("tiny-llava", "full", seq_len=SEQ)
     assert record["stacks"] == "vision:3,language:3" and record["n_layers"] == 6 and record["images"] == 1
 
 
@@ -120,9 +117,7 @@ def test_the_simulation_equals_the_measured_peak_and_the_record_names_the_stacks
     *(("full", overrides) for overrides in ({"images": 2}, {"images": 2, "grad_accum": 2}, {"adapter": "lora"},
                                              {"loss": "chunked"}, {"loss": "litgpt"}))])
 def test_the_simulation_is_exact_on_cpu_under_every_policy(policy, overrides):
-    record = run(tiny_spec("tiny-llava", policy, seq_len=SEQ, predict=True, **overrides))
-    assert record["status"] == "ok", (policy, record.get("error"))
-    assert record["predicted_peak_bytes"] == record["peak_tracked_bytes"], (policy, overrides)
+    run_as_simulated("tiny-llava", policy, seq_len=SEQ, **overrides)
 
 
 def test_lora_adapts_the_language_model_alone():
