@@ -13,7 +13,8 @@ alike, and the figure is the median of the pairs' ratios:
   estimate  `gcbench estimate --model llama-7b --seq 4096 --policy none,full,sqrtn --method simulate`, paired with
             the same floor, and with --fit also `gcbench estimate --model llama-7b --seq 4096 --fit --gpu h100-80gb`.
             `--method analytic` of the same, paired with the libraries' import floor (`import torch,
-            transformers`): the analytic model still builds the model on the meta device, so its modeling code.
+            transformers`), and with the floor of what it reads: the libraries, the llama config class and its
+            modeling code (the analytic model builds the model on the meta device), which no change to gcbench lowers.
   suites    (only with --only suites: 15-20 minutes on 2 cores) the README's test command and the slow set, each
             once, as CI runs them: wall, tests passed, and the slowest tests pytest reports.
   optimum   with --optimum-python PY (an interpreter that has optimum-benchmark installed, in its own environment:
@@ -47,6 +48,10 @@ SWEEP_CONFIGS = 8
 ESTIMATE = ["estimate", "--model", "llama-7b", "--seq", "4096", "--policy", "none,full,sqrtn", "--method", "simulate"]
 ESTIMATE_ANALYTIC = [*ESTIMATE[:-1], "analytic"]
 LIBRARIES = [PYTHON, "-c", "import torch, transformers"]
+# what any command that reads and builds a llama imports: transformers' config class pulls in its activations, hub
+# kernels and torch.distributed.tensor; its modeling code masking_utils and torch._dynamo
+MODEL_CODE = [PYTHON, "-c", "import torch, transformers; from transformers import LlamaConfig; "
+              "from transformers.models.llama import modeling_llama"]
 SUITES = (("the default suite", []), ("the slow set", ["-m", "slow"]))
 ESTIMATE_FIT = ["estimate", "--model", "llama-7b", "--seq", "4096", "--fit", "--gpu", "h100-80gb"]
 # The parts of a run, in order, as the marks name them (see marked_run)
@@ -210,6 +215,10 @@ def estimate_figures(fit: bool, repeat: int) -> list[str]:
     times, floors = paired(lambda: wall([*GCBENCH, *ESTIMATE_ANALYTIC]), lambda: wall(LIBRARIES), repeat)
     lines.append(f"estimate --method analytic: median {statistics.median(times):.2f} s of {repeat}; `import torch, "
                  f"transformers` paired: {statistics.median(floors):.2f} s, the estimate "
+                 f"{statistics.median(t - f for t, f in zip(times, floors)):+.2f} s above it")
+    times, floors = paired(lambda: wall([*GCBENCH, *ESTIMATE_ANALYTIC]), lambda: wall(MODEL_CODE), repeat)
+    lines.append(f"estimate --method analytic: median {statistics.median(times):.2f} s of {repeat}; the libraries, "
+                 f"the llama config and modeling code paired: {statistics.median(floors):.2f} s, the estimate "
                  f"{statistics.median(t - f for t, f in zip(times, floors)):+.2f} s above it")
     if fit:
         lines.append(f"estimate --fit (llama-7b, seq 4096, h100-80gb): {wall([*GCBENCH, *ESTIMATE_FIT]):.2f} s")
