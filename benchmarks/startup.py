@@ -248,7 +248,8 @@ def optimum_figures(python: str, pairs: int, out: Path) -> list[str]:
     peer = [python, str(HERE / "optimum_training.py"), "--out", str(out / "optimum")]
     subprocess.run([*peer, "--prepare"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     version = subprocess.run([python, "-c", "from importlib.metadata import version as v; "
-                              "print(v('optimum-benchmark'), v('transformers'))"], capture_output=True, text=True).stdout.split()
+                              "print(v('optimum-benchmark'), v('transformers'))"],
+                             capture_output=True, text=True).stdout.split()
     times_run, times_peer = paired(lambda: wall(run), lambda: wall(peer, cwd=out), pairs)  # its benchmark.log
     return [ratio_line(f"optimum-benchmark {version[0]} (transformers {version[1]}; its process launcher)",
                        times_run, times_peer, "gcbench run", "optimum-benchmark training")]
