@@ -143,12 +143,12 @@ def test_a_long_model_made_from_two_short_ones_takes_the_whole_ones_time(tmp_pat
     from tests.test_layer_scaling import config_with_blocks
 
     from gcbench.estimators import simulate as sim
-    from gcbench.estimators.layer_scaling import StepTrace
+    from gcbench.estimators.layer_scaling import FEWEST, StepTrace
     from gcbench.resolved import resolve
 
-    # 9 blocks: past the shipped threshold (8), and five blocks of the line beyond the short ones (3, 4)
-    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama", 9), seq_len=32, batch_size=2, policy="full",
-                           device="cpu"))
+    # one block past the shipped threshold (FEWEST), well beyond the short ones (3, 4) on their line
+    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama", FEWEST + 1), seq_len=32, batch_size=2,
+                           policy="full", device="cpu"))
     scaled = sim._simulate(spec, "cuda", True, True)
     whole = sim._simulate(spec, "cuda", True, True, trace=StepTrace())
     assert scaled.work.scaled_from is not None and whole.work.scaled_from is None
