@@ -48,10 +48,15 @@ FAMILIES = tuple(f for f in FAMILY_CONFIGS if f in transformers.CONFIG_MAPPING)
 
 def write_family_configs(directory: Path) -> dict[str, str]:
     """Each family's config.json in `directory`/<family>/; returns {family: path}."""
-    paths = {}
-    for family in FAMILIES:
-        path = directory / family / "config.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"model_type": family, **FAMILY_CONFIGS[family]}))
-        paths[family] = str(path)
-    return paths
+    return {family: config_with_blocks(directory, family) for family in FAMILIES}
+
+
+def config_with_blocks(directory: Path, family: str, blocks: int | None = None) -> str:
+    """The family's config.json in `directory`/<family>/, with `blocks` blocks where given; returns its path."""
+    fields = dict(FAMILY_CONFIGS[family])
+    if blocks is not None:
+        fields["n_layer" if family == "gpt2" else "num_hidden_layers"] = blocks
+    path = directory / family / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model_type": family, **fields}))
+    return str(path)

@@ -32,6 +32,28 @@ def run_as_simulated(model="tiny-llama", policy="none", **overrides) -> dict:
     return record
 
 
+def assert_refused(result, message: str) -> None:
+    """A CLI result (typer's CliRunner) that refused its input as the quality bar asks: exit code 2, `message` in
+    one line on stderr, no traceback."""
+    said = result.stderr or result.output
+    assert result.exit_code == 2, said
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, said
+    assert "Traceback" not in result.output, said
+
+
+def estimate_rows(*args: str) -> list[dict]:
+    """`gcbench estimate *args --format json`, in this process: asserted to succeed, its rows (one JSON line each)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from gcbench.cli import app
+
+    result = CliRunner().invoke(app, ["estimate", *args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
 def policy_examples() -> list[str]:
     """Every registered policy as one would give it: its name, or its example where an option is required."""
     return [cls.example or name for name, cls in POLICIES.items()]
@@ -45,8 +67,8 @@ def tiny_spec(model="tiny-llama", policy="none", **overrides) -> ResolvedRun:
 
 
 def gradients(model_name: str, policy, dropout_seed: int = 1, device: str = "cpu", **overrides):
-    """(loss, gradients of the trainable parameters in order) of one fp32 forward+backward under `policy` (a string, or a Policy:
-    a plan with its mix chosen)."""
+    """(loss, gradients of the trainable parameters in order) of one fp32 forward+backward under `policy` (a string,
+    or a Policy: a plan with its mix chosen)."""
     spec = tiny_spec(model_name, policy, device=device, precision="fp32", **overrides)
     config, _ = spec.model_config()
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ import pytest
 from gcbench.estimators.caching_allocator import CachingAllocator, OutOfMemory, round_size, segment_size
 from gcbench.estimators.simulate import replay_allocator, simulate
 from gcbench.spec import RunSpec
+from tests.helpers import estimate_rows
 
 KiB, MiB = 2**10, 2**20
 
@@ -88,15 +89,13 @@ def test_the_replayed_allocated_peak_is_the_simulations_own_and_reserved_holds_i
 def test_estimate_with_a_cards_memory_replays_the_allocator_on_it_and_says_where_it_runs_out():
     """tiny-llama seq 512 x batch 8, bf16: `none`'s allocated peak (72 MiB) is within 80 MiB, but the segments
     the allocator would take are not; `full`'s are."""
-    import json
-
     from typer.testing import CliRunner
 
     from gcbench.cli import app
 
     args = ["estimate", "--model", "tiny-llama", "--seq", "512", "--batch", "8", "--policy", "none,full",
             "--gpu-memory", "80MiB"]
-    rows = [json.loads(line) for line in CliRunner().invoke(app, [*args, "--format", "json"]).output.splitlines()]
+    rows = estimate_rows(*args[1:])
     by = {(r["policy"], r["method"]): r for r in rows}
     assert by["none", "simulate"]["peak_bytes"] <= 80 * MiB and by["none", "simulate"]["runs_out"] is True
     # a config fits or not whatever the row: the analytic row takes the replay's answer
@@ -109,7 +108,7 @@ def test_estimate_with_a_cards_memory_replays_the_allocator_on_it_and_says_where
     table = CliRunner().invoke(app, args, env={"COLUMNS": "80"}).output
     assert "past" in table and "caching allocator replayed" in table
     assert max(map(len, table.splitlines())) <= 80
-    plain = [json.loads(line) for line in CliRunner().invoke(app, [*args[:-2], "--format", "json"]).output.splitlines()]
+    plain = estimate_rows(*args[1:-2])
     assert all("reserved_bytes" not in r and "runs_out" not in r for r in plain)  # no card: nothing replayed
 
 

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from gcbench.cli import app
 from gcbench.results.schema import SCHEMA_VERSION
 from gcbench.results.store import read_records
+from tests.helpers import assert_refused
 
 runner = CliRunner()
 TINY_RUN = ["run", "--model", "tiny-llama", "--seq", "32", "--batch", "2", "--device", "cpu", "--warmup", "1",
@@ -114,9 +115,7 @@ def test_bad_input_is_one_line_exit_2_and_results_untouched(tmp_path, args, mess
     out = tmp_path / "r.jsonl"
     out.write_text('{"keep": "me"}\n')
     result = runner.invoke(app, [*TINY_RUN, *args, "--out", str(out)])
-    assert result.exit_code == 2
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert_refused(result, message)
     assert "Traceback" not in result.output
     assert out.read_text() == '{"keep": "me"}\n'
 

@@ -4,11 +4,10 @@ field by field, wherever it is made; where blocks or their treatment differ, it 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 
-from tests.families import FAMILIES, FAMILY_CONFIGS
+from tests.families import FAMILIES, config_with_blocks
 from gcbench.estimators import layer_scaling, simulate as sim
 from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.layer_scaling import StepTrace, blocks_to_scale, scaled
@@ -23,15 +22,6 @@ BLOCKS = 5
 SHIPPED = layer_scaling.FEWEST  # read before any test lowers it
 # blocks that differ from one another: local/global attention, dense and MoE layers, router outputs
 UNLIKE = {"gemma2", "gemma3_text", "modernbert", "mixtral", "qwen2_moe"}
-
-
-def config_with_blocks(tmp_path, family: str, blocks: int = BLOCKS) -> str:
-    fields = dict(FAMILY_CONFIGS[family])
-    fields["n_layer" if family == "gpt2" else "num_hidden_layers"] = blocks
-    path = tmp_path / family / "config.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"model_type": family, **fields}))
-    return str(path)
 
 
 def whole_and_scaled(spec, target: str = "cuda") -> tuple[dict, dict, bool]:
@@ -74,7 +64,8 @@ def test_a_model_is_scaled_from_the_shipped_threshold_on(tmp_path, monkeypatch):
 
 
 def test_a_long_llama_scaled_exactly(tmp_path):
-    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama"), seq_len=32, batch_size=2, policy="full"))
+    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama", BLOCKS), seq_len=32, batch_size=2,
+                           policy="full"))
     whole, default, was_scaled = whole_and_scaled(spec)
     assert was_scaled and default == whole
 
@@ -104,7 +95,8 @@ LEVERS = [
 @pytest.mark.parametrize("levers", LEVERS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 @pytest.mark.parametrize("target", ["cuda", "cpu"])
 def test_policies_and_levers_scaled_exactly(tmp_path, levers, target):
-    fields = {"model": config_with_blocks(tmp_path, "llama"), "seq_len": 32, "batch_size": 2, "policy": "full", **levers}
+    fields = {"model": config_with_blocks(tmp_path, "llama", BLOCKS), "seq_len": 32, "batch_size": 2, "policy": "full",
+              **levers}
     if fields.get("adapter") == "lora":
         pytest.importorskip("peft")
     if fields.get("optimizer") == "adafactor":
@@ -124,7 +116,7 @@ def test_policies_and_levers_scaled_exactly(tmp_path, levers, target):
 def test_not_scaled_where_blocks_are_treated_apart(tmp_path, fields):
     if "adapter" in fields:
         pytest.importorskip("peft")
-    spec = resolve(RunSpec(**{"model": config_with_blocks(tmp_path, "llama"), "seq_len": 32, "batch_size": 2,
+    spec = resolve(RunSpec(**{"model": config_with_blocks(tmp_path, "llama", BLOCKS), "seq_len": 32, "batch_size": 2,
                               "policy": "full", **fields}))
     assert blocks_to_scale(spec) is None
     whole, default, was_scaled = whole_and_scaled(spec)
@@ -132,7 +124,8 @@ def test_not_scaled_where_blocks_are_treated_apart(tmp_path, fields):
 
 
 def test_flops_only_count_scaled_exactly(tmp_path, monkeypatch):
-    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama"), seq_len=32, batch_size=2, policy="sac"))
+    spec = resolve(RunSpec(model=config_with_blocks(tmp_path, "llama", BLOCKS), seq_len=32, batch_size=2,
+                           policy="sac"))
     assert blocks_to_scale(spec) == BLOCKS
     from_short = sim._count_flops(spec, "cuda")
     monkeypatch.setattr(sim, "blocks_to_scale", lambda spec: None)

@@ -4,23 +4,19 @@ FLOPs and step time, and the big MoE presets (docs/models.md, "Mixtures of exper
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from gcbench.cli import app
 from gcbench.estimators.shape import cuda_kernel
 from gcbench.estimators.simulate import simulate
 from gcbench.estimators.step_clock import StepClock
 from gcbench.estimators.step_time import GEMM, SYNC
 from gcbench.measure import counting_flops
 from gcbench.models import build_meta_model, build_model, describe, experts_implementation, load_config
-from tests.helpers import assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
+from tests.helpers import assert_gradients_equal_none, estimate_rows, gradients, run_as_simulated, tiny_spec
 
-runner = CliRunner()
 TINY_MOE = "tiny-mixtral"
 SEQ = 32
 BIG = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite")
@@ -122,10 +118,8 @@ def test_values_of_their_own_head_size_leave_flash_for_the_efficient_kernel():
 # attention, shared experts, a dense first block); all three are built by the test above.
 @pytest.mark.parametrize("name", [*(pytest.param(name, marks=pytest.mark.slow) for name in BIG[:2]), BIG[2]])
 def test_a_big_moe_preset_is_estimated_for_a_gpu(name):
-    result = runner.invoke(app, ["estimate", "--model", name, "--seq", "512", "--gpu", "h100-80gb", "--method",
-                                 "simulate", "--layers", "2", "--format", "json"])
-    assert result.exit_code == 0, result.output
-    [row] = [json.loads(line) for line in result.stdout.splitlines()]
+    [row] = estimate_rows("--model", name, "--seq", "512", "--gpu", "h100-80gb", "--method", "simulate", "--layers",
+                          "2")
     assert row["peak_bytes"] > row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
     assert row["experts_kernel"] == "grouped_mm" and row["predicted_step_ms"] > 0
     # DeepSeek's MLA: values of 128 beside queries and keys of 192, which flash refuses (check_head_dim_size_flash)

@@ -2,7 +2,6 @@
 docs/levers.md, "Paged optimizers" and "Compiled blocks"."""
 
 import inspect
-import json
 import math
 
 import pytest
@@ -19,7 +18,7 @@ from gcbench.measure import storage_bytes
 from gcbench.optimizers import BNB_PAGED_MIN_SIZE, optimizer_kind
 from gcbench.runner import run
 from gcbench.units import round_up
-from tests.helpers import run_as_simulated, tiny_spec
+from tests.helpers import estimate_rows, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 PAGED = ("paged_adamw8bit", "paged_adamw32bit")
@@ -148,7 +147,7 @@ def test_a_cuda_prediction_leaves_paged_state_out_of_the_peak(method):
 def test_estimate_shows_the_paged_bytes_and_keeps_other_rows_as_they_were():
     command = ["estimate", "--model", "llama-7b", "--layers", "1", "--seq", "16", "--method", "analytic",
                "--optimizer", "adamw8bit,paged_adamw8bit"]
-    rows = [json.loads(line) for line in runner.invoke(app, [*command, "--format", "json"]).output.splitlines()]
+    rows = estimate_rows(*command[1:])
     assert "optimizer_paged_bytes" not in rows[0] and rows[1]["optimizer_paged_bytes"] > 0
     table = runner.invoke(app, command)
     assert table.exit_code == 0, table.output

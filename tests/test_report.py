@@ -20,7 +20,7 @@ from gcbench.report.analysis import pareto_front
 from gcbench.results.frame import results_frame
 from gcbench.results.schema import NoteKind, TimingNote, timing_note_fields
 from gcbench.results.store import append_record
-from tests.helpers import tiny_spec
+from tests.helpers import assert_refused, tiny_spec
 
 runner = CliRunner()
 FIGURES = ["1-peak-vs-seq", "2-time-vs-peak", "3-relative-cost", "4-memory-breakdown", "5-throughput-vs-batch"]
@@ -343,8 +343,7 @@ def bad_inputs(tmp_path, records):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, records):
     for args, message in bad_inputs(tmp_path, records):
         result = runner.invoke(app, args)
-        assert result.exit_code == 2, args
-        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert_refused(result, message)
     assert runner.invoke(app, ["report"]).exit_code == 2  # no files at all: a usage error
 
 

@@ -140,7 +140,7 @@ def test_offload_copies_over_the_host_link_and_qlora_dequantises_its_weights():
 
 @pytest.mark.slow
 def test_a_long_model_made_from_two_short_ones_takes_the_whole_ones_time(tmp_path):
-    from tests.test_layer_scaling import config_with_blocks
+    from tests.families import config_with_blocks
 
     from gcbench.estimators import simulate as sim
     from gcbench.estimators.layer_scaling import FEWEST, StepTrace

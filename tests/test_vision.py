@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, find_stacks, image_tokens, load_config
-from tests.helpers import assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
+from tests.helpers import assert_gradients_equal_none, estimate_rows, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 TOKENS = 17  # tiny-vit: 32x32 images of 8x8 patches, and its class token
@@ -68,11 +68,8 @@ def test_the_simulation_is_exact_on_cpu_under_every_policy():
 
 
 def test_a_preset_is_estimated_for_a_card_in_one_command():
-    result = runner.invoke(app, ["estimate", "--model", "vit-base", "--seq", "197", "--batch", "64", "--policy",
-                                 "none,full", "--layers", "2", "--gpu", "h100-80gb", "--method", "simulate", "--format",
-                                 "json"])
-    assert result.exit_code == 0, result.output
-    none, full = (json.loads(line) for line in result.stdout.splitlines())
+    none, full = estimate_rows("--model", "vit-base", "--seq", "197", "--batch", "64", "--policy", "none,full",
+                               "--layers", "2", "--gpu", "h100-80gb", "--method", "simulate")
     assert full["peak_bytes"] < none["peak_bytes"] and none["attention_kernel"] == "flash"
 
 

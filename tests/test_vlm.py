@@ -15,7 +15,7 @@ from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, count_params, find_stacks, load_config
 from gcbench.policies import CheckpointedGroup, GroupArguments, apply_to_stacks, parse_policy
 from gcbench.step import make_batch
-from tests.helpers import gradients, run_as_simulated, tiny_spec
+from tests.helpers import estimate_rows, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 SEQ = 32  # text tokens; tiny-llava's 32x32 image of 8x8 patches adds 16 (its CLS token dropped: "default")
@@ -155,11 +155,8 @@ def test_the_published_llava_config_runs_as_it_is(tmp_path):
 
 @pytest.mark.slow  # a simulation of two blocks of each stack at 7B's widths
 def test_the_preset_is_estimated_for_a_card():
-    result = runner.invoke(app, ["estimate", "--model", "llava-1.5-7b", "--seq", "512", "--batch", "16", "--layers",
-                                 "2", "--policy", "none,full", "--gpu", "h100-80gb", "--method", "simulate", "--format",
-                                 "json"])
-    assert result.exit_code == 0, result.output
-    none, full = (json.loads(line) for line in result.stdout.splitlines())
+    none, full = estimate_rows("--model", "llava-1.5-7b", "--seq", "512", "--batch", "16", "--layers", "2",
+                               "--policy", "none,full", "--gpu", "h100-80gb", "--method", "simulate")
     assert full["peak_bytes"] < none["peak_bytes"]
 
 
