@@ -164,11 +164,47 @@ def grouping_refused(loop: str) -> str:
             "checkpoint; use a policy of single blocks (full, every-k, sac, attn, offload)")
 
 
-_IMAGE_TOKENS: dict[str, int] = {}  # config text -> image_tokens' answer
+_READ: dict[tuple[str, str], Any] = {}  # (what, config text) -> its answer, read off the meta model once
 
 
 class _Seen(Exception):
     pass
+
+
+def _read_once(what: str, config: transformers.PretrainedConfig, read: Callable[[], Any],
+               refused: Callable[[], str]) -> Any:
+    """read()'s answer for `config`, once per config; where the model's own code refuses it on the meta device: a
+    GcbenchError, "{refused()} with this config: {why}"."""
+    key = (what, config.to_json_string(use_diff=False))
+    if key not in _READ:
+        try:
+            _READ[key] = read()
+        except GcbenchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the config's input, refused by the model's own code
+            why = " ".join(str(e).split())[:200]
+            raise GcbenchError(f"{refused()} with this config: {why}") from None
+    return _READ[key]
+
+
+def _first_block_positions(model: nn.Module, forward: Callable[[], Any]) -> int:
+    """The positions (dim 1) of the input of the model's first block, as `forward` runs the model: it stops there."""
+    seen: list[int] = []
+
+    def first_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.append((args[0] if args else next(iter(kwargs.values()))).shape[1])
+        raise _Seen
+
+    hook = find_stacks(model)[0][1][0].register_forward_pre_hook(first_input, with_kwargs=True)
+    try:
+        forward()
+    except _Seen:
+        pass
+    finally:
+        hook.remove()
+    if not seen:
+        raise RuntimeError("its forward never reached its first block")
+    return seen[0]
 
 
 def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = "") -> int:
@@ -176,50 +212,28 @@ def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], n
     DeiT two, SigLIP none), read off the first block's input in a forward of the model `build` makes on the meta
     device, once per config."""
     channels, side = image_shape(config, origin)  # a classifier fed no image of a fixed size: refused here
-    key = config.to_json_string(use_diff=False)
-    if key not in _IMAGE_TOKENS:
+
+    def read() -> int:
         model = build(config)
-        first = find_stacks(model)[0][1][0]
+        return _first_block_positions(model, lambda: model(pixel_values=torch.empty(1, channels, side, side,
+                                                                                    device="meta")))
 
-        def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            _IMAGE_TOKENS[key] = (args[0] if args else next(iter(kwargs.values()))).shape[1]
-            raise _Seen
-
-        hook = first.register_forward_pre_hook(seen, with_kwargs=True)
-        pixels = torch.empty(1, channels, side, side, device="meta")
-        try:
-            model(pixel_values=pixels)
-        except _Seen:
-            pass
-        except Exception as e:  # noqa: BLE001 - the config's image, refused by the model's own code
-            why = " ".join(str(e).split())[:200]
-            raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {side}x{side} image "
-                               f"with this config: {why}") from None
-        finally:
-            hook.remove()
-    return _IMAGE_TOKENS[key]
+    return _read_once("image tokens", config, read,
+                      lambda: f"{origin or config.model_type}: transformers cannot embed a {side}x{side} image")
 
 
 def tokens_per_image(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = "") -> int:
     """The tokens one image becomes in a vision-language model's language model: the rows of the features its
     get_image_features hands the language model for one image (LLaVA: the patches, its CLS token dropped or kept as
     vision_feature_select_strategy says), read off the model `build` makes on the meta device, once per config."""
-    key = config.to_json_string(use_diff=False)
-    if key not in _IMAGE_TOKENS:
+    def read() -> int:
         pixels = {name: torch.empty(shape, dtype=dtype, device="meta")
                   for name, (shape, dtype) in image_inputs(config, 1).items()}
-        try:
-            features = build(config).get_image_features(**pixels, return_dict=True).pooler_output
-            _IMAGE_TOKENS[key] = features[0].shape[0]
-        except Exception as e:  # noqa: BLE001 - the config's image, refused by the model's own code
-            vision = config.vision_config
-            why = " ".join(str(e).split())[:200]
-            raise GcbenchError(f"{origin or config.model_type}: transformers cannot embed a {vision.image_size}x"
-                               f"{vision.image_size} image with this config: {why}") from None
-    return _IMAGE_TOKENS[key]
+        return build(config).get_image_features(**pixels, return_dict=True).pooler_output[0].shape[0]
 
-
-_SPEECH: dict[str, tuple[int, int]] = {}  # config text -> speech_input's answer
+    side = config.vision_config.image_size
+    return _read_once("tokens per image", config, read,
+                      lambda: f"{origin or config.model_type}: transformers cannot embed a {side}x{side} image")
 
 
 def speech_input(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = ""
@@ -229,28 +243,16 @@ def speech_input(config: transformers.PretrainedConfig, build: Callable[[Any], n
     frames, 30 s of audio, make 1,500 positions; WhisperEncoder refuses any other count), read off the model `build`
     makes on the meta device, and the positions off the first block's input in a forward of the encoder there,
     once per config."""
-    key = config.to_json_string(use_diff=False)
-    if key not in _SPEECH:
+    refused = [f"{origin or config.model_type}: transformers cannot build its encoder"]  # as far as read() got
+
+    def read() -> tuple[int, int]:
         model = build(config)
         encoder = model.get_encoder()
         frames = config.max_source_positions * math.prod(
             m.stride[0] for m in encoder.modules() if isinstance(m, nn.Conv1d))
-        seen: list[int] = []
+        refused[0] = f"{origin or config.model_type}: transformers cannot encode {frames} frames of " \
+                     f"{config.num_mel_bins} log-mel bins"
+        features = torch.empty(1, config.num_mel_bins, frames, device="meta")
+        return frames, _first_block_positions(model, lambda: encoder(input_features=features))
 
-        def first_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            seen.append((args[0] if args else next(iter(kwargs.values()))).shape[1])
-            raise _Seen
-
-        hook = find_stacks(model)[0][1][0].register_forward_pre_hook(first_input, with_kwargs=True)
-        try:
-            encoder(input_features=torch.empty(1, config.num_mel_bins, frames, device="meta"))
-        except _Seen:
-            pass
-        except Exception as e:  # noqa: BLE001 - the config's features, refused by the model's own code
-            why = " ".join(str(e).split())[:200]
-            raise GcbenchError(f"{origin or config.model_type}: transformers cannot encode {frames} frames of "
-                               f"{config.num_mel_bins} log-mel bins with this config: {why}") from None
-        finally:
-            hook.remove()
-        _SPEECH[key] = frames, seen[0]
-    return _SPEECH[key]
+    return _read_once("speech input", config, read, lambda: refused[0])
