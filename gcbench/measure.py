@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -79,16 +80,23 @@ if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in 
         return 2 * int(torch.Size(rows).numel()) * b_shape[-1]
 
 
+_modules_frozen: set[str] = set()  # the modules imported when collect_garbage last froze the heap
+
+
 def collect_garbage() -> None:
     """The reference cycles made since the heap was frozen, collected (gc.collect), before a run or a simulation
     that must not see them freed inside its step. Where nothing froze it yet (the fork server does, for its
     children), the first call collects the whole heap once, then freezes what survives (gc.freeze: the gc module's
     permanent generation, never walked again): each later call walks only what came after, not the ~10^6 objects
-    of torch and transformers (0.22 s a call on 2 CPU cores, a quarter of a tiny model's simulation). A cycle among
-    the frozen objects is never freed, so never inside a step either."""
+    of torch and transformers (0.22 s a call on 2 CPU cores, a quarter of a tiny model's simulation). So again
+    after a module was imported since (peft, bitsandbytes, a family's modeling code: ~86,000 objects that would
+    otherwise be walked by every later call, 0.05 s each on 2 cores). A cycle among the frozen objects is never
+    freed, so never inside a step either."""
+    global _modules_frozen
     gc.collect()
-    if not gc.get_freeze_count():
+    if not gc.get_freeze_count() or not _modules_frozen.issuperset(sys.modules):
         gc.freeze()
+        _modules_frozen = set(sys.modules)
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:

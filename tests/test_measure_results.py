@@ -1,15 +1,19 @@
 """Instruments and the results store."""
 
+import gc
+import importlib
 import json
 import re
+import sys
 import warnings
+import weakref
 
 import pytest
 import torch
 
 from gcbench.errors import GcbenchError
 from gcbench.gpus import peak_flops
-from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops
+from gcbench.measure import LiveTensorTracker, SavedActivations, collect_garbage, counting_flops
 from gcbench.timing import Stats
 from gcbench.results.frame import load
 from gcbench.results.store import append_record, read_records
@@ -141,6 +145,30 @@ def test_grouped_query_attention_on_the_cuda_kernels_counts_the_repeated_key_val
     assert forward(q, kv, kv, None, True, out_val=(q,)) == forward(q, kv_repeated, kv_repeated, None, True,
                                                                     out_val=(q,))
     assert backward(q, q, kv, kv, out_val=(q, kv, kv)) == 5 * two_bmms // 2
+
+
+def test_garbage_is_collected_and_a_module_imported_since_the_last_freeze_is_frozen_not_walked_again(tmp_path,
+                                                                                                   monkeypatch):
+    collect_garbage()  # frozen from here on, whatever the tests before this one imported
+    name = f"gcbench_gc_probe_{id(tmp_path)}"
+    (tmp_path / f"{name}.py").write_text("TABLE = [[i] for i in range(5000)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, name, importlib.import_module(name))  # removed from sys.modules after the test
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    dropped = weakref.ref(cycle)
+    del cycle
+    before = gc.get_freeze_count()
+    collect_garbage()
+    assert dropped() is None  # the cycle was collected, not frozen
+    assert gc.get_freeze_count() - before >= 5000  # the new module's table: never walked again
+    frozen = gc.get_freeze_count()
+    collect_garbage()
+    assert gc.get_freeze_count() == frozen  # nothing imported since: nothing more frozen
 
 
 def test_peak_flops_table():
