@@ -13,7 +13,7 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, find_stacks, load_config
 from gcbench.policies import CheckpointedGroup, GroupArguments, apply_to_stacks, parse_policy
-from tests.helpers import assert_gradients_equal_none, gradients, run_as_simulated, tiny_spec
+from tests.helpers import assert_gradients_equal_none, estimate_rows, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
 SEQ = 32
@@ -44,6 +44,15 @@ def test_both_stacks_are_found_and_layers_keeps_the_first_blocks_of_each():
     assert [(name, len(blocks)) for name, blocks in _stacks("tiny-t5", layers=2)] == [("encoder", 2), ("decoder", 2)]
     with pytest.raises(GcbenchError, match="the model has 3 in its encoder and 2 in its decoder"):
         tiny_spec("tiny-bart", layers=3)
+
+
+def test_an_estimate_row_names_the_stacks_layers_kept_of_each():
+    [row] = estimate_rows("--model", "tiny-t5", "--layers", "2", "--seq", "32", "--method", "analytic", "--device",
+                          "cpu")
+    assert row["stacks"] == "encoder:2,decoder:2" and row["layers"] == 2
+    [one] = estimate_rows("--model", "tiny-llama", "--layers", "2", "--seq", "32", "--method", "analytic", "--device",
+                          "cpu")
+    assert "stacks" not in one  # a model of one stack: its rows keep the keys they had
 
 
 def test_a_policy_counts_its_blocks_in_each_stack():

@@ -30,7 +30,7 @@ from gcbench.report.estimate_table import estimate_table
 from gcbench.report.run_table import before_run_notes, run_table
 from gcbench.report.tables import terminal_tables
 from gcbench.results.frame import results_frame
-from gcbench.results.schema import READABLE_VERSIONS, SCHEMA_VERSION, new_record
+from gcbench.results.schema import READABLE_VERSIONS, SCHEMA_VERSION, blocks_text, new_record
 from gcbench.results.store import append_record, read_records
 from gcbench.runner import run
 from tests.helpers import tiny_spec
@@ -78,6 +78,22 @@ def test_counts_of_one_are_singular(record):
     assert "tiny-llama (1 block)" in text_of(estimate_table(rows))
     frame = results_frame(_load([record]))
     assert " — 1 config;" in str(terminal_tables(frame)[0])
+
+
+def test_a_model_of_two_stacks_is_named_stack_by_stack_and_a_vlm_by_its_images(record):
+    two = {**record, "model": "tiny-llava", "family": "llava", "n_layers": 4, "layers": 2,
+           "stacks": "vision:2,language:2", "images": 2}
+    title = " ".join(text_of(run_table(two)).split())
+    assert "tiny-llava (2 vision + 2 language blocks) · seq" in title and " · 2 images · " in title
+    assert blocks_text({"stacks": "vision:2,[b]x[/b]"}) == "vision:2,[b]x[/b]"  # not name:count: shown as it is
+    rows = [{"model": "tiny-t5", "layers": 2, "stacks": "encoder:2,decoder:2", "seq_len": 32, "batch_size": 1,
+             "policy": "none", "policy_options": {}, "method": "simulate", "target": "cpu", "peak_bytes": 2**20,
+             "param_bytes": 1, "grad_bytes": 1, "optimizer_bytes": 1, "activation_bytes": 1,
+             "peak_phase": "backward", "n_params": 1, "attention_kernel": "cpu-flash", "seconds": 0.01,
+             "stands_in": None, "not_available": None, "precision": "fp32", "optimizer": "adamw", "images": None}]
+    assert "tiny-t5 (2 encoder + 2 decoder blocks)" in text_of(estimate_table(rows))
+    vlm = [{**rows[0], "model": "tiny-llava", "stacks": "vision:2,language:2", "images": 3}]
+    assert " · 3 images · " in " ".join(text_of(estimate_table(vlm)).split())
 
 
 def test_fit_names_the_memory_option_the_user_gave(tmp_path):

@@ -78,9 +78,8 @@ class Estimate:
         """Flat, JSON-ready: the spec's shape fields as a record stores them, then the prediction.
 
         Show the policy with results.schema.policy_label(row), as for any record."""
-        fields = spec.as_record()
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "work"}
-        return _paged_only({**{name: fields[name] for name in ROW_SPEC_FIELDS}, **own, "not_available": None})
+        return _paged_only({**_spec_fields(spec), **own, "not_available": None})
 
 
 @dataclass(frozen=True)
@@ -95,18 +94,26 @@ class Unavailable:
         return None
 
     def as_record(self, spec: ResolvedRun) -> dict[str, Any]:
-        fields = spec.as_record()
         # every key an Estimate row has, None where there is no prediction, so that JSON rows share one shape
         empty = {f.name: None for f in dataclasses.fields(Estimate) if f.name != "work"}
-        return _paged_only({**{name: fields[name] for name in ROW_SPEC_FIELDS}, **empty, "method": self.method,
-                            "target": self.target, "not_available": self.reason})
+        return _paged_only({**_spec_fields(spec), **empty, "method": self.method, "target": self.target,
+                            "not_available": self.reason})
+
+
+def _spec_fields(spec: ResolvedRun) -> dict[str, Any]:
+    """The spec's fields a row carries (ROW_SPEC_FIELDS), and the model's stacks where it has several, as a run's
+    record names them ("encoder:2,decoder:2": --layers keeps that many blocks of each)."""
+    from gcbench.blocks import stack_text
+
+    fields = spec.as_record()
+    return {**{name: fields[name] for name in ROW_SPEC_FIELDS}, "stacks": stack_text(spec.model_config()[0])}
 
 
 def _paged_only(row: dict[str, Any]) -> dict[str, Any]:
     """A row without `optimizer_paged_bytes` where it is None (an optimizer that pages nothing, an unavailable
-    cell), nor the replayed allocator's fields where it did not run, nor `experts_kernel` without experts: other rows
-    keep the keys they had before."""
-    for key in ("optimizer_paged_bytes", "reserved_bytes", "runs_out", "experts_kernel"):
+    cell), nor the replayed allocator's fields where it did not run, nor `experts_kernel` without experts, nor
+    `stacks` for a model of one stack: other rows keep the keys they had before."""
+    for key in ("optimizer_paged_bytes", "reserved_bytes", "runs_out", "experts_kernel", "stacks"):
         if row.get(key) is None:
             row.pop(key, None)
     return row

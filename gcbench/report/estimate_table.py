@@ -11,9 +11,9 @@ from rich import box
 from rich.table import Table
 
 from gcbench.fields import run_field
-from gcbench.results.schema import LEVER_FIELDS, PHASE_SHORT, lever_text, policy_label
+from gcbench.results.schema import LEVER_FIELDS, PHASE_SHORT, blocks_text, lever_text, policy_label
 from gcbench.text import fits, markup
-from gcbench.units import byte_unit, fmt_bytes, plural
+from gcbench.units import byte_unit, fmt_bytes
 from gcbench.values import Switch
 
 LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> its column's heading
@@ -39,7 +39,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     `width`: the most columns it may take (None: no limit)."""
     first, predicted_rows = rows[0], [r for r in rows if r["peak_bytes"] is not None]
     scale, unit = byte_unit(max((r["peak_bytes"] for r in predicted_rows), default=0))
-    models = {markup(r["model"]) + (f" ({plural(r['layers'], 'block')})" if r.get("layers") else "") for r in rows}
+    models = {markup(r["model"]) + (f" ({markup(blocks_text(r))})" if r.get("layers") else "") for r in rows}
     predicted = "torch.cuda.max_memory_allocated" if first["target"] == "cuda" else "CPU live-tensor peak"
     kernels = ", ".join(sorted({r["attention_kernel"] for r in predicted_rows}))
     experts = ", ".join(sorted({r["experts_kernel"] for r in predicted_rows if r.get("experts_kernel")}))
@@ -49,6 +49,8 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     targets = {r.get("target_len") for r in rows}
     if len(targets) == 1 and first.get("target_len"):
         shared = " · ".join(w for w in (run_field("target_len").text(first), shared) if w)
+    if len({r.get("images") for r in rows}) == 1 and first.get("images"):  # a vision-language model's
+        shared = " · ".join(w for w in (run_field("images").text(first), shared) if w)
     title = (f"{', '.join(sorted(models)) + ' · ' if len(models) == 1 else ''}predicted peak of one training step "
              f"({predicted}){' · ' + markup(shared) if shared else ''} · attention: {kernels}"
              f"{' · experts: ' + experts if experts else ''}")

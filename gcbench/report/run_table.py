@@ -12,7 +12,8 @@ from rich.table import Table
 
 from gcbench.fields import DeviceKind
 from gcbench.text import markup
-from gcbench.results.schema import PHASE_SHORT, PHASES, half_width, lever_text, mix_text, peak_bytes, policy_label
+from gcbench.results.schema import (PHASE_SHORT, PHASES, blocks_text, half_width, lever_text, mix_text, peak_bytes,
+                                    policy_label)
 from gcbench.units import fmt_bytes, human_count, plural
 
 
@@ -22,16 +23,16 @@ def run_table(record: dict[str, Any]) -> Table:
     env = record.get("env") or {}
     threads = record.get("threads") or env.get("torch_threads")
     where = markup(env["gpu_name"]) if env.get("gpu_name") else f"{cpu_label(env)} ({plural(threads, 'thread')})"
-    blocks = record.get("n_layers") or record.get("layers")
     # the family, where the model's name does not say it (a config.json, a Hub id)
-    shape = ", ".join(([record["family"]] if record.get("family") and record["family"] not in record["model"]
-                       else []) + ([plural(blocks, "block")] if blocks else []))
+    shape = ", ".join(w for w in ([record["family"]] if record.get("family") and record["family"] not in record["model"]
+                                  else []) + [blocks_text(record)] if w)
     # the optimizer is named in the model state row; the precision and the other levers here
     levers = lever_text(record, leave_out=("optimizer",))
     world = record.get("world_size") or 1
     compiled = record.get("compile_ms") is not None
     # markup(): names from a config, a path or a Hub id are shown as they are, never read as rich tags
     target = f" · target {record['target_len']}" if record.get("target_len") else ""  # an encoder-decoder's
+    target += f" · {plural(record['images'], 'image')}" if record.get("images") else ""  # a vision-language model's
     title = (f"{markup(record['model'])}{f' ({markup(shape)})' if shape else ''} · seq {record['seq_len']}{target} · "
              f"batch {record['batch_size']} · {markup(policy_label(record))} · {markup(levers)} · {where}")
     table = Table(title=title, show_header=True, header_style="bold")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from gcbench.fields import RUN_FIELDS, Role, default_precision, identity_columns, names, run_field, setup_words
-from gcbench.units import parse_bytes
+from gcbench.units import parse_bytes, plural
 
 # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
 # world_size and the per-rank fields); 4: adapters, the loss and compiled blocks (adapter, loss, compile); 5: the
@@ -225,6 +225,18 @@ def peak_phase(peaks: Mapping[str, int | None]) -> str | None:
 
 
 LEVER_FIELDS = names(Role.LEVER)  # the levers beside the policy: precision, optimizer, ...
+
+
+def blocks_text(record: Mapping[str, Any]) -> str:
+    """A record's blocks in words ("32 blocks"), a model of several stacks' stack by stack ("2 encoder + 2 decoder
+    blocks"); "" where it names none. `stacks` as the record has it: shown as it is unless it reads name:count."""
+    if stacks := record.get("stacks"):
+        parts = [part.partition(":") for part in str(stacks).split(",")]
+        if all(colon and count.isdigit() for _, colon, count in parts):
+            return " + ".join(f"{count} {name}" for name, _, count in parts) + " blocks"
+        return str(stacks)
+    blocks = record.get("n_layers") or record.get("layers")
+    return plural(blocks, "block") if blocks else ""
 
 
 def lever_text(record: Mapping[str, Any], leave_out: tuple[str, ...] = ()) -> str:
