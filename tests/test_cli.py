@@ -1,6 +1,7 @@
 """The CLI through typer's CliRunner: what the user sees and what lands in the results file."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -86,6 +87,8 @@ def test_models_and_policies_list_the_registries(monkeypatch):
     for name in MODELS:
         assert name in models.stdout
     assert "6.74 B" in models.stdout and "Llama-2 7B" in models.stdout  # params from the meta-device build
+    # a model of two stacks: its blocks per stack (tiny-bart's encoder 3, decoder 2; llava's vision 24, language 32)
+    assert re.search(r"tiny-bart +bart +0\.5 M +3\+2 ", models.stdout) and " 24+32 " in models.stdout
     monkeypatch.setattr(cli, "console", Console(width=80))
     narrow = runner.invoke(app, ["models"]).stdout
     assert all(len(line) <= 80 for line in narrow.splitlines()) and "…" not in narrow  # nothing cut

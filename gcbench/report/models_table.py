@@ -17,7 +17,8 @@ def models_table(rows: list[dict[str, Any]], wide: bool) -> Table:
     one-line summaries (where they need not wrap)."""
     table = Table(title="model presets (random weights, built from their config.json)", box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True,
-                  caption="heads: query/key-value heads · sources of the values: docs/models.md"
+                  caption="heads: query/key-value heads · layers: a model of two stacks' per stack (encoder+decoder, "
+                  "vision+language) · sources of the values: docs/models.md"
                   + ("" if wide else "\n(summaries in a terminal of 120 columns or more)"), caption_justify="left")
     for col in ("name", "family", *NUMBERS, *(["summary"] if wide else [])):
         table.add_column(col, justify="right" if col in NUMBERS else "left", no_wrap=col != "summary")
@@ -26,7 +27,8 @@ def models_table(rows: list[dict[str, Any]], wide: bool) -> Table:
             table.add_row(f"[bold]{markup(row['modality'])}[/bold]")
         params = f"{row['params'] / 1e9:.2f} B" if row["params"] >= 1e9 else f"{row['params'] / 1e6:.1f} M"
         last = i + 1 == len(rows) or row["modality"] != rows[i + 1]["modality"]
-        table.add_row(markup(row["name"]), markup(row["family"]), params, str(row["layers"]), str(row["hidden"]),
+        layers = "+".join(n.partition(":")[2] for n in row["stacks"].split(",")) if row.get("stacks") else row["layers"]
+        table.add_row(markup(row["name"]), markup(row["family"]), params, markup(layers), str(row["hidden"]),
                       f"{row['heads']}/{row['kv_heads']}", str(row["vocab"] or "-"), str(row["max_seq"] or "-"),
                       *([markup(row["summary"])] if wide else []), end_section=last and i + 1 < len(rows))
     return table
