@@ -18,7 +18,7 @@ import torch
 
 from gcbench.fields import DeviceKind
 from gcbench.gpus import peak_flops
-from gcbench.measure import LiveTensorTracker, PhasePeaks, collect_garbage
+from gcbench.measure import LiveTensorTracker, PhasePeaks, collect_garbage, heap_grew
 from gcbench.nvml import GpuWindow, gpu_state, nvml_free_bytes
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
 
@@ -139,7 +139,10 @@ class CpuInstrument(Instrument):
 
     @contextmanager
     def session(self) -> Iterator[None]:
-        with cleanup_after(collect_garbage):  # reference cycles of this run, before the next in-process one
+        if heap_grew():  # frozen while nothing of this run exists yet (collect_garbage)
+            collect_garbage()
+        # reference cycles of this run, before the next in-process one
+        with cleanup_after(lambda: collect_garbage(freeze=False)):
             yield
 
     def free_bytes(self) -> int:
@@ -229,12 +232,12 @@ class CudaInstrument(Instrument):
                 raise
 
     def _end_session(self) -> None:
-        self._release()
+        self._release(freeze=False)  # the run's model may be alive still: never frozen (collect_garbage)
         if self.memory_cap_bytes is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
-    def _release(self) -> None:
-        collect_garbage()
+    def _release(self, freeze: bool = True) -> None:
+        collect_garbage(freeze)
         torch.cuda.empty_cache()  # the caching allocator's unused blocks, of every device
 
     def free_bytes(self) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from gcbench.errors import GcbenchError
 from gcbench.gpus import peak_flops
-from gcbench.measure import LiveTensorTracker, SavedActivations, collect_garbage, counting_flops
+from gcbench.measure import LiveTensorTracker, SavedActivations, collect_garbage, counting_flops, heap_grew
 from gcbench.timing import Stats
 from gcbench.results.frame import load
 from gcbench.results.store import append_record, read_records
@@ -154,6 +154,9 @@ def test_garbage_is_collected_and_a_module_imported_since_the_last_freeze_is_fro
     (tmp_path / f"{name}.py").write_text("TABLE = [[i] for i in range(5000)]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(sys.modules, name, importlib.import_module(name))  # removed from sys.modules after the test
+    frozen = gc.get_freeze_count()
+    collect_garbage(freeze=False)  # a session's end, where the run's model may be alive: collected, never frozen
+    assert gc.get_freeze_count() == frozen and heap_grew()
 
     class Node:
         pass
@@ -168,7 +171,7 @@ def test_garbage_is_collected_and_a_module_imported_since_the_last_freeze_is_fro
     assert gc.get_freeze_count() - before >= 5000  # the new module's table: never walked again
     frozen = gc.get_freeze_count()
     collect_garbage()
-    assert gc.get_freeze_count() == frozen  # nothing imported since: nothing more frozen
+    assert gc.get_freeze_count() == frozen and not heap_grew()  # nothing imported since: nothing more frozen
 
 
 def test_peak_flops_table():
