@@ -171,19 +171,20 @@ class _Seen(Exception):
     pass
 
 
-def _read_once(what: str, config: transformers.PretrainedConfig, read: Callable[[], Any],
-               refused: Callable[[], str]) -> Any:
-    """read()'s answer for `config`, once per config; where the model's own code refuses it on the meta device: a
-    GcbenchError, "{refused()} with this config: {why}"."""
+def _read_once(what: str, config: transformers.PretrainedConfig, origin: str, read: Callable[[list[str]], Any]) -> Any:
+    """read(said)'s answer for `config`, once per config. Where the model's own code refuses the config on the meta
+    device: a GcbenchError, "{origin}: {said[0]} with this config: {why}", where read() sets said[0] to what a
+    failure from that point means ("transformers cannot embed a 32x32 image"); until it does, the build failed."""
     key = (what, config.to_json_string(use_diff=False))
     if key not in _READ:
+        said = ["transformers cannot build this model"]
         try:
-            _READ[key] = read()
+            _READ[key] = read(said)
         except GcbenchError:
             raise
-        except Exception as e:  # noqa: BLE001 - the config's input, refused by the model's own code
+        except Exception as e:  # noqa: BLE001 - the config, refused by the model's own code
             why = " ".join(str(e).split())[:200]
-            raise GcbenchError(f"{refused()} with this config: {why}") from None
+            raise GcbenchError(f"{origin or config.model_type}: {said[0]} with this config: {why}") from None
     return _READ[key]
 
 
@@ -213,27 +214,28 @@ def image_tokens(config: transformers.PretrainedConfig, build: Callable[[Any], n
     device, once per config."""
     channels, side = image_shape(config, origin)  # a classifier fed no image of a fixed size: refused here
 
-    def read() -> int:
+    def read(said: list[str]) -> int:
         model = build(config)
-        return _first_block_positions(model, lambda: model(pixel_values=torch.empty(1, channels, side, side,
-                                                                                    device="meta")))
+        said[0] = f"transformers cannot embed a {side}x{side} image"
+        pixels = torch.empty(1, channels, side, side, device="meta")
+        return _first_block_positions(model, lambda: model(pixel_values=pixels))
 
-    return _read_once("image tokens", config, read,
-                      lambda: f"{origin or config.model_type}: transformers cannot embed a {side}x{side} image")
+    return _read_once("image tokens", config, origin, read)
 
 
 def tokens_per_image(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = "") -> int:
     """The tokens one image becomes in a vision-language model's language model: the rows of the features its
     get_image_features hands the language model for one image (LLaVA: the patches, its CLS token dropped or kept as
     vision_feature_select_strategy says), read off the model `build` makes on the meta device, once per config."""
-    def read() -> int:
+    def read(said: list[str]) -> int:
+        model = build(config)
+        side = config.vision_config.image_size
+        said[0] = f"transformers cannot embed a {side}x{side} image"
         pixels = {name: torch.empty(shape, dtype=dtype, device="meta")
                   for name, (shape, dtype) in image_inputs(config, 1).items()}
-        return build(config).get_image_features(**pixels, return_dict=True).pooler_output[0].shape[0]
+        return model.get_image_features(**pixels, return_dict=True).pooler_output[0].shape[0]
 
-    side = config.vision_config.image_size
-    return _read_once("tokens per image", config, read,
-                      lambda: f"{origin or config.model_type}: transformers cannot embed a {side}x{side} image")
+    return _read_once("tokens per image", config, origin, read)
 
 
 def speech_input(config: transformers.PretrainedConfig, build: Callable[[Any], nn.Module], origin: str = ""
@@ -243,16 +245,13 @@ def speech_input(config: transformers.PretrainedConfig, build: Callable[[Any], n
     frames, 30 s of audio, make 1,500 positions; WhisperEncoder refuses any other count), read off the model `build`
     makes on the meta device, and the positions off the first block's input in a forward of the encoder there,
     once per config."""
-    refused = [f"{origin or config.model_type}: transformers cannot build its encoder"]  # as far as read() got
-
-    def read() -> tuple[int, int]:
+    def read(said: list[str]) -> tuple[int, int]:
         model = build(config)
         encoder = model.get_encoder()
         frames = config.max_source_positions * math.prod(
             m.stride[0] for m in encoder.modules() if isinstance(m, nn.Conv1d))
-        refused[0] = f"{origin or config.model_type}: transformers cannot encode {frames} frames of " \
-                     f"{config.num_mel_bins} log-mel bins"
+        said[0] = f"transformers cannot encode {frames} frames of {config.num_mel_bins} log-mel bins"
         features = torch.empty(1, config.num_mel_bins, frames, device="meta")
         return frames, _first_block_positions(model, lambda: encoder(input_features=features))
 
-    return _read_once("speech input", config, read, lambda: refused[0])
+    return _read_once("speech input", config, origin, read)

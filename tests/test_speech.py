@@ -185,3 +185,28 @@ def test_fit_answers_with_real_trials(tmp_path):
     for policy, batch in largest.items():  # the next batch up ran out of the 12 MiB
         assert any(r["policy"] == policy and r["batch_size"] == batch + 1 and r["status"] == "oom" for r in records)
 
+
+
+def test_an_encoder_that_refuses_its_features_is_one_line_naming_them(tmp_path):
+    from gcbench.blocks import speech_input
+    from gcbench.errors import GcbenchError
+
+    config = load_config("tiny-whisper")[0]
+    config.read_by = str(tmp_path)  # a config of its own: nothing cached for it yet
+
+    def refusing(config):
+        model = build_meta_model(config)
+        encoder = model.get_encoder()
+
+        def forward(*args, **kwargs):
+            raise ValueError("expects other features")
+
+        encoder.forward = forward
+        return model
+
+    frames = config.max_source_positions * 2  # Whisper's conv stem: strides 1 and 2
+    with pytest.raises(GcbenchError, match=rf"^tiny-whisper: transformers cannot encode {frames} frames of "
+                                           rf"{config.num_mel_bins} log-mel bins with this config: expects other "
+                                           r"features$"):
+        speech_input(config, refusing, "tiny-whisper")
+    assert speech_input(config, build_meta_model) == (frames, config.max_source_positions)

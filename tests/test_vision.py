@@ -83,3 +83,22 @@ def test_an_image_config_that_cannot_be_trained_is_one_line(tmp_path, change, wo
                                 "patch_size": 8, **change}))
     result = runner.invoke(app, ["estimate", "--model", str(path), "--seq", "17", "--device", "cpu"])
     assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
+
+
+def test_a_build_that_fails_while_reading_the_image_tokens_is_one_line_and_ours_passes_through(tmp_path):
+    config = load_config("tiny-vit")[0]
+    config.read_by = str(tmp_path)  # a config of its own: nothing cached for it yet
+
+    def failing(_):
+        raise RuntimeError("no\nweights here")
+
+    with pytest.raises(GcbenchError, match=r"^tiny-vit: transformers cannot build this model with this config: "
+                                           r"no weights here$"):
+        image_tokens(config, failing, "tiny-vit")
+
+    def refusing(_):
+        raise GcbenchError("said by gcbench")
+
+    with pytest.raises(GcbenchError, match=r"^said by gcbench$"):
+        image_tokens(config, refusing, "tiny-vit")
+    assert image_tokens(config, build_meta_model) == 17  # 16 patches and the class token, once it builds
