@@ -146,6 +146,9 @@ def run(spec: RunSpec | ResolvedRun, progress: Progress | None = None, *, refuse
     if spec.shard != "none" and not in_rank():
         raise GcbenchError("a sharded config runs on its ranks: gcbench.launch.run starts them under torchrun")
     record = new_record(spec.as_record())
+    config, family = spec.model_config()
+    # what the model is, in every record, one that is not run included: an encoder-decoder's blocks are both stacks'
+    record.update(family=family, n_layers=total_blocks(config), stacks=stack_text(config))
     spec = resolve_plan(spec)  # a plan's mix, chosen for this shape before anything is allocated
     if isinstance(spec.policy, Plan):
         record["plan_mix"] = spec.policy.mix
@@ -203,11 +206,8 @@ def plan_missed(spec: ResolvedRun) -> str | None:
 
 
 def _measure(spec: ResolvedRun, instrument: CpuInstrument | CudaInstrument, progress: Progress) -> dict[str, Any]:
-    config, family = spec.model_config()
+    config, _ = spec.model_config()
     out: dict[str, Any] = {
-        "family": family,
-        "n_layers": total_blocks(config),  # an encoder-decoder's: both stacks'
-        "stacks": stack_text(config),
         "n_params": model_size(spec).n_params,
         "attn_implementation": config._attn_implementation or "sdpa",
     }

@@ -13,6 +13,7 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.models import build_meta_model, find_stacks, load_config
 from gcbench.policies import CheckpointedGroup, GroupArguments, apply_to_stacks, parse_policy
+from gcbench.runner import run
 from tests.helpers import assert_gradients_equal_none, estimate_rows, gradients, run_as_simulated, tiny_spec
 
 runner = CliRunner()
@@ -53,6 +54,10 @@ def test_an_estimate_row_names_the_stacks_layers_kept_of_each():
     [one] = estimate_rows("--model", "tiny-llama", "--layers", "2", "--seq", "32", "--method", "analytic", "--device",
                           "cpu")
     assert "stacks" not in one  # a model of one stack: its rows keep the keys they had
+    # a record of a config not run names them too, as its title does
+    record = run(tiny_spec("tiny-t5", layers=2, seq_len=32, memory_cap_bytes=2**20))
+    assert record["status"] == "oom" and record["error"].startswith("not run")
+    assert (record["stacks"], record["n_layers"], record["family"]) == ("encoder:2,decoder:2", 4, "t5")
 
 
 def test_a_policy_counts_its_blocks_in_each_stack():
