@@ -32,10 +32,10 @@ def run_as_simulated(model="tiny-llama", policy="none", **overrides) -> dict:
     return record
 
 
-def assert_refused(result, message: str) -> None:
+def assert_refused(result, message: str, context: object = None) -> None:
     """A CLI result (typer's CliRunner) that refused its input as the quality bar asks: exit code 2, `message` in
-    one line on stderr, no traceback."""
-    said = result.stderr or result.output
+    one line on stderr, no traceback. `context`: what a failure names beside what was said (the arguments)."""
+    said = (result.stderr or result.output, context)
     assert result.exit_code == 2, said
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, said
     assert "Traceback" not in result.output, said
@@ -50,7 +50,7 @@ def estimate_rows(*args: str) -> list[dict]:
     from gcbench.cli import app
 
     result = CliRunner().invoke(app, ["estimate", *args, "--format", "json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0 and not result.stderr, result.output  # nothing but the rows
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 

@@ -343,7 +343,7 @@ def bad_inputs(tmp_path, records):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, records):
     for args, message in bad_inputs(tmp_path, records):
         result = runner.invoke(app, args)
-        assert_refused(result, message)
+        assert_refused(result, message, args)
     assert runner.invoke(app, ["report"]).exit_code == 2  # no files at all: a usage error
 
 
