@@ -407,8 +407,7 @@ def _described(name: str) -> dict[str, Any]:
         "family": family,
         "modality": modality_name(config),
         "params": count_params(build_meta_model(config)),
-        "layers": total_blocks(config),
-        "stacks": stack_text(config),  # a model of several stacks: each one's blocks ("encoder:12,decoder:12")
+        "layers": total_blocks(config), "stacks": stack_text(config),  # and each stack's ("encoder:12,decoder:12")
         "hidden": shown(blocks, "hidden_size"),  # where the layers differ: each value ("4,2")
         "heads": shown(blocks, "num_attention_heads"),
         "kv_heads": shown(blocks, "num_key_value_heads") or shown(blocks, "num_attention_heads"),  # fewer: GQA
