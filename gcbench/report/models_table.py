@@ -7,6 +7,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from gcbench.results.schema import stack_counts
 from gcbench.text import markup
 
 NUMBERS = ("params", "layers", "hidden", "heads", "vocab", "max seq")
@@ -27,7 +28,8 @@ def models_table(rows: list[dict[str, Any]], wide: bool) -> Table:
             table.add_row(f"[bold]{markup(row['modality'])}[/bold]")
         params = f"{row['params'] / 1e9:.2f} B" if row["params"] >= 1e9 else f"{row['params'] / 1e6:.1f} M"
         last = i + 1 == len(rows) or row["modality"] != rows[i + 1]["modality"]
-        layers = "+".join(n.partition(":")[2] for n in row["stacks"].split(",")) if row.get("stacks") else row["layers"]
+        counts = stack_counts(row["stacks"]) if row.get("stacks") else None
+        layers = "+".join(count for _, count in counts) if counts else row["layers"]
         table.add_row(markup(row["name"]), markup(row["family"]), params, markup(layers), str(row["hidden"]),
                       f"{row['heads']}/{row['kv_heads']}", str(row["vocab"] or "-"), str(row["max_seq"] or "-"),
                       *([markup(row["summary"])] if wide else []), end_section=last and i + 1 < len(rows))

@@ -227,14 +227,18 @@ def peak_phase(peaks: Mapping[str, int | None]) -> str | None:
 LEVER_FIELDS = names(Role.LEVER)  # the levers beside the policy: precision, optimizer, ...
 
 
+def stack_counts(stacks: object) -> list[tuple[str, str]] | None:
+    """A record's `stacks` ("encoder:12,decoder:12") as (name, count) pairs; None where it does not read so."""
+    parts = [part.partition(":") for part in str(stacks).split(",")]
+    return [(name, count) for name, _, count in parts] if all(c and n.isdigit() for _, c, n in parts) else None
+
+
 def blocks_text(record: Mapping[str, Any]) -> str:
     """A record's blocks in words ("32 blocks"), a model of several stacks' stack by stack ("2 encoder + 2 decoder
     blocks"); "" where it names none. `stacks` as the record has it: shown as it is unless it reads name:count."""
     if stacks := record.get("stacks"):
-        parts = [part.partition(":") for part in str(stacks).split(",")]
-        if all(colon and count.isdigit() for _, colon, count in parts):
-            return " + ".join(f"{count} {name}" for name, _, count in parts) + " blocks"
-        return str(stacks)
+        counts = stack_counts(stacks)
+        return " + ".join(f"{count} {name}" for name, count in counts) + " blocks" if counts else str(stacks)
     blocks = record.get("n_layers") or record.get("layers")
     return plural(blocks, "block") if blocks else ""
 
