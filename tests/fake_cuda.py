@@ -35,6 +35,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -408,7 +409,8 @@ def _host_device(value: Any) -> Any:
 
 class _CudaTensorsOnHost(TorchFunctionMode):
     """Tensors asked for on CUDA are made on the CPU. Host copies are real copies, told apart by how they are made,
-    since every tensor reports the CPU: `.cpu()` and pinned memory make host memory (pinned memory is logged);
+    since every tensor reports the CPU: `.cpu()` and pinned memory make host memory (pinned memory is logged), but
+    `.cpu()` of a simulation's fake is itself, as it is next to a real GPU;
     `.to(device)` of such a host tensor brings it back to the device (a new device allocation); `.to(device)` of
     any other tensor stays where it is, as `x.to(x.device)` does on a GPU."""
 
@@ -424,6 +426,8 @@ class _CudaTensorsOnHost(TorchFunctionMode):
             self.gpu.log("pin_memory", (tuple(args[0].shape),))
             return self._on_host(args[0].clone())
         if func is torch.Tensor.cpu:
+            if isinstance(args[0], FakeTensor):  # a simulation's fakes are CPU tensors on a real GPU machine too
+                return func(*args, **kwargs)
             return self._on_host(args[0].clone())
         pinned = bool(kwargs.pop("pin_memory", False))
         if "device" in kwargs:

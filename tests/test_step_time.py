@@ -19,7 +19,7 @@ from gcbench.estimators.card_rates import Rates, rates_for
 from gcbench.estimators.step_clock import StepClock, _multi_tensor_launches
 from gcbench.gpus import GPUS, gpu
 from gcbench.spec import RunSpec
-from tests.helpers import load_script
+from tests.helpers import estimate_rows, load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,6 +174,20 @@ def test_estimate_rows_carry_the_time_on_a_named_card_and_say_why_not_elsewhere(
     result = CliRunner().invoke(app, args)
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert all(r["predicted_step_ms"] is None and "--gpu" in r["time_not_available"] for r in rows)
+
+
+def test_a_prediction_made_next_to_a_gpu_is_the_one_made_on_a_cpu_machine(request):
+    """The predictions validate commits are made on a CPU machine and read beside the GPU: the simulation's fakes
+    are CPU tensors on both, so an offloaded copy (save_on_cpu's `.cpu()`) is the same op, and so is its time."""
+    from gcbench.estimators import sharing
+
+    args = ("--model", "tiny-llama", "--seq", "64", "--policy", "offload,offload:what=all", "--method", "simulate",
+            "--gpu", "h100-80gb")
+    fields = ("predicted_step_ms", "peak_bytes")
+    on_a_cpu_machine = [[r[f] for f in fields] for r in estimate_rows(*args)]
+    sharing.forget()
+    request.getfixturevalue("fake_cuda")
+    assert [[r[f] for f in fields] for r in estimate_rows(*args)] == on_a_cpu_machine
 
 
 def test_a_card_without_datasheet_figures_has_no_time_and_says_which_are_missing():
