@@ -186,7 +186,6 @@ def test_fit_answers_with_real_trials(tmp_path):
         assert any(r["policy"] == policy and r["batch_size"] == batch + 1 and r["status"] == "oom" for r in records)
 
 
-
 def test_an_encoder_that_refuses_its_features_is_one_line_naming_them(tmp_path):
     from gcbench.blocks import speech_input
     from gcbench.errors import GcbenchError

@@ -28,7 +28,7 @@ def models_table(rows: list[dict[str, Any]], wide: bool) -> Table:
             table.add_row(f"[bold]{markup(row['modality'])}[/bold]")
         params = f"{row['params'] / 1e9:.2f} B" if row["params"] >= 1e9 else f"{row['params'] / 1e6:.1f} M"
         last = i + 1 == len(rows) or row["modality"] != rows[i + 1]["modality"]
-        counts = stack_counts(row["stacks"]) if row.get("stacks") else None
+        counts = stack_counts(row.get("stacks"))  # None for a model of one stack
         layers = "+".join(count for _, count in counts) if counts else row["layers"]
         table.add_row(markup(row["name"]), markup(row["family"]), params, markup(layers), str(row["hidden"]),
                       f"{row['heads']}/{row['kv_heads']}", str(row["vocab"] or "-"), str(row["max_seq"] or "-"),
