@@ -18,7 +18,8 @@ import torch
 
 from gcbench.fields import DeviceKind
 from gcbench.gpus import peak_flops
-from gcbench.measure import LiveTensorTracker, PhasePeaks, collect_garbage, heap_grew
+from gcbench.heap import collect_garbage, heap_grew
+from gcbench.measure import LiveTensorTracker, PhasePeaks
 from gcbench.nvml import GpuWindow, gpu_state, nvml_free_bytes
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
 

@@ -4,8 +4,6 @@ bytes, FLOPs with recompute, and the devices' peak FLOP/s. The CPU and CUDA inst
 from __future__ import annotations
 
 import contextlib
-import gc
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -78,31 +76,6 @@ if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in 
     def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
         rows = a_shape[1:] if len(a_shape) == 3 and len(b_shape) == 2 else a_shape
         return 2 * int(torch.Size(rows).numel()) * b_shape[-1]
-
-
-_modules_frozen: set[str] = set()  # the modules imported when collect_garbage last froze the heap
-
-
-def collect_garbage(freeze: bool = True) -> None:
-    """The reference cycles made since the heap was frozen, collected (gc.collect), before a run or a simulation
-    that must not see them freed inside its step. Where nothing froze it yet (the fork server does, for its
-    children), the first call collects the whole heap once, then freezes what survives (gc.freeze: the gc module's
-    permanent generation, never walked again): each later call walks only what came after, not the ~10^6 objects
-    of torch and transformers (0.22 s a call on 2 CPU cores, a quarter of a tiny model's simulation). So again
-    after a module was imported since (peft, bitsandbytes, a family's modeling code: ~86,000 objects that would
-    otherwise be walked by every later call, 0.05 s each on 2 cores). A cycle among the frozen objects is never
-    freed, so never inside a step either; so `freeze` only where nothing of a run may be alive still (not at a
-    session's end, where the run's model may be: frozen, a cycle through it would keep its memory for good)."""
-    global _modules_frozen
-    gc.collect()
-    if freeze and heap_grew():
-        gc.freeze()
-        _modules_frozen = set(sys.modules)
-
-
-def heap_grew() -> bool:
-    """Whether collect_garbage would freeze: the heap never frozen, or a module imported since it last was."""
-    return not gc.get_freeze_count() or not _modules_frozen.issuperset(sys.modules)
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:

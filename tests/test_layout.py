@@ -36,7 +36,7 @@ LAYERS = [
     ("spec",),
     ("results",),
     ("fields",),
-    ("values", "optimizers", "adapters", "nf4", "meta_init", "units", "text", "gpus", "errors", "__init__"),
+    ("values", "optimizers", "adapters", "nf4", "meta_init", "units", "text", "gpus", "errors", "heap", "__init__"),
 ]
 # Readers of results: they import results and the small helpers beside it, nothing that measures.
 READERS = {"report": ("report", "results", "fields", "values", "units", "text", "errors", "__init__"),

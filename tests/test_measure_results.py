@@ -13,7 +13,8 @@ import torch
 
 from gcbench.errors import GcbenchError
 from gcbench.gpus import peak_flops
-from gcbench.measure import LiveTensorTracker, SavedActivations, collect_garbage, counting_flops, heap_grew
+from gcbench.heap import collect_garbage, freeze_heap, heap_grew
+from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops
 from gcbench.timing import Stats
 from gcbench.results.frame import load
 from gcbench.results.store import append_record, read_records
@@ -172,6 +173,24 @@ def test_garbage_is_collected_and_a_module_imported_since_the_last_freeze_is_fro
     frozen = gc.get_freeze_count()
     collect_garbage()
     assert gc.get_freeze_count() == frozen and not heap_grew()  # nothing imported since: nothing more frozen
+
+
+def test_whether_the_heap_grew_is_read_off_the_modules_without_walking_the_frozen_objects(tmp_path, monkeypatch):
+    """gc.get_freeze_count() counts the frozen objects one by one (tens of milliseconds after torch and
+    transformers), and a run asks heap_grew twice: it must not be asked."""
+    def walked():
+        raise AssertionError("heap_grew walked the frozen objects")
+
+    freeze_heap()
+    monkeypatch.setattr(gc, "get_freeze_count", walked)
+    assert not heap_grew()
+    name = f"gcbench_gc_probe_{id(tmp_path)}"
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, name, importlib.import_module(name))
+    assert heap_grew()
+    collect_garbage()
+    assert not heap_grew()
 
 
 def test_peak_flops_table():

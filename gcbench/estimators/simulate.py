@@ -38,7 +38,8 @@ from gcbench.estimators.shape import attention_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.estimators.step_clock import StepClock
 from gcbench.losses import CPU_TARGET
-from gcbench.measure import PhasePeaks, collect_garbage, counting_flops, listening_to_host_moves, storage_bytes
+from gcbench.heap import collect_garbage
+from gcbench.measure import PhasePeaks, counting_flops, listening_to_host_moves, storage_bytes
 from gcbench.models import block_lists, build_model, experts_implementation, total_blocks
 from gcbench.optimizers import optimizer_kind
 from gcbench.policies import Plan, Policy, apply_to_stacks
@@ -244,13 +245,12 @@ def _fake_step(spec: ResolvedRun, cuda: bool, ran: set[str] | None = None,
 
     config, _ = spec.model_config()
     sharded = spec.shard != "none"  # one rank of it, FSDP2 itself over a fake world (fake_ranks.py)
-    # bitsandbytes keeps its quantisation maps as real tensors, made when the optimizer is
     adapter = parse_adapter(spec.adapter)
-    # and bitsandbytes' 4-bit quantisation (qlora) its 8-bit map of the absmax values; FSDP2's to_empty reads meta
+    # real tensors the fakes meet: bitsandbytes' quantisation maps (made with its optimizer, and qlora's 8-bit map
+    # of the absmax values), and the meta tensors FSDP2's to_empty reads
     fake = FakeTensorMode(allow_non_fake_inputs=optimizer_kind(spec.optimizer).module is not None
                           or adapter.quantised or sharded)
-    # peft on the meta model, so that the adapters' weights become fakes with the rest; a 4-bit base is quantised
-    # once its weights are fakes
+    # peft on the meta model, so that its adapters become fakes with the rest (a 4-bit base: quantised as fakes)
     model = apply_adapter(build_model(config, "meta", spec.param_dtype), adapter, compute_dtype(spec), "meta")
     world = contextlib.ExitStack()
     if not sharded:

@@ -27,7 +27,8 @@ PREDICTION_FIELDS = ("predicted_peak_bytes", "prediction_method", "predicted_pea
 # The code a prediction follows from: the predictors and what they run (models, policies, the step, its losses and
 # adapters, optimizers, the trackers and what the host tells the time model), and the cards' figures (budgets, rates).
 _SOURCES = ("estimators", "policies", "models.py", "blocks.py", "modality.py", "step.py", "losses.py", "liger_model.py",
-            "adapters.py", "nf4.py", "optimizers.py", "presets.py", "fsdp.py", "measure.py", "host_work.py", "gpus.py")
+            "adapters.py", "nf4.py", "optimizers.py", "presets.py", "fsdp.py", "measure.py", "heap.py", "host_work.py",
+            "gpus.py")
 
 
 def prediction_key(record: Mapping[str, Any], target: str) -> str:

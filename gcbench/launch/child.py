@@ -15,7 +15,6 @@ an `error` record holding the last lines of that stderr.
 from __future__ import annotations
 
 import faulthandler
-import gc
 import os
 import signal
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 from gcbench import env
 from gcbench.errors import GcbenchError
+from gcbench.heap import freeze_heap
 from gcbench.launch.direct import run
 from gcbench.models import build_meta_model, load_config
 from gcbench.resolved import resolve_record
@@ -49,7 +49,7 @@ def _warm_up_fork_server() -> None:
     # transformers it inherited (0.16 s per config on 2 cores), and touches none of their shared pages. No
     # collection first (the docs ask for none): it took 0.2 s before the first child could start, to free the
     # little garbage the imports leave.
-    gc.freeze()
+    freeze_heap()
 
 
 _warm_up_fork_server()
