@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate_grid, sharing, simulate as simulate_module, step_flops
 from gcbench.estimators.layer_scaling import blocks_to_scale
-from gcbench.estimators.shortcuts import ELEMENTWISE_DECOMPOSITIONS, GradientCheck, _decomposes
+from gcbench.estimators.shortcuts import ELEMENTWISE_DECOMPOSITIONS, GradientCheck, _decomposes, first_state
 from gcbench.estimators.simulate import count_flops, simulate, simulate_each
 from gcbench.policies import Plan
 from gcbench.policies.plan import UNIFORM
@@ -44,7 +44,8 @@ LEVERS = [dict(optim_in_backward=True, optimizer="adafactor"), dict(grad_accum=2
           dict(optimizer="adamw-fused"), dict(optimizer="none"), dict(optim_in_backward=True), dict(grad_accum=2),
           dict(precision="amp-bf16"), dict(precision="fp32"), dict(model="tiny-gpt2"), dict(model="tiny-bert"),
           dict(model="tiny-gpt2", policy="offload:what=all"), dict(loss="litgpt:len=10", grad_accum=2),
-          dict(loss="litgpt:len=10", precision="amp-bf16", adapter="lora")]
+          dict(loss="litgpt:len=10", precision="amp-bf16", adapter="lora"), dict(optimizer="adamw-loop"),
+          dict(precision="amp-fp16"), dict(precision="amp-fp16", optimizer="adamw-fused")]
 
 
 # The default suite keeps two policies of different mechanics (recomputed segments, saved-tensor hooks); the rest run
@@ -111,6 +112,30 @@ def test_a_parameter_no_backward_reaches_takes_the_warm_up_step(monkeypatch):
     spec = tiny_spec("tiny-llama", "full", seq_len=64)
     _same(simulate(spec, "cuda", flops=True), simulate(spec, "cuda", flops=True, shortcut=False))
     assert checks == [False]
+
+
+@pytest.mark.parametrize("how", [dict(foreach=True), dict(foreach=False), dict(fused=True), dict(amsgrad=True)])
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
+def test_adams_first_state_is_the_state_of_its_first_step(kind, how):
+    """first_state makes what a step makes: the same keys, and each tensor of the same sizes, strides, dtype and
+    device, for every parameter with a gradient and none without."""
+    def optimizer_with_grads():
+        params = [nn.Parameter(torch.empty(3, 5)), nn.Parameter(torch.empty(5, 3).t()), nn.Parameter(torch.empty(7)),
+                  nn.Parameter(torch.empty(2))]
+        for p in params[:3]:
+            p.grad = torch.empty_strided(p.shape, p.stride())
+        return kind(params, lr=1e-3, **how)
+
+    def layout(optimizer):
+        return [{k: (tuple(v.shape), v.stride(), v.dtype, v.device) for k, v in optimizer.state[p].items()}
+                for p in optimizer.param_groups[0]["params"]]
+
+    stepped, made = optimizer_with_grads(), optimizer_with_grads()
+    stepped.step()
+    assert first_state(made)
+    assert layout(made) == layout(stepped)
+    assert len(layout(made)[1]) >= 3 and layout(made)[3] == {}
+    assert not first_state(torch.optim.SGD([nn.Parameter(torch.empty(2))], lr=0.1))
 
 
 def test_a_gradient_that_is_a_view_of_a_larger_storage_fails_the_check():
