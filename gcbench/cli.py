@@ -233,7 +233,6 @@ def sweep(
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
         results = grid.out
         prepare_sweep(grid, dry_run)
-        from gcbench.report.sweep_tables import grid_table, largest_fit_table, summary_table
         from gcbench.sweeps import Sweep
 
         job = Sweep(grid, rerun=rerun, retry_failed=retry_failed, skip_after_oom=not no_skip, console=err_console)
@@ -241,10 +240,15 @@ def sweep(
         if left_out := grid.left_out():
             err_console.print(f"[dim]{markup(left_out)}[/]")
         if dry_run:
+            from gcbench.report.sweep_tables import grid_table
+
             plan = [(p.spec.as_record(), p.done["status"] if p.done else None) for p in job.plan()]
             console.print(grid_table(plan, grid.out, grid.shared_options()))
             return
         records = job.run()
+    # the tables need pandas (0.2 s on 2 cores): imported once the configs ran, not before the first one starts
+    from gcbench.report.sweep_tables import largest_fit_table, summary_table
+
     console.print(summary_table(records, console.width))
     fits = largest_fit_table(records, console.width)
     if fits is not None:
