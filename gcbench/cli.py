@@ -246,9 +246,8 @@ def sweep(
             console.print(grid_table(plan, grid.out, grid.shared_options()))
             return
         records = job.run()
-    # the tables need pandas (0.2 s on 2 cores): imported once the configs ran, not before the first one starts
-    from gcbench.report.sweep_tables import largest_fit_table, summary_table
-
+        # the tables need pandas (0.2 s on 2 cores): imported once the configs ran, not before the first one starts
+        from gcbench.report.sweep_tables import largest_fit_table, summary_table
     console.print(summary_table(records, console.width))
     fits = largest_fit_table(records, console.width)
     if fits is not None:

@@ -18,7 +18,7 @@ import torch
 
 from gcbench.fields import DeviceKind
 from gcbench.gpus import peak_flops
-from gcbench.heap import collect_garbage, heap_grew
+from gcbench.heap import collect_garbage
 from gcbench.measure import LiveTensorTracker, PhasePeaks
 from gcbench.nvml import GpuWindow, gpu_state, nvml_free_bytes
 from gcbench.timing import HostLoad, StepBudget, measure_until, step_time_fields
@@ -140,8 +140,10 @@ class CpuInstrument(Instrument):
 
     @contextmanager
     def session(self) -> Iterator[None]:
-        if heap_grew():  # frozen while nothing of this run exists yet (collect_garbage)
-            collect_garbage()
+        # the cycles made before the run (a prediction's simulation in a sweep's child) collected, not inside its
+        # timed steps; and where a module was imported since the heap was frozen, frozen while nothing of this run
+        # exists yet (collect_garbage)
+        collect_garbage()
         # reference cycles of this run, before the next in-process one
         with cleanup_after(lambda: collect_garbage(freeze=False)):
             yield

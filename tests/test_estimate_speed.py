@@ -5,6 +5,7 @@ it was before them) gives the same rows today, to the byte; and each shortcut eq
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -192,14 +193,21 @@ def test_a_plan_of_one_kind_simulates_as_that_kinds_policy(kind, layers):
     _same(shared_path, simulate(spec, "cuda", flops=True, shortcut=False))
 
 
+def _objects_the_collector_walks() -> int:
+    return len(gc.get_objects())  # every generation but the frozen one
+
+
 def test_workers_give_the_same_estimates_and_errors_as_this_process(monkeypatch):
     good = tiny_spec("tiny-llama", "full", seq_len=64)
     bad = tiny_spec("tiny-llama", "budget", seq_len=64)  # compiled: refused on fake tensors
     inline = simulate_each([good, bad], "cuda", flops=True)
     sharing.forget()
     monkeypatch.setattr(sharing, "cores", lambda: 2)
+    made_here = [[i] for i in range(50_000)]  # objects the collector would walk, inherited by the workers
     with sharing.sharing_cores(2) as workers:
         assert workers == 2
+        # a worker's collections walk only what it made: what it inherited was frozen at its fork
+        assert sharing._pool.submit(_objects_the_collector_walks).result() < len(made_here)
         forked = simulate_each([good, bad], "cuda", flops=True)
     _same(inline[0], forked[0])
     assert isinstance(forked[1], GcbenchError) and str(forked[1]) == str(inline[1])

@@ -13,7 +13,7 @@ import torch
 
 from gcbench.errors import GcbenchError
 from gcbench.gpus import peak_flops
-from gcbench.heap import collect_garbage, freeze_heap, heap_grew
+from gcbench.heap import collect_garbage, heap_grew
 from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops
 from gcbench.timing import Stats
 from gcbench.results.frame import load
@@ -148,13 +148,21 @@ def test_grouped_query_attention_on_the_cuda_kernels_counts_the_repeated_key_val
     assert backward(q, q, kv, kv, out_val=(q, kv, kv)) == 5 * two_bmms // 2
 
 
-def test_garbage_is_collected_and_a_module_imported_since_the_last_freeze_is_frozen_not_walked_again(tmp_path,
-                                                                                                   monkeypatch):
-    collect_garbage()  # frozen from here on, whatever the tests before this one imported
-    name = f"gcbench_gc_probe_{id(tmp_path)}"
-    (tmp_path / f"{name}.py").write_text("TABLE = [[i] for i in range(5000)]\n")
+def _first_import(tmp_path, monkeypatch, request, source: str) -> None:
+    """A module of `source` imported for the first time in this process (named after this test's own folder, which
+    no other test shares), taken out of sys.modules again after the test."""
+    name = "gcbench_gc_probe_" + re.sub(r"\W", "_", tmp_path.name)
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(sys.modules, name, importlib.import_module(name))  # removed from sys.modules after the test
+    request.addfinalizer(lambda: sys.modules.pop(name, None))
+    assert name not in sys.modules
+    importlib.import_module(name)
+
+
+def test_garbage_is_collected_and_a_module_imported_since_the_last_freeze_is_frozen_not_walked_again(
+        tmp_path, monkeypatch, request):
+    collect_garbage()  # frozen from here on, whatever the tests before this one imported
+    _first_import(tmp_path, monkeypatch, request, "TABLE = [[i] for i in range(5000)]\n")
     frozen = gc.get_freeze_count()
     collect_garbage(freeze=False)  # a session's end, where the run's model may be alive: collected, never frozen
     assert gc.get_freeze_count() == frozen and heap_grew()
@@ -175,19 +183,17 @@ def test_garbage_is_collected_and_a_module_imported_since_the_last_freeze_is_fro
     assert gc.get_freeze_count() == frozen and not heap_grew()  # nothing imported since: nothing more frozen
 
 
-def test_whether_the_heap_grew_is_read_off_the_modules_without_walking_the_frozen_objects(tmp_path, monkeypatch):
+def test_whether_the_heap_grew_is_read_off_the_modules_without_walking_the_frozen_objects(tmp_path, monkeypatch,
+                                                                                        request):
     """gc.get_freeze_count() counts the frozen objects one by one (tens of milliseconds after torch and
     transformers), and a run asks heap_grew twice: it must not be asked."""
     def walked():
         raise AssertionError("heap_grew walked the frozen objects")
 
-    freeze_heap()
+    collect_garbage()
     monkeypatch.setattr(gc, "get_freeze_count", walked)
     assert not heap_grew()
-    name = f"gcbench_gc_probe_{id(tmp_path)}"
-    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(sys.modules, name, importlib.import_module(name))
+    _first_import(tmp_path, monkeypatch, request, "VALUE = 1\n")
     assert heap_grew()
     collect_garbage()
     assert not heap_grew()
