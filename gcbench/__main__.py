@@ -48,6 +48,9 @@ def main() -> None:
         print("gcbench: interrupted while starting; nothing was run or written: run the same command again",
               file=sys.stderr)
         sys.exit(130)
+    from gcbench.heap import made_nothing_yet
+
+    made_nothing_yet()
     try:
         cli_main()
     finally:

@@ -4,6 +4,7 @@ import gc
 import importlib
 import json
 import re
+import subprocess
 import sys
 import warnings
 import weakref
@@ -197,6 +198,27 @@ def test_whether_the_heap_grew_is_read_off_the_modules_without_walking_the_froze
     assert heap_grew()
     collect_garbage()
     assert not heap_grew()
+
+
+def test_a_commands_first_freeze_collects_nothing_before_it():
+    """A command's process (made_nothing_yet) freezes its first heap as it is, garbage and all, and collects as ever
+    after it. A process of its own: the freeze is the process's for good."""
+    code = """if True:
+        import weakref
+        from gcbench.heap import collect_garbage, heap_grew, made_nothing_yet
+        class Node:
+            pass
+        cycle = Node(); cycle.me = cycle; frozen = weakref.ref(cycle); del cycle
+        made_nothing_yet()
+        collect_garbage()
+        assert frozen() is not None and not heap_grew()  # frozen with the rest, not collected
+        cycle = Node(); cycle.me = cycle; collected = weakref.ref(cycle); del cycle
+        collect_garbage()
+        assert collected() is None
+        print("ok")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "ok\n", done.stderr
 
 
 def test_peak_flops_table():
