@@ -360,8 +360,9 @@ def estimate(
         memory = memory_to_fit(gpu, memory)  # --gpu NAME: a fits column against what that card leaves usable
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         with PredictionBar(err_console, "estimating") as bar:  # a card named: its workspaces in reserved
+            # without a card no step time is shown: the simulations keep no work for it (a tenth of their time)
             results = estimate_grid({k: v for k, v in grid.items() if k in ESTIMATE_AXES}, methods, device, bar,
-                                    memory, card=gpu_entry(gpu) if gpu else None, **one)
+                                    memory, card=gpu_entry(gpu) if gpu else None, timed=gpu is not None, **one)
     rows = estimate_rows(results, memory, gpu, device)
     _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)
 

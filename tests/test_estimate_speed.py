@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gcbench.errors import GcbenchError
-from gcbench.estimators import estimate_grid, sharing, simulate as simulate_module, step_flops
+from gcbench.estimators import estimate_grid, estimate_rows, sharing, simulate as simulate_module, step_flops
 from gcbench.estimators.layer_scaling import blocks_to_scale
 from gcbench.estimators.shortcuts import ELEMENTWISE_DECOMPOSITIONS, GradientCheck, _decomposes, first_state
 from gcbench.estimators.simulate import count_flops, simulate, simulate_each
@@ -243,6 +243,25 @@ def test_a_grid_in_workers_gives_the_rows_of_one_process(monkeypatch):
     assert [e.as_record(s) | {"seconds": 0} for s, e in forked] == [e.as_record(s) | {"seconds": 0}
                                                                     for s, e in inline]
     assert told[0][:2] == (0, 6) and told[-1][:2] == (6, 6)
+
+
+def test_a_grid_that_names_no_card_keeps_no_work_and_prints_the_same_rows():
+    """Without a card no step time is shown: the simulations skip the step clock (timed=False), the rows are those of
+    timed simulations, and an untimed simulation kept is not taken for a timed one."""
+    axes = {"model": ["tiny-llama"], "seq_len": [64], "batch_size": [2], "policy": ["none", "sqrtn"]}
+    sharing.forget()
+    timed = estimate_grid(axes, ["simulate", "analytic"], "cuda")
+    sharing.forget()
+    untimed = estimate_grid(axes, ["simulate", "analytic"], "cuda", timed=False)
+    simulated = [(s, e) for s, e in untimed if e.method == "simulate"]
+    assert all(e.work is None for _, e in simulated)
+    assert all(e.work is not None for _, e in timed if e.method == "simulate")
+
+    def rows(cells):
+        return [row | {"seconds": 0} for row in estimate_rows(cells, None, None, "cuda")]
+
+    assert rows(untimed) == rows(timed)
+    assert simulate(simulated[0][0], "cuda").work is not None
 
 
 def test_a_kept_simulation_answers_again_without_its_unasked_flops():

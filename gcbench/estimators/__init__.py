@@ -42,9 +42,10 @@ TARGETS = ("cuda", "cpu")  # what is predicted: max_memory_allocated on a CUDA G
 
 
 def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str = "cuda",
-             flops: bool = False) -> Estimate:
+             flops: bool = False, timed: bool = True) -> Estimate:
     """Predict the peak memory of one training step of `spec` on `target` (cuda | cpu) by `method`; `flops`: the
-    simulation also counts the step's FLOPs with recompute (Estimate.flops)."""
+    simulation also counts the step's FLOPs with recompute (Estimate.flops); `timed`: it also keeps the step's work
+    for the time model (Estimate.work)."""
     if method not in METHODS:
         raise GcbenchError(f"unknown estimate method {method!r} ({', '.join(METHODS)})")
     if target not in TARGETS:
@@ -52,17 +53,18 @@ def estimate(spec: RunSpec | ResolvedRun, method: str = "simulate", target: str 
     _refuse_compiled(spec)
     spec = plan.with_mix(resolve(spec), target)
     if spec.shard != "none" and method == "simulate" and fake_ranks.available():  # FSDP2 itself, on fakes
-        found = simulate.simulate(spec, target)
+        found = simulate.simulate(spec, target, timed=timed)
         return dataclasses.replace(found, flops=step_flops(spec, target)) if flops else found
     if spec.shard != "none":  # per rank: the unsharded step at the rank's batch, and FSDP2's terms
         one_process = spec.replace(shard="none", nproc=1)
-        unsharded = estimate(one_process, method, target, flops)
+        unsharded = estimate(one_process, method, target, flops, timed)
         if spec.precision == "amp-bf16":  # FSDP2 computes on the bf16 parameters it gathers (per_rank.py)
-            computed = estimate(per_rank.compute_step(one_process), method, target, flops)
+            computed = estimate(per_rank.compute_step(one_process), method, target, flops, timed)
             unsharded = per_rank.computed_in_bf16(unsharded, computed)
         return per_rank.shard_estimate(unsharded, spec)
-    return simulate.simulate(spec, target, flops=True) if method == "simulate" and flops else \
-        _PREDICTORS[method](spec, target)
+    if method == "simulate":
+        return simulate.simulate(spec, target, flops, timed=timed)
+    return _PREDICTORS[method](spec, target)
 
 
 def step_flops(spec: RunSpec | ResolvedRun, target: str = "cuda") -> int:
@@ -84,7 +86,7 @@ def _refuse_compiled(spec: RunSpec | ResolvedRun) -> None:
 
 def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target: str = "cuda",
                   progress: Progress | None = None, capacity: int | None = None, card: Gpu | None = None,
-                  **spec_fields: Any
+                  timed: bool = True, **spec_fields: Any
                   ) -> list[tuple[ResolvedRun, Estimate | Unavailable]]:
     """Every combination of the `axes` (RunSpec field -> its values: model, seq_len, batch_size, policy, precision,
     optimizer, ...), by every method. All specs are validated before anything runs, so bad input fails at once and
@@ -95,7 +97,8 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
     (layers, attn). The simulations run side by side where the machine has the cores (sharing.py); `progress` is
     told of each cell predicted. `capacity`: the bytes a card leaves to the caching allocator: each simulated
     cell of a CUDA target then has the allocator replayed on that card (`with_reserved`); `card`: the card named,
-    whose cuBLAS workspaces the reserved peak adds (None: Hopper's, gpus.max_memory_reserved)."""
+    whose cuBLAS workspaces the reserved peak adds (None: Hopper's, gpus.max_memory_reserved); `timed`: the
+    simulated cells keep their step's work, which a step time on a card needs (estimate_rows with a card)."""
     methods = list(methods)
     for method in methods:
         if method not in METHODS:
@@ -122,9 +125,9 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
         if progress is not None:
             progress(0, len(jobs) + replays, "")  # the workers are forked: a progress bar may start its thread now
         for spec in simulating:  # begun at once, side by side in the workers; each cell then finds its own kept
-            _begin(spec, target)
+            _begin(spec, target, timed)
         for spec, method in jobs:
-            cells.append((spec, _predict_cell(spec, method, target, methods)))
+            cells.append((spec, _predict_cell(spec, method, target, methods, timed)))
             if progress is not None:
                 progress(len(cells), len(jobs) + replays, f"{spec.policy} ({method})")
     if replays:
@@ -200,13 +203,14 @@ def _simulates(spec: ResolvedRun, method: str, methods: list[str]) -> bool:
     return method == "simulate" or analytic.unavailable(spec) is not None and "simulate" not in methods
 
 
-def _begin(spec: ResolvedRun, target: str) -> None:
+def _begin(spec: ResolvedRun, target: str, timed: bool = True) -> None:
     """Begin the simulations estimate(spec, "simulate", target) starts with: a plan's one per kind of block (its
     mix follows from them), else the step's own (a sharded one's, over a fake world, as estimate asks for it)."""
     if isinstance(spec.policy, plan.Plan) and not spec.policy.chosen:
         plan.begin_choice(spec, target)
         return
-    simulate.begin(spec if _one_process_or_fake(spec) else spec.replace(shard="none", nproc=1), target)
+    simulate.begin(spec if _one_process_or_fake(spec) else spec.replace(shard="none", nproc=1), target,
+                   timed=timed)
 
 
 def begin_prediction(spec: ResolvedRun, target: str) -> None:
@@ -216,12 +220,13 @@ def begin_prediction(spec: ResolvedRun, target: str) -> None:
         _begin(spec, target)
 
 
-def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str]) -> Estimate | Unavailable:
+def _predict_cell(spec: ResolvedRun, method: str, target: str, methods: list[str], timed: bool = True
+                  ) -> Estimate | Unavailable:
     reason = analytic.unavailable(spec) if method == "analytic" else None
     if reason is not None and "simulate" in methods:
         return Unavailable(method, target, reason)
     try:
-        found = estimate(spec, "simulate" if reason else method, target)
+        found = estimate(spec, "simulate" if reason else method, target, timed=timed)
     except GcbenchError as e:
         return Unavailable(method, target, f"{reason}, nor can the simulation: {e}" if reason else str(e))
     return dataclasses.replace(found, stands_in=reason) if reason else found

@@ -29,21 +29,22 @@ R = TypeVar("R")
 KEPT = 512  # simulations kept per process (an estimate is a few hundred bytes; a fit makes a few dozen)
 
 _lock = threading.Lock()
-_kept: dict[Hashable, tuple[Future, bool]] = {}  # key -> (the estimate to come, whether it counts FLOPs)
+_kept: dict[Hashable, tuple[Future, frozenset[str]]] = {}  # key -> (the estimate to come, what it holds)
 _pool: ProcessPoolExecutor | None = None
 _in_worker = False
 
 
-def shared(key: Hashable, counts_flops: bool, compute: Callable[..., Any], *args: Any) -> Future:
+def shared(key: Hashable, holds: frozenset[str], compute: Callable[..., Any], *args: Any) -> Future:
     """The future result of `compute(*args)`, computed once per `key` in this process (again only where this one
-    `counts_flops` and the kept one did not): in a worker inside `sharing_cores`, else here and now. `compute` and
-    its arguments must pickle (a module-level function and plain values). A GcbenchError is kept like a result."""
+    `holds` something the kept one does not: what a simulation carries beyond its peaks, "flops", "work"): in a
+    worker inside `sharing_cores`, else here and now. `compute` and its arguments must pickle (a module-level
+    function, or a functools.partial of one, and plain values). A GcbenchError is kept like a result."""
     with _lock:
         kept = _kept.get(key)
-        if kept is not None and (kept[1] or not counts_flops):
+        if kept is not None and holds <= kept[1]:
             return kept[0]
         future = _pool.submit(compute, *args) if _pool is not None else Future()
-        _kept[key] = (future, counts_flops)
+        _kept[key] = (future, holds)
         while len(_kept) > KEPT:
             _kept.pop(next(iter(_kept)))
     if _pool is None:  # computed outside the lock: it may take seconds, and it may itself ask for others
@@ -62,7 +63,7 @@ def kept(key: Hashable) -> Future | None:
     """The kept future of `key` that counts FLOPs, if any."""
     with _lock:
         found = _kept.get(key)
-    return found[0] if found is not None and found[1] else None
+    return found[0] if found is not None and "flops" in found[1] else None
 
 
 def forget() -> None:

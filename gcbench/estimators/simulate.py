@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from gcbench.estimators.sharing import kept, shared
 from gcbench.estimators.estimates import Estimate
 from gcbench.estimators.fake_ranks import fake_world, shard_as_fakes
 from gcbench.estimators.layer_scaling import SHORT, StepTrace, blocks_to_scale, scaled, scaled_flops
-from gcbench.estimators.scaled import scaler_finds_no_inf
+from gcbench.estimators.fake_reads import scaler_finds_no_inf, steps_read_no_values
 from gcbench.estimators.shape import attention_kernel
 from gcbench.estimators.shortcuts import FlopTally, prime
 from gcbench.estimators.step_clock import StepClock
@@ -50,25 +51,28 @@ from gcbench.step import TrainingStep, make_optimizer
 
 
 def simulate(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, *,
-             shortcut: bool = True) -> Estimate:
+             shortcut: bool = True, timed: bool = True) -> Estimate:
     """Run one tracked step of `spec` on fake tensors, after the state a warm-up step leaves; nothing is allocated
-    for real. `flops`: also the FLOPs of one forward and backward with recompute (Estimate.flops).
+    for real. `flops`: also the FLOPs of one forward and backward with recompute (Estimate.flops); `timed`: also
+    the step's work for the time model on a CUDA target (Estimate.work; a tenth of the simulation's time, which
+    a caller naming no card can spare).
 
     `shortcut` (tests turn it off to hold the rest to it): the warm-up's state made directly and the FLOPs counted
     on the tracked step (shortcuts.py), each where it is proven equal, and a simulation this process ran before
     reused (sharing.py); else a warm-up step before the tracked one and a FLOPs pass after it, as the simulation
     always did."""
     if not shortcut:
-        return _simulate(resolve(spec), target, flops, False)
-    found = begin(spec, target, flops).result()
+        return _simulate(resolve(spec), target, flops, False, timed=timed)
+    found = begin(spec, target, flops, timed).result()
     return found if flops or found.flops is None else dataclasses.replace(found, flops=None)
 
 
-def begin(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False) -> Future:
-    """simulate(spec, target, flops), begun: the future of its Estimate (which may count FLOPs it was not asked
-    for), run in a worker inside sharing.sharing_cores, else at once."""
+def begin(spec: RunSpec | ResolvedRun, target: str = "cuda", flops: bool = False, timed: bool = True) -> Future:
+    """simulate(spec, target, flops, timed=timed), begun: the future of its Estimate (which may hold FLOPs or work
+    it was not asked for), run in a worker inside sharing.sharing_cores, else at once."""
     spec = _as_one_kind(resolve(spec))
-    return shared(_kept_as(spec, target), flops, _simulate, spec, target, flops, True)
+    holds = frozenset(name for name, asked in (("flops", flops), ("work", timed)) if asked)
+    return shared(_kept_as(spec, target), holds, functools.partial(_simulate, timed=timed), spec, target, flops, True)
 
 
 def _as_one_kind(spec: ResolvedRun) -> ResolvedRun:
@@ -105,7 +109,7 @@ def count_flops(spec: RunSpec | ResolvedRun, target: str = "cuda") -> int:
     simulated = kept(key)
     if simulated is not None and simulated.exception() is None:
         return simulated.result().flops
-    return shared(("flops", key), True, _count_flops, spec, target).result()
+    return shared(("flops", key), frozenset({"flops"}), _count_flops, spec, target).result()
 
 
 def _kept_as(spec: ResolvedRun, target: str) -> tuple:
@@ -133,13 +137,13 @@ def replay_allocator(spec: RunSpec | ResolvedRun, capacity: int | None = None, w
 
 
 def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
-              allocator: CachingAllocator | None = None, trace: StepTrace | None = None) -> Estimate:
+              allocator: CachingAllocator | None = None, trace: StepTrace | None = None, timed: bool = True) -> Estimate:
     """The simulation itself (simulate's docstring), in this process; `allocator`: replayed on it too; `trace`:
     filled with what layer_scaling.py needs besides the peaks. With `shortcut`, a model of many alike blocks is
     simulated from two short ones where that is exact (layer_scaling.py)."""
     if shortcut and allocator is None and trace is None and (n := blocks_to_scale(spec)) is not None:
         try:
-            short = [(_simulate(spec.replace(layers=k), target, flops, True, trace=t), t)
+            short = [(_simulate(spec.replace(layers=k), target, flops, True, trace=t, timed=timed), t)
                      for k, t in zip(SHORT, (StepTrace(), StepTrace()))]
         except GcbenchError:  # a short model this run cannot be: the whole one answers, or says why not
             short = None
@@ -168,7 +172,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
             contextlib.nullcontext()
         if allocator is not None:  # what the run has allocated before its first step: the model, then the batch
             replay.track([*step.model.parameters(), *step.model.buffers(), *tokens, *step.scaler_state()])
-        clock = StepClock() if cuda else None  # the step's work for the time model (step_time.py)
+        clock = StepClock() if cuda and timed else None  # the step's work for the time model (step_time.py)
         moves = [f for f in (replay.host_move if allocator is not None else None,
                              clock.host_move if clock is not None else None) if f is not None]
         if moves:  # the tracked step's host moves (the tracker listens then)
@@ -210,7 +214,7 @@ def _simulate(spec: ResolvedRun, target: str, flops: bool, shortcut: bool,
     if unproven:  # a warm-up might have left other gradients than prime's: the full path, out of this fake mode
         if trace is not None:
             trace.clear()
-        return _simulate(spec, target, flops, False, trace=trace)
+        return _simulate(spec, target, flops, False, trace=trace, timed=timed)
     peaks, peak = phases.fields(), max(phases.peaks.values())
     return Estimate(
         method="simulate", target=target, peak_bytes=peak, param_bytes=parts[0], grad_bytes=parts[1],
@@ -268,7 +272,7 @@ def _fake_step(spec: ResolvedRun, cuda: bool, ran: set[str] | None = None,
         # made outside the fake mode: bitsandbytes computes its quantisation map from real values
         optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
                                    if cuda else None)
-        _steps_read_no_values(optimizer)
+        steps_read_no_values(optimizer)
         with fake, GroupedMmShapes(experts), _unpacked_batch(), \
                 (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
@@ -310,30 +314,6 @@ def _paged_state(step: TrainingStep, optimizer: str, cuda: bool) -> list[torch.T
         return []
     return [state[key] for p, state in step.optimizer.state.items() if kind.paged(tuple(p.shape), 0, cuda)
             for key in ("state1", "state2") if key in state]
-
-
-class ScalarReads(TorchDispatchMode):
-    """An optimizer step that reads a value (Adafactor's step count and norms through .item()) cannot run on fake
-    tensors, which have none. Values never change what the step allocates: answer every read with 1."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
-        return func(*args, **(kwargs or {}))
-
-
-def _steps_read_no_values(optimizer) -> None:
-    """Run the optimizer's step (or each per-parameter one, stepped in backward) under ScalarReads, and only the
-    step: elsewhere a read of a value stays an error, as a model's data-dependent shapes must."""
-    inner = getattr(optimizer, "optimizers", {optimizer: optimizer} if optimizer is not None else {}).values()
-    for opt in inner:
-        original = opt.step
-
-        def step(*args, _original=original, **kwargs):
-            with ScalarReads():
-                return _original(*args, **kwargs)
-
-        opt.step = step
 
 
 def _refuse_compiled(model: nn.Module, policy: Policy) -> None:
