@@ -22,16 +22,16 @@ def made_nothing_yet() -> None:
 
 
 def collect_garbage(freeze: bool = True) -> None:
-    """The reference cycles made since the heap was frozen, collected (gc.collect), before a run or a simulation
-    that must not see them freed inside its step. Where nothing froze it yet (the fork server does, for its
-    children; a command's process freezes at its first call without collecting: made_nothing_yet), the first call
-    collects the whole heap once, then freezes what survives (gc.freeze: the gc module's
-    permanent generation, never walked again): each later call walks only what came after, not the ~10^6 objects
-    of torch and transformers (0.22 s a call on 2 CPU cores, a quarter of a tiny model's simulation). So again
-    after a module was imported since (peft, bitsandbytes, a family's modeling code: ~86,000 objects that would
-    otherwise be walked by every later call, 0.05 s each on 2 cores). A cycle among the frozen objects is never
-    freed, so never inside a step either; so `freeze` only where nothing of a run may be alive still (not at a
-    session's end, where the run's model may be: frozen, a cycle through it would keep its memory for good)."""
+    """The reference cycles made since the heap was frozen, collected (gc.collect), before a run or a simulation that
+    must not see them freed inside its step. Where nothing froze it yet (the fork server does, for its children; a
+    command's process freezes at its first call without collecting: made_nothing_yet), the first call collects the
+    whole heap once, then freezes what survives (gc.freeze: the gc module's permanent generation, never walked
+    again): each later call walks only what came after, not the ~10^6 objects of torch and transformers (0.22 s a
+    call on 2 CPU cores, a quarter of a tiny model's simulation). So again after a module was imported since (peft,
+    bitsandbytes, a family's modeling code: ~86,000 objects that would otherwise be walked by every later call, 0.05
+    s each on 2 cores). A cycle among the frozen objects is never freed, so never inside a step either; so `freeze`
+    only where nothing of a run may be alive still (not at a session's end, where the run's model may be: frozen, a
+    cycle through it would keep its memory for good)."""
     global _made_nothing_yet
     if freeze and _made_nothing_yet:
         _made_nothing_yet = False
