@@ -20,48 +20,43 @@ if TYPE_CHECKING:
     from gcbench.step import TrainingStep
 
 
-class NoInfFound(TorchDispatchMode):
-    """Answer every read of a value with 0. Entered around the scaler's step only: the optimizer's own reads inside
-    it (ScalarReads, entered later) are answered first by that mode."""
+class AnswerReads(TorchDispatchMode):
+    """Answer every read of a value (.item(), aten._local_scalar_dense) with `value`, as the tensor's dtype reads it.
+    Modes entered later answer first: the optimizer's own reads inside the scaler's step (1) before the scaler's (0)."""
+
+    def __init__(self, value: int):
+        super().__init__()
+        self.value = value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
+            t = args[0]
+            return bool(self.value) if t.dtype == torch.bool else float(self.value) if t.is_floating_point() \
+                else self.value
         return func(*args, **(kwargs or {}))
+
+
+def _stepping_with_reads(owner, value: int) -> None:
+    """`owner.step` (a GradScaler's, an optimizer's) run under AnswerReads(value), and only it: elsewhere a read of a
+    value stays an error, as a model's data-dependent shapes must."""
+    original = owner.step
+
+    def step(*args, **kwargs):
+        with AnswerReads(value):
+            return original(*args, **kwargs)
+
+    owner.step = step
 
 
 def scaler_finds_no_inf(step: TrainingStep) -> None:
-    """Run the step's gradient scaler's step under NoInfFound (nothing where the step has no scaler)."""
-    if step.scaler is None:
-        return
-    original = step.scaler.step
-
-    def scaler_step(*args, **kwargs):
-        with NoInfFound():
-            return original(*args, **kwargs)
-
-    step.scaler.step = scaler_step
-
-
-class ScalarReads(TorchDispatchMode):
-    """An optimizer step that reads a value (Adafactor's step count and norms through .item()) cannot run on fake
-    tensors, which have none. Values never change what the step allocates: answer every read with 1."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
-        return func(*args, **(kwargs or {}))
+    """The step's gradient scaler finds no inf/NaN (every read answered 0); nothing where the step has no scaler."""
+    if step.scaler is not None:
+        _stepping_with_reads(step.scaler, 0)
 
 
 def steps_read_no_values(optimizer) -> None:
-    """Run the optimizer's step (or each per-parameter one, stepped in backward) under ScalarReads, and only the
-    step: elsewhere a read of a value stays an error, as a model's data-dependent shapes must."""
+    """The optimizer's step (or each per-parameter one, stepped in backward) reads 1 wherever it reads a value:
+    values never change what the step allocates."""
     inner = getattr(optimizer, "optimizers", {optimizer: optimizer} if optimizer is not None else {}).values()
     for opt in inner:
-        original = opt.step
-
-        def step(*args, _original=original, **kwargs):
-            with ScalarReads():
-                return _original(*args, **kwargs)
-
-        opt.step = step
+        _stepping_with_reads(opt, 1)
