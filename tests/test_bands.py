@@ -12,8 +12,11 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
 from gcbench.estimators.estimates import Unavailable
-from gcbench.estimators.bands import Band, band_fields, band_for, bands, class_of
-from gcbench.estimators.measured_bands import BANDS
+from gcbench.estimators.bands import (TIME_PREFIX, Band, band_fields, band_for, bands, class_of, time_band_fields,
+                                     time_band_for, time_class_of)
+from gcbench.estimators.measured_bands import BANDS, TIME_BANDS
+from gcbench.gpus import GPUS, matching
+from gcbench.report import estimate_table
 from gcbench.fields import ATTENTION, HEADS
 from gcbench.losses import LOSSES
 from gcbench.optimizers import OPTIMIZERS
@@ -142,3 +145,127 @@ def test_the_band_gives_way_at_80_columns_before_the_table_overflows():
 def test_a_cpu_estimate_has_no_band():
     table = _estimate("--model", "tiny-llama", "--seq", "64", "--method", "analytic", "--device", "cpu")
     assert " err" not in table and "err =" not in table
+
+
+# The step time's bands (TIME_BANDS): per card, from the GPU records' median steps
+
+
+def _time_accuracy():
+    return load_script(ROOT / "benchmarks" / "time_accuracy.py")
+
+
+def _stored_steps() -> dict[str, dict[str, float]]:
+    """The committed predictions' step time per card, by config key (the file as written: a slow test,
+    test_validate's made_beforehand, holds it to this code)."""
+    path = ROOT / "benchmarks" / "gpu" / "predicted" / "predictions.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["key"]: r.get("predicted_step_ms_by_card") or {} for r in rows}
+
+
+def test_a_time_class_is_the_card_and_the_memory_class_less_its_method():
+    llama = resolve(RunSpec(model="llama-7b", seq_len=512, batch_size=1, policy="full", precision="bf16",
+                            device="cpu"))
+    assert time_class_of(llama, "h200-141gb") == ("h200-141gb", *class_of(llama, "analytic")[:-1])
+    assert time_class_of(llama, "h100-80gb") != time_class_of(llama, "h200-141gb")
+
+
+def test_the_written_time_table_is_consistent():
+    assert TIME_BANDS
+    cards = {g.name for g in GPUS}
+    for (card, family, precision, adapter, shard, attention, loss, head, optimizer), (n, median, low, high) \
+            in TIME_BANDS.items():
+        assert card in cards and shard in ("none", "fsdp2:1", "fsdp2:n") and family and precision and adapter
+        assert optimizer in OPTIMIZERS and attention in ATTENTION and loss in LOSSES and head in HEADS
+        assert n >= 1 and low <= high and 0 <= median <= max(abs(low), abs(high))
+
+
+def test_every_gpu_records_step_time_is_in_the_time_table_and_within_its_band():
+    """benchmarks/error_bands.py was rerun after the last GPU window and the last change to the time model: each
+    timed record's class has its band, with at least as many configs; and each record whose config the committed
+    predictions hold (all but a fit's trials) has its error there within its class's band."""
+    accuracy, stored = _time_accuracy(), _stored_steps()
+    from gcbench.estimators.stored import prediction_key
+
+    counts: dict[tuple, int] = {}
+    checked = 0
+    for folder in _reserved_accuracy().gpu_folders(ROOT):
+        for record in accuracy.records(folder):
+            card = matching(record["env"]["gpu_name"])
+            spec = resolve(accuracy.spec_of(record))
+            key = time_class_of(spec, card.name)
+            counts[key] = counts.get(key, 0) + 1
+            predicted = stored.get(prediction_key(spec.as_record(), "cuda"), {}).get(card.name)
+            if predicted is not None and key in TIME_BANDS:
+                error = 100 * (predicted / record["step_ms_median"] - 1)
+                _, _, low, high = TIME_BANDS[key]
+                assert low - 0.01 <= error <= high + 0.01, (key, error)
+                checked += 1
+    assert counts, "no timed GPU records found"
+    missing = [key for key in counts if key not in TIME_BANDS]
+    assert not missing, f"rerun benchmarks/error_bands.py: no time band for {missing}"
+    assert all(TIME_BANDS[key][0] >= n for key, n in counts.items())
+    assert checked >= len(TIME_BANDS) and checked >= sum(counts.values()) // 2
+
+
+def test_a_step_time_has_its_band_on_the_card_measured_and_none_on_another():
+    llama = resolve(RunSpec(model="llama-7b", seq_len=2048, batch_size=1, policy="none", precision="bf16",
+                            device="cpu"))
+    band = time_band_for(llama, "h200-141gb")
+    assert band is not None and band.configs >= 1 and band.low_pct <= band.high_pct
+    assert time_band_fields(llama, "h200-141gb", 64.0) == band.as_record(TIME_PREFIX)
+    assert time_band_for(llama, "h100-80gb") is None  # never borrowed from another card
+    empty = {"measured_time_configs": 0, "measured_time_error_low_pct": None, "measured_time_error_high_pct": None}
+    assert time_band_fields(llama, "h100-80gb", 64.0) == empty
+    assert time_band_fields(llama, "h200-141gb", None) == empty  # no time predicted: no band (one shape)
+    assert time_band_fields(llama, None, None) == empty
+    assert estimate_table.TIME_PREFIX == TIME_PREFIX
+
+
+def test_estimate_shows_the_time_band_in_json_a_column_and_a_note():
+    args = ("--model", "tiny-llama", "--seq", "64", "--policy", "none,full", "--method", "simulate")
+    rows = [json.loads(line) for line in _estimate(*args, "--gpu", "h200-141gb", "--format", "json").splitlines()]
+    spec = resolve(RunSpec(model="tiny-llama", seq_len=64, batch_size=1, policy="none", precision=rows[0]["precision"],
+                           device="cpu"))
+    n, _, low, high = TIME_BANDS[time_class_of(spec, "h200-141gb")]
+    assert all(r["predicted_step_ms"] and r["measured_time_configs"] == n for r in rows)
+    assert all((r["measured_time_error_low_pct"], r["measured_time_error_high_pct"]) == (low, high) for r in rows)
+    wide = _rendered(estimate_table.estimate_table(rows, width=200), 200)
+    [header] = [line for line in wide.splitlines() if line.split()[:2] == ["seq", "batch"]]
+    assert "ms err" in header and f"{low:+.1f}..{high:+.1f}%" in wide
+    assert "ms err = the step time's lowest..highest error" in " ".join(wide.split())
+    narrow = _estimate(*args, "--gpu", "h200-141gb")
+    words = " ".join(narrow.split())
+    assert max(len(line) for line in narrow.splitlines()) <= 80 and "ms err =" not in words
+    assert "left out at this width: ms err" in words
+    assert f"ms err: {low:+.1f}..{high:+.1f}% against measured steps of configs like these on this card" in words
+    other = [json.loads(line) for line in _estimate(*args, "--gpu", "h100-80gb", "--format", "json").splitlines()]
+    assert all(r["predicted_step_ms"] and r["measured_time_configs"] == 0 for r in other)
+    assert "no step of configs like these measured on this card yet" in " ".join(
+        _estimate(*args, "--gpu", "h100-80gb").split())
+
+
+def test_rewriting_the_bands_leaves_the_stored_predictions_current(tmp_path):
+    """benchmarks/error_bands.py rewrites measured_bands.py after each GPU window: no prediction reads it, so the
+    stored predictions' digest leaves it out (and bands.py); any predictor file still moves it."""
+    import shutil
+
+    from gcbench.estimators.stored import code_digest, digest_of
+
+    package = tmp_path / "gcbench"
+    shutil.copytree(ROOT / "gcbench", package, ignore=shutil.ignore_patterns("__pycache__"))
+    assert digest_of(package) == code_digest()
+    for name in ("measured_bands.py", "bands.py"):
+        (package / "estimators" / name).write_text("# rewritten\n")
+    assert digest_of(package) == code_digest()
+    (package / "estimators" / "step_time.py").write_text("# changed\n")
+    assert digest_of(package) != code_digest()
+
+
+def _rendered(table, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO())
+    console.print(table)
+    return console.file.getvalue()

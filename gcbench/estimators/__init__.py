@@ -147,12 +147,16 @@ Cells = list[tuple[ResolvedRun, Estimate | Unavailable]]
 
 def estimate_rows(cells: Cells, memory: int | None, gpu_name: str | None, target: str) -> list[dict[str, Any]]:
     """`gcbench estimate`'s rows (--format json prints them): each cell's record, whether it fits `memory`, its
-    measured error band (bands.py) and its step time on the card `gpu_name` names (step_time.py)."""
-    from gcbench.estimators.bands import band_fields
+    measured error band (bands.py), its step time on the card `gpu_name` names (step_time.py) and that time's
+    measured error band on the card."""
+    from gcbench.estimators.bands import band_fields, time_band_fields
     from gcbench.estimators.step_time import grid_time_fields
+    from gcbench.gpus import gpu
 
+    card = gpu(gpu_name).name if gpu_name else None
     return [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             | band_fields(spec, e, target) | times
+            | (time_band_fields(spec, card, times.get("predicted_step_ms")) if target == "cuda" else {})
             for (spec, e), times in zip(cells, grid_time_fields(cells, gpu_name, target))]
 
 

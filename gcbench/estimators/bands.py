@@ -17,6 +17,14 @@ columns, bitsandbytes' 8-bit blocks; a band measured under AdamW says nothing of
 Policy and sizes are not in it: within a class the measured errors do not follow them, and a band over all of
 them is the worst seen among them. A config whose class has no measurement has no band, and says so ("-"),
 rather than borrowing another's.
+
+The step time has its own bands (TIME_BANDS), from the GPU records alone (the published step times are on other
+cards, with other settings: benchmarks/published/check.py --time): each record's median step against the time
+model's step for the card it ran on. Their class is the memory class with the card in place of the method (the
+time follows the simulated step's work whichever method predicted the memory, and the card's rates, measured or
+assumed, are the model's input): a band measured on an H200 says nothing of an H100 until that card's own records
+come home. Unlike memory, the time errors do follow the policy and the sizes (a small step is launch-bound, a
+recomputation adds kernels): a band over all of them is the worst seen, wide where the records differ most.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from gcbench.resolved import ResolvedRun
 
 # family, precision, adapter name, sharding (_sharding), attention implementation, loss name, head, optimizer, method
 Class = tuple[str, str, str, str, str, str, str, str, str]
+# the card's name (gpus.py), then the memory class less its method
+TimeClass = tuple[str, str, str, str, str, str, str, str, str]
+TIME_PREFIX = "measured_time"  # the time band's fields: measured_time_configs, measured_time_error_low_pct, ...
 
 
 @dataclass(frozen=True)
@@ -47,9 +58,9 @@ class Band:
     def worst_pct(self) -> float:
         return max(abs(self.low_pct), abs(self.high_pct))
 
-    def as_record(self) -> dict[str, float | int]:
-        return {"measured_configs": self.configs, "measured_error_low_pct": self.low_pct,
-                "measured_error_high_pct": self.high_pct}
+    def as_record(self, prefix: str = "measured") -> dict[str, float | int]:
+        return {f"{prefix}_configs": self.configs, f"{prefix}_error_low_pct": self.low_pct,
+                f"{prefix}_error_high_pct": self.high_pct}
 
 
 def class_of(spec: ResolvedRun, method: str) -> Class:
@@ -58,6 +69,11 @@ def class_of(spec: ResolvedRun, method: str) -> Class:
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
     return (family, spec.precision, parse_adapter(spec.adapter).name, _sharding(spec), attention,
             parse_loss(spec.loss).name, spec.head, spec.optimizer, method)
+
+
+def time_class_of(spec: ResolvedRun, card: str) -> TimeClass:
+    """The class of a config's predicted step time on the card named `card` (the module docstring)."""
+    return (card, *class_of(spec, "simulate")[:-1])
 
 
 def _sharding(spec: ResolvedRun) -> str:
@@ -71,6 +87,15 @@ def band_for(spec: ResolvedRun, method: str) -> Band | None:
     from gcbench.estimators.measured_bands import BANDS
 
     found = BANDS.get(class_of(spec, method))
+    return Band(*found) if found else None
+
+
+def time_band_for(spec: ResolvedRun, card: str) -> Band | None:
+    """The measured error band of the predicted step time of configs of `spec`'s class on the card named `card`, or
+    None where none was measured there."""
+    from gcbench.estimators.measured_bands import TIME_BANDS
+
+    found = TIME_BANDS.get(time_class_of(spec, card))
     return Band(*found) if found else None
 
 
@@ -90,5 +115,15 @@ def band_fields(spec: ResolvedRun, found: Estimate | Unavailable, target: str) -
     if target != "cuda":
         return {}
     band = band_for(spec, found.method) if isinstance(found, Estimate) else None
-    return band.as_record() if band else {"measured_configs": 0, "measured_error_low_pct": None,
-                                          "measured_error_high_pct": None}
+    return band.as_record() if band else _no_band("measured")
+
+
+def time_band_fields(spec: ResolvedRun, card: str | None, step_ms: float | None) -> dict[str, float | int | None]:
+    """What a CUDA estimate row carries of its step time's band on the card named `card`: the band's fields, or None
+    (and 0 configs) where no step time was predicted or nothing of its class was measured on that card."""
+    band = time_band_for(spec, card) if card is not None and step_ms is not None else None
+    return band.as_record(TIME_PREFIX) if band else _no_band(TIME_PREFIX)
+
+
+def _no_band(prefix: str) -> dict[str, float | int | None]:
+    return {f"{prefix}_configs": 0, f"{prefix}_error_low_pct": None, f"{prefix}_error_high_pct": None}

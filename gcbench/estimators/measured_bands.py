@@ -1,6 +1,8 @@
 """Written by benchmarks/error_bands.py (do not edit by hand): the errors of `estimate` against the GPU
 measurements kept in the repository, per class (gcbench/estimators/bands.py): configs, median |error| %,
-lowest and highest signed error %. From benchmarks/published, results/gpu/nvidia-h200."""
+lowest and highest signed error %. From benchmarks/published, results/gpu/nvidia-h200.
+BANDS: the peak (max_memory_allocated); TIME_BANDS: the step time, on the card the records ran on.
+"""
 
 BANDS = {
     ('falcon', 'bf16', 'lora', 'none', 'eager', 'litgpt', 'lm', 'adamw', 'simulate'): (2, 1.49, -2.11, -0.86),
@@ -26,4 +28,18 @@ BANDS = {
     ('llama', 'bf16', 'qlora', 'none', 'sdpa', 'ce', 'lm', 'adamw', 'simulate'): (2, 1.97, -2.82, -1.12),
     ('llama', 'bf16', 'qlora', 'none', 'sdpa', 'chunked', 'lm', 'adamw', 'simulate'): (1, 1.19, -1.19, -1.19),
     ('phi', 'bf16', 'lora', 'none', 'sdpa', 'litgpt', 'lm', 'adamw', 'simulate'): (3, 1.45, -2.03, -1.2),
+}
+
+TIME_BANDS = {
+    ('h200-141gb', 'gpt2', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (9, 41.14, -64.32, -39.69),
+    ('h200-141gb', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (2, 22.43, -30.09, -14.77),
+    ('h200-141gb', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (2, 27.58, -28.39, -26.77),
+    ('h200-141gb', 'llama', 'bf16', 'none', 'fsdp2:1', 'sdpa', 'ce', 'lm', 'adamw'): (3, 17.0, -20.04, -16.43),
+    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adafactor'): (4, 17.74, -21.45, -17.13),
+    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (31, 15.53, -38.78, -12.24),
+    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw-fused'): (4, 13.76, -13.85, -13.26),
+    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw8bit'): (4, 28.75, -29.72, -26.44),
+    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (2, 19.82, -25.2, -14.43),
+    ('h200-141gb', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (2, 40.03, -49.58, -30.49),
+    ('h200-141gb', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (1, 38.15, -38.15, -38.15),
 }

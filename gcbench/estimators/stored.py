@@ -30,6 +30,10 @@ _SOURCES = ("estimators", "policies", "models.py", "blocks.py", "modality.py", "
             "adapters.py", "nf4.py", "optimizers.py", "presets.py", "fsdp.py", "measure.py", "heap.py", "host_work.py",
             "gpus.py")
 
+# Under estimators/ but read by no prediction: the error bands `estimate` shows beside its rows (rewritten by
+# benchmarks/error_bands.py after each GPU window, which would otherwise make the stored predictions stale)
+_NOT_PREDICTORS = ("bands.py", "measured_bands.py")
+
 
 def prediction_key(record: Mapping[str, Any], target: str) -> str:
     return f"{target}|{config_key(record, ignore=NOT_PREDICTED_BY)}"
@@ -39,13 +43,17 @@ def prediction_key(record: Mapping[str, Any], target: str) -> str:
 def code_digest() -> str:
     """A digest of the predictor code (its source files' bytes), so that stored predictions made by other code are
     not taken for this code's."""
-    package = Path(__file__).resolve().parent.parent
+    return digest_of(Path(__file__).resolve().parent.parent)
+
+
+def digest_of(package: Path) -> str:
+    """code_digest of the gcbench package at `package`."""
     digest = hashlib.sha256()
     for name in _SOURCES:
         path = package / name
         for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            if file == Path(__file__).resolve():
-                continue  # this file looks predictions up; it makes none
+            if file.name in (Path(__file__).name, *_NOT_PREDICTORS) and file.parent.name == "estimators":
+                continue  # this file looks predictions up; the bands are shown beside them: none makes one
             digest.update(file.relative_to(package).as_posix().encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
