@@ -12,11 +12,12 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
 from gcbench.estimators.estimates import Unavailable
-from gcbench.estimators.bands import (TIME_PREFIX, Band, band_fields, band_for, bands, class_of, time_band_fields,
-                                     time_band_for, time_class_of)
+from gcbench.estimators.bands import (Band, band_fields, band_for, bands, class_of, time_band_fields, time_band_for,
+                                     time_class_of)
 from gcbench.estimators.measured_bands import BANDS, TIME_BANDS
 from gcbench.gpus import GPUS, matching
 from gcbench.report import estimate_table
+from gcbench.results.band_words import TIME_PREFIX
 from gcbench.fields import ATTENTION, HEADS
 from gcbench.losses import LOSSES
 from gcbench.optimizers import OPTIMIZERS
@@ -218,7 +219,6 @@ def test_a_step_time_has_its_band_on_the_card_measured_and_none_on_another():
     assert time_band_fields(llama, "h100-80gb", 64.0) == empty
     assert time_band_fields(llama, "h200-141gb", None) == empty  # no time predicted: no band (one shape)
     assert time_band_fields(llama, None, None) == empty
-    assert estimate_table.TIME_PREFIX == TIME_PREFIX
 
 
 def test_estimate_shows_the_time_band_in_json_a_column_and_a_note():
@@ -269,3 +269,22 @@ def _rendered(table, width: int) -> str:
     console = Console(width=width, file=io.StringIO())
     console.print(table)
     return console.file.getvalue()
+
+
+def test_estimate_fit_carries_the_time_band_of_its_card():
+    """estimate --fit: each row its step time's band on the card (the same class for every policy of one setup),
+    and the caption its range, or that nothing like it was measured on that card."""
+    args = ("--model", "tiny-llama", "--seq", "64", "--fit", "--policy", "none,full")
+    rows = [json.loads(line) for line in _estimate(*args, "--gpu", "h200-141gb", "--format", "json").splitlines()]
+    spec = resolve(RunSpec(model="tiny-llama", seq_len=64, batch_size=1, policy="none", precision="bf16",
+                           device="cpu"))
+    n, _, low, high = TIME_BANDS[time_class_of(spec, "h200-141gb")]
+    assert [r["policy"] for r in rows] == ["none", "full"] and all(r["step_s"] for r in rows)
+    assert all((r["measured_time_configs"], r["measured_time_error_low_pct"], r["measured_time_error_high_pct"])
+               == (n, low, high) for r in rows)
+    words = " ".join(_estimate(*args, "--gpu", "h200-141gb").split())
+    assert f"step s err: {low:+.1f}..{high:+.1f}% against measured steps of configs like these on this card" in words
+    other = [json.loads(line) for line in _estimate(*args, "--gpu", "h100-80gb", "--format", "json").splitlines()]
+    assert all(r["step_s"] and r["measured_time_configs"] == 0 for r in other)
+    assert "step s: no step of configs like these measured on this card yet" in " ".join(
+        _estimate(*args, "--gpu", "h100-80gb").split())

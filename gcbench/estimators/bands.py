@@ -37,12 +37,12 @@ from gcbench.adapters import parse_adapter
 from gcbench.estimators.estimates import Estimate, Unavailable
 from gcbench.losses import parse_loss
 from gcbench.resolved import ResolvedRun
+from gcbench.results.band_words import PEAK_PREFIX, TIME_PREFIX
 
 # family, precision, adapter name, sharding (_sharding), attention implementation, loss name, head, optimizer, method
 Class = tuple[str, str, str, str, str, str, str, str, str]
 # the card's name (gpus.py), then the memory class less its method
 TimeClass = tuple[str, str, str, str, str, str, str, str, str]
-TIME_PREFIX = "measured_time"  # the time band's fields: measured_time_configs, measured_time_error_low_pct, ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Band:
     def worst_pct(self) -> float:
         return max(abs(self.low_pct), abs(self.high_pct))
 
-    def as_record(self, prefix: str = "measured") -> dict[str, float | int]:
+    def as_record(self, prefix: str = PEAK_PREFIX) -> dict[str, float | int]:
         return {f"{prefix}_configs": self.configs, f"{prefix}_error_low_pct": self.low_pct,
                 f"{prefix}_error_high_pct": self.high_pct}
 
@@ -115,7 +115,7 @@ def band_fields(spec: ResolvedRun, found: Estimate | Unavailable, target: str) -
     if target != "cuda":
         return {}
     band = band_for(spec, found.method) if isinstance(found, Estimate) else None
-    return band.as_record() if band else _no_band("measured")
+    return band.as_record() if band else _no_band(PEAK_PREFIX)
 
 
 def time_band_fields(spec: ResolvedRun, card: str | None, step_ms: float | None) -> dict[str, float | int | None]:

@@ -13,12 +13,14 @@ from rich.console import Console
 from gcbench.errors import GcbenchError
 from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_LO, VARY, Fit, FitSpec, \
     canonical_policy
+from gcbench.estimators.bands import time_band_fields
 from gcbench.estimators.estimates import Progress
 from gcbench.fits.predict import predict_each, spec_at
 from gcbench.gpus import gpu, max_memory_reserved
 from gcbench.grid import RUN_OPTIONS, one_value_each
 from gcbench.fields import RUN_FIELDS, default_precision, run_field
-from gcbench.resolved import resolve, runnable_defaults
+from gcbench.resolved import ResolvedRun, resolve, runnable_defaults
+from gcbench.results.band_words import time_band_note
 from gcbench.spec import RunSpec
 from gcbench.text import markup
 from gcbench.units import fmt_bytes, parse_bytes
@@ -140,7 +142,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                                                     method, replay=device == "cuda" and method == "simulate")):
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
-        step_s, basis = _step_time(fixed, policy, field_name, found, device, card)
+        step_s, basis, timed = _step_time(fixed, policy, field_name, found, device, card)
         rows.append({"policy": policy, "value": found.value, "peak": found.estimate.peak_bytes
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
@@ -149,13 +151,17 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      **({"reserved": max_memory_reserved(found.reserved, card) if found.reserved else None,
                          "allocated_only": found.allocated_only}
                         if found.allocated_only is not None else {}),
-                     "gpu": card.name if card else None, "time_basis": basis})
+                     "gpu": card.name if card else None, "time_basis": basis,
+                     # the step time's measured error band on the card (estimators/bands.py)
+                     **(time_band_fields(timed, card.name, step_s) if card and device == "cuda" else {})})
     where = card.budget_words() if card else f"--gpu-memory {fmt_bytes(memory)}"
     caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
                "PREDICTED, nothing ran: peaks by the method in `by`; step s = the size found simulated and its step "
                "played on the card (docs/methodology.md, \"Predicting step time\")" if card else
                "PREDICTED, nothing ran: peaks by the method in `by`; step time needs --gpu (its rates)"]
     caption += [f"time rates: {basis}" for basis in dict.fromkeys(r["time_basis"] for r in rows if r["time_basis"])]
+    if timed_rows := [r for r in rows if r["step_s"]]:
+        caption.append(time_band_note(timed_rows, "step s", False))
     caption += refused
     if device == "cuda" and method != "simulate":
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
@@ -190,23 +196,24 @@ def command_apart(caption: list[str]) -> tuple[list[str], str | None]:
 
 
 def _step_time(fixed: dict[str, Any], policy: str, field_name: str, found: Any, device: str,
-               card: Any) -> tuple[float | None, str | None]:
-    """(seconds, the rates' basis) of the size found on `card`, by the time model (estimators/step_time.py): its
-    simulation (the search's, where it simulated that size); (None, None) without a card, a size, or a CUDA
-    target."""
+               card: Any) -> tuple[float | None, str | None, ResolvedRun | None]:
+    """(seconds, the rates' basis, the config timed) of the size found on `card`, by the time model
+    (estimators/step_time.py): its simulation (the search's, where it simulated that size); (None, None, None)
+    without a card, a size, or a CUDA target."""
     from gcbench.estimators import estimate
     from gcbench.estimators.card_rates import rates_for
 
     rates = rates_for(card)
     if card is None or found.value is None or device != "cuda" or isinstance(rates, str):
-        return None, None
+        return None, None, None
     fields = {**fixed, "device": "cpu", "memory_cap_bytes": None,
               "precision": fixed.get("precision") or default_precision(device)}
     try:
-        work = estimate(spec_at(fields, policy, field_name, found.value), "simulate", device).work
+        spec = spec_at(fields, policy, field_name, found.value)
+        work = estimate(spec, "simulate", device).work
     except GcbenchError:
-        return None, None
+        return None, None, None
     if work is None:
-        return None, None
+        return None, None, None
     step = work.time(rates)
-    return step.step_ms / 1e3, step.basis
+    return step.step_ms / 1e3, step.basis, spec

@@ -11,6 +11,7 @@ from rich import box
 from rich.table import Table
 
 from gcbench.fields import run_field
+from gcbench.results.band_words import TIME_PREFIX, band_cell, time_band_note
 from gcbench.results.schema import LEVER_FIELDS, PHASE_SHORT, blocks_text, lever_text, policy_label
 from gcbench.text import fits, markup
 from gcbench.units import byte_unit, fmt_bytes
@@ -20,7 +21,6 @@ LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> it
 # Left out first when the table is too wide: derivable from the others (B/p, grads ~ params), then the least asked
 # (the method shortened to a letter instead where the rows have several).
 # The step time's band goes first: a note then gives its range over the rows.
-TIME_PREFIX = "measured_time"  # estimators/bands.py's (not imported: it imports torch; a test holds them equal)
 SPARE = ("ms err", "B/p", "tok/s", "in", "grads", "method", "err")
 
 
@@ -119,11 +119,11 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
             "past" if r.get("runs_out") else f"{r['reserved_bytes'] / scale:.2f}" if r.get("reserved_bytes")
             else "-" if r["peak_bytes"] is not None else na for r in rows]))
     if any("measured_configs" in r for r in rows):  # CUDA rows: the method's errors on configs like it
-        columns.append(_Column("err", False, [_band(r) if r["peak_bytes"] is not None else na for r in rows]))
+        columns.append(_Column("err", False, [band_cell(r) if r["peak_bytes"] is not None else na for r in rows]))
     if any(r.get("predicted_step_ms") is not None for r in rows):  # the step's time on the named card
         columns.append(_Column("ms", False, [f"{r['predicted_step_ms']:.0f}" if r.get("predicted_step_ms") is not None
                                              else "-" for r in rows]))
-        columns.append(_Column("ms err", False, [_band(r, TIME_PREFIX) if r.get("predicted_step_ms") is not None
+        columns.append(_Column("ms err", False, [band_cell(r, TIME_PREFIX) if r.get("predicted_step_ms") is not None
                                                  else "-" for r in rows]))
         columns.append(_Column("tok/s", False, [_rate(r["predicted_tokens_per_s"])
                                                 if r.get("predicted_tokens_per_s") is not None else "-"
@@ -133,18 +133,6 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
         columns.append(_Column("fits", True, [na if fit is None else "[green]yes[/]" if fit else "[red]no[/]"
                                               for fit in verdicts]))
     return columns
-
-
-def _band(row: dict[str, Any], prefix: str = "measured") -> str:
-    """The row's measured error band (estimators/bands.py; `prefix`: the peak's, or the step time's) as
-    '-0.4..+0.6%' (one figure where all were the same), or '-' where nothing like it was measured."""
-    if not row.get(f"{prefix}_configs"):
-        return "-"
-    return _span(row[f"{prefix}_error_low_pct"], row[f"{prefix}_error_high_pct"])
-
-
-def _span(low: float, high: float) -> str:
-    return f"{low:+.1f}%" if low == high else f"{low:+.1f}..{high:+.1f}%"
 
 
 def _fits(row: dict[str, Any], memory_bytes: int) -> bool | None:
@@ -214,26 +202,8 @@ def _time_notes(rows: list[dict[str, Any]], shown: set[str]) -> list[str]:
                      "\"Predicting step time\")" + ("; tok/s = tokens per second" if "tok/s" in shown else "")
                      + (f"; {bound} of {len(timed)} rows host-bound (the GPU waits on Python)" if bound else ""))
         notes += [f"time rates: {markup(basis)}" for basis in dict.fromkeys(r["time_basis"] for r in timed)]
-        notes.append(_time_band_note(timed, shown))
+        notes.append(time_band_note(timed, "ms", "ms err" in shown))
     missing = dict.fromkeys(r["time_not_available"] for r in rows if r.get("time_not_available")
                             and r["peak_bytes"] is not None)
     notes += [f"step time: {markup(reason)}" for reason in missing]
     return notes
-
-
-def _time_band_note(timed: list[dict[str, Any]], shown: set[str]) -> str:
-    """How far the predicted step times were from GPU measurements of configs like these on this card: the column's
-    meaning where it is shown, else the range over the rows; or that nothing like them was measured on it."""
-    banded = [r for r in timed if r.get(f"{TIME_PREFIX}_configs")]
-    if not banded:
-        return ("ms: no step of configs like these measured on this card yet (results/gpu/): how far the time is "
-                "off is unknown")
-    if "ms err" in shown:
-        return ("ms err = the step time's lowest..highest error against GPU measurements on this card of configs of "
-                "the same family, precision, adapter, sharding, attention, loss, head and optimizer (negative: "
-                "predicted too fast; results/gpu/; -: none measured)")
-    low = min(r[f"{TIME_PREFIX}_error_low_pct"] for r in banded)
-    high = max(r[f"{TIME_PREFIX}_error_high_pct"] for r in banded)
-    return (f"ms err: {_span(low, high)} against measured steps of configs like "
-            f"{'these' if len(banded) > 1 else 'this'} on this card (negative: predicted too fast; results/gpu/; "
-            "each row's in --format json)")

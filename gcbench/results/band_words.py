@@ -1,0 +1,42 @@
+"""What a row says of the error band beside a prediction (gcbench/estimators/bands.py): its fields' names, and the
+words a table or a caption puts around them. Read by the tables of `estimate` and of `estimate --fit`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+PEAK_PREFIX = "measured"  # the peak's band: measured_configs, measured_error_low_pct, measured_error_high_pct
+TIME_PREFIX = "measured_time"  # the step time's: measured_time_configs, measured_time_error_low_pct, ...
+
+
+def span(low: float, high: float) -> str:
+    """'-0.4..+0.6%', or one figure where both are the same."""
+    return f"{low:+.1f}%" if low == high else f"{low:+.1f}..{high:+.1f}%"
+
+
+def band_cell(row: dict[str, Any], prefix: str = PEAK_PREFIX) -> str:
+    """The row's band (`prefix`: the peak's or the step time's) as span() gives it, or '-' where nothing like it
+    was measured."""
+    if not row.get(f"{prefix}_configs"):
+        return "-"
+    return span(row[f"{prefix}_error_low_pct"], row[f"{prefix}_error_high_pct"])
+
+
+def time_band_note(timed: Sequence[dict[str, Any]], column: str, shown: bool) -> str:
+    """How far the predicted step times of `timed` (rows with a time, in the column headed `column`) were from GPU
+    measurements of configs like them on this card: the `ms err` column's meaning where it is `shown`, else the
+    range over the rows; or that nothing like them was measured on it."""
+    banded = [r for r in timed if r.get(f"{TIME_PREFIX}_configs")]
+    if not banded:
+        return (f"{column}: no step of configs like these measured on this card yet (results/gpu/): how far the "
+                "time is off is unknown")
+    if shown:
+        return ("ms err = the step time's lowest..highest error against GPU measurements on this card of configs of "
+                "the same family, precision, adapter, sharding, attention, loss, head and optimizer (negative: "
+                "predicted too fast; results/gpu/; -: none measured)")
+    low = min(r[f"{TIME_PREFIX}_error_low_pct"] for r in banded)
+    high = max(r[f"{TIME_PREFIX}_error_high_pct"] for r in banded)
+    return (f"{column} err: {span(low, high)} against measured steps of configs like "
+            f"{'these' if len(banded) > 1 else 'this'} on this card (negative: predicted too fast; results/gpu/; "
+            "each row's in --format json)")
