@@ -13,6 +13,7 @@ window or a change to the estimators; the bands are a record, not a tuning set.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from gcbench.estimators import estimate
 from gcbench.estimators.bands import Band, Class, TimeClass, bands, class_of, time_class_of
 from gcbench.gpus import matching
 from gcbench.resolved import resolve
+from gcbench.results.schema import config_key
 from gcbench.spec import RunSpec
 
 HERE = Path(__file__).parent
@@ -53,18 +55,28 @@ def record_errors() -> list[tuple[Class, float, str]]:
 
 
 def time_errors() -> list[tuple[TimeClass, float, str]]:
-    """(class, signed error %, what was measured) of each GPU record's predicted step time, on the card it ran on;
-    a record on a card without the time model's rates adds nothing."""
+    """(class, signed error %, the config) of each GPU record's predicted step time, on the card it ran on; a
+    record on a card without the time model's rates adds nothing."""
     found = []
     for folder in gpu_folders(ROOT):
         for record in time_accuracy.records(folder):
-            predicted, _, _ = time_accuracy.predict(record)
+            step, _, _ = time_accuracy.predict(record)
             card = matching(record["env"]["gpu_name"])
-            if predicted is not None and card is not None:
-                error = 100 * (predicted / record["step_ms_median"] - 1)
-                found.append((time_class_of(resolve(spec_of(record)), card.name), error, folder.name))
+            if step is not None and card is not None:
+                spec = resolve(spec_of(record))
+                error = 100 * (step.step_ms / record["step_ms_median"] - 1)
+                found.append((time_class_of(spec, card.name, step.host_bound), error, config_key(spec.as_record())))
         print(f"{len(found)} step times: {folder.name}", file=sys.stderr, flush=True)
     return found
+
+
+def time_bands(found: list[tuple[TimeClass, float, str]]) -> dict[TimeClass, Band]:
+    """bands() of the step times, each counting its configs: a config measured twice adds both errors, once."""
+    configs: dict[TimeClass, set[str]] = {}
+    for key, _, config in found:
+        configs.setdefault(key, set()).add(config)
+    return {key: dataclasses.replace(band, configs=len(configs[key]))
+            for key, band in bands((key, error) for key, error, _ in found).items()}
 
 
 def published_errors() -> list[tuple[Class, float, str]]:
@@ -101,7 +113,7 @@ def main() -> None:
     found = record_errors() + published_errors()
     timed = time_errors()
     table = bands((key, error) for key, error, _ in found)
-    times = bands((key, error) for key, error, _ in timed)
+    times = time_bands(timed)
     sources = sorted({f"results/gpu/{s}" if s != "published" else "benchmarks/published" for _, _, s in found})
     OUT.write_text(module_text(table, times, sources))
     for key, band in [*table.items(), *times.items()]:

@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 from gcbench.estimators import estimate, step_flops
 from gcbench.estimators.card_rates import rates_for
@@ -52,8 +53,9 @@ def records(folder: Path) -> list[dict]:
     return list(out.values())
 
 
-def predict(record: dict) -> tuple[float | None, float | None, str]:
-    """(the time model's step ms, the FLOPs model's, the basis)."""
+def predict(record: dict) -> tuple[Any, float | None, str]:
+    """(the time model's step (step_time.Step: step_ms, host_bound, basis) or None, the FLOPs model's ms, the
+    basis)."""
     card = matching(record["env"]["gpu_name"])
     rates = rates_for(card)
     spec = spec_of(record)
@@ -61,7 +63,7 @@ def predict(record: dict) -> tuple[float | None, float | None, str]:
     model = found.work.time(rates) if found.work is not None and not isinstance(rates, str) else None
     flops = step_flops(spec, "cuda")
     old = flops / (card.peak_flops * OLD_EFFICIENCY) * 1e3 if card else None
-    return (model.step_ms if model else None), old, (model.basis if model else str(rates))
+    return model, old, (model.basis if model else str(rates))
 
 
 def pairs(rows: list[dict], key: str, gap: float, wrongs: list | None = None) -> tuple[int, int, int]:
@@ -112,7 +114,8 @@ def main(argv: list[str]) -> int:
     folder = Path(argv[0]) if argv else Path(__file__).resolve().parent.parent / "results" / "gpu" / "nvidia-h200"
     rows = []
     for r in records(folder):
-        model, old, basis = predict(r)
+        step, old, basis = predict(r)
+        model = step.step_ms if step else None
         rows.append({"file": r["_file"], "config": f"{config_label(r)} · {policy_label(r)} · {r.get('layers') or 'all'}"
                      " layers", "measured": r["step_ms_median"], "model": model, "old": old, "basis": basis,
                      "record": r})

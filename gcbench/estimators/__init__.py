@@ -156,7 +156,7 @@ def estimate_rows(cells: Cells, memory: int | None, gpu_name: str | None, target
     card = gpu(gpu_name).name if gpu_name else None
     return [e.as_record(spec) | ({"memory_bytes": memory, "fits": e.fits(memory)} if memory else {})
             | band_fields(spec, e, target) | times
-            | (time_band_fields(spec, card, times.get("predicted_step_ms")) if target == "cuda" else {})
+            | (time_band_fields(spec, card, times.get("predicted_host_bound")) if target == "cuda" else {})
             for (spec, e), times in zip(cells, grid_time_fields(cells, gpu_name, target))]
 
 

@@ -20,11 +20,14 @@ rather than borrowing another's.
 
 The step time has its own bands (TIME_BANDS), from the GPU records alone (the published step times are on other
 cards, with other settings: benchmarks/published/check.py --time): each record's median step against the time
-model's step for the card it ran on. Their class is the memory class with the card in place of the method (the
-time follows the simulated step's work whichever method predicted the memory, and the card's rates, measured or
-assumed, are the model's input): a band measured on an H200 says nothing of an H100 until that card's own records
-come home. Unlike memory, the time errors do follow the policy and the sizes (a small step is launch-bound, a
-recomputation adds kernels): a band over all of them is the worst seen, wide where the records differ most.
+model's step for the card it ran on. Their class is the memory class with the card and the step's regime in place
+of the method (the time follows the simulated step's work whichever method predicted the memory, and the card's
+rates, measured or assumed, are the model's input): a band measured on an H200 says nothing of an H100 until that
+card's own records come home, nor one of steps whose kernels keep the GPU busy of a step predicted host-bound (the
+GPU waiting on Python: a tiny model, where what decides is the host's time per op). Within that, the time errors
+still follow the policy and the sizes (a recomputation adds kernels, a short matmul fills fewer SMs): a band over
+all of them is the worst seen, wide where the records differ most. Its count is of configs; a config measured
+twice (two windows, two files) adds both errors.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from gcbench.results.band_words import PEAK_PREFIX, TIME_PREFIX
 
 # family, precision, adapter name, sharding (_sharding), attention implementation, loss name, head, optimizer, method
 Class = tuple[str, str, str, str, str, str, str, str, str]
-# the card's name (gpus.py), then the memory class less its method
-TimeClass = tuple[str, str, str, str, str, str, str, str, str]
+# the card's name (gpus.py), the step's regime (REGIMES), then the memory class less its method
+TimeClass = tuple[str, str, str, str, str, str, str, str, str, str]
+REGIMES = {False: "kernel-bound", True: "host-bound"}  # by the time model's predicted_host_bound
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,10 @@ def class_of(spec: ResolvedRun, method: str) -> Class:
             parse_loss(spec.loss).name, spec.head, spec.optimizer, method)
 
 
-def time_class_of(spec: ResolvedRun, card: str) -> TimeClass:
-    """The class of a config's predicted step time on the card named `card` (the module docstring)."""
-    return (card, *class_of(spec, "simulate")[:-1])
+def time_class_of(spec: ResolvedRun, card: str, host_bound: bool) -> TimeClass:
+    """The class of a config's predicted step time on the card named `card`, predicted host-bound or not (the
+    module docstring)."""
+    return (card, REGIMES[host_bound], *class_of(spec, "simulate")[:-1])
 
 
 def _sharding(spec: ResolvedRun) -> str:
@@ -90,12 +95,12 @@ def band_for(spec: ResolvedRun, method: str) -> Band | None:
     return Band(*found) if found else None
 
 
-def time_band_for(spec: ResolvedRun, card: str) -> Band | None:
-    """The measured error band of the predicted step time of configs of `spec`'s class on the card named `card`, or
-    None where none was measured there."""
+def time_band_for(spec: ResolvedRun, card: str, host_bound: bool) -> Band | None:
+    """The measured error band of the predicted step time of configs of `spec`'s class on the card named `card` in
+    the same regime, or None where none was measured there."""
     from gcbench.estimators.measured_bands import TIME_BANDS
 
-    found = TIME_BANDS.get(time_class_of(spec, card))
+    found = TIME_BANDS.get(time_class_of(spec, card, host_bound))
     return Band(*found) if found else None
 
 
@@ -118,10 +123,12 @@ def band_fields(spec: ResolvedRun, found: Estimate | Unavailable, target: str) -
     return band.as_record() if band else _no_band(PEAK_PREFIX)
 
 
-def time_band_fields(spec: ResolvedRun, card: str | None, step_ms: float | None) -> dict[str, float | int | None]:
+def time_band_fields(spec: ResolvedRun | None, card: str | None, host_bound: bool | None
+                     ) -> dict[str, float | int | None]:
     """What a CUDA estimate row carries of its step time's band on the card named `card`: the band's fields, or None
-    (and 0 configs) where no step time was predicted or nothing of its class was measured on that card."""
-    band = time_band_for(spec, card) if card is not None and step_ms is not None else None
+    (and 0 configs) where no step time was predicted (`spec`, `card` or `host_bound` None) or nothing of its class
+    was measured on that card."""
+    band = time_band_for(spec, card, host_bound) if None not in (spec, card, host_bound) else None
     return band.as_record(TIME_PREFIX) if band else _no_band(TIME_PREFIX)
 
 

@@ -31,15 +31,16 @@ BANDS = {
 }
 
 TIME_BANDS = {
-    ('h200-141gb', 'gpt2', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (9, 41.14, -64.32, -39.69),
-    ('h200-141gb', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (2, 22.43, -30.09, -14.77),
-    ('h200-141gb', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (2, 27.58, -28.39, -26.77),
-    ('h200-141gb', 'llama', 'bf16', 'none', 'fsdp2:1', 'sdpa', 'ce', 'lm', 'adamw'): (3, 17.0, -20.04, -16.43),
-    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adafactor'): (4, 17.74, -21.45, -17.13),
-    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (31, 15.53, -38.78, -12.24),
-    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw-fused'): (4, 13.76, -13.85, -13.26),
-    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw8bit'): (4, 28.75, -29.72, -26.44),
-    ('h200-141gb', 'llama', 'bf16', 'none', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (2, 19.82, -25.2, -14.43),
-    ('h200-141gb', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (2, 40.03, -49.58, -30.49),
-    ('h200-141gb', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (1, 38.15, -38.15, -38.15),
+    ('h200-141gb', 'host-bound', 'gpt2', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (1, 64.32, -64.32, -64.32),
+    ('h200-141gb', 'kernel-bound', 'gpt2', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (8, 40.97, -45.49, -39.69),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (2, 22.43, -30.09, -14.77),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (2, 27.58, -28.39, -26.77),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'fsdp2:1', 'sdpa', 'ce', 'lm', 'adamw'): (3, 17.0, -20.04, -16.43),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adafactor'): (4, 17.74, -21.45, -17.13),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (29, 15.53, -38.78, -12.24),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw-fused'): (4, 13.76, -13.85, -13.26),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw8bit'): (4, 28.75, -29.72, -26.44),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (2, 19.82, -25.2, -14.43),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (2, 40.03, -49.58, -30.49),
+    ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (1, 38.15, -38.15, -38.15),
 }

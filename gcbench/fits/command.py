@@ -113,12 +113,12 @@ def fit_method(methods: list[str]) -> str | None:
 
 
 def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,
-                   device: str, progress: Progress | None = None, methods: list[str] | None = None
-                   ) -> tuple[list[dict[str, Any]], str, str, list[str]]:
+                   device: str, progress: Progress | None = None, methods: list[str] | None = None,
+                   bands: bool = True) -> tuple[list[dict[str, Any]], str, str, list[str]]:
     """(rows, the varied field, title, caption) of `gcbench estimate --fit`: per policy the largest size predicted
-    to fit, its peak, the next size's peak, and with a named GPU the predicted step time and tokens/s. `progress`:
-    told of each size predicted and each policy done; `methods`: --method's (fit_method). The title and caption
-    are rich markup (the model's name escaped)."""
+    to fit, its peak, the next size's peak, and with a named GPU the predicted step time and tokens/s, and (`bands`)
+    that time's measured error band. `progress`: told of each size predicted and each policy done; `methods`:
+    --method's (fit_method). The title and caption are rich markup (the model's name escaped)."""
     if vary not in VARY:
         raise GcbenchError(f"unknown --vary {vary!r} (batch, seq)")
     method = fit_method(methods or ["analytic", "simulate"])
@@ -142,7 +142,8 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                                                     method, replay=device == "cuda" and method == "simulate")):
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
-        step_s, basis, timed = _step_time(fixed, policy, field_name, found, device, card)
+        step, timed = _step_time(fixed, policy, field_name, found, device, card)
+        step_s = step.step_ms / 1e3 if step else None
         rows.append({"policy": policy, "value": found.value, "peak": found.estimate.peak_bytes
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
@@ -151,16 +152,17 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      **({"reserved": max_memory_reserved(found.reserved, card) if found.reserved else None,
                          "allocated_only": found.allocated_only}
                         if found.allocated_only is not None else {}),
-                     "gpu": card.name if card else None, "time_basis": basis,
+                     "gpu": card.name if card else None, "time_basis": step.basis if step else None,
                      # the step time's measured error band on the card (estimators/bands.py)
-                     **(time_band_fields(timed, card.name, step_s) if card and device == "cuda" else {})})
+                     **(time_band_fields(timed, card.name, step and step.host_bound)
+                        if bands and card and device == "cuda" else {})})
     where = card.budget_words() if card else f"--gpu-memory {fmt_bytes(memory)}"
     caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
                "PREDICTED, nothing ran: peaks by the method in `by`; step s = the size found simulated and its step "
                "played on the card (docs/methodology.md, \"Predicting step time\")" if card else
                "PREDICTED, nothing ran: peaks by the method in `by`; step time needs --gpu (its rates)"]
     caption += [f"time rates: {basis}" for basis in dict.fromkeys(r["time_basis"] for r in rows if r["time_basis"])]
-    if timed_rows := [r for r in rows if r["step_s"]]:
+    if bands and (timed_rows := [r for r in rows if r["step_s"]]):
         caption.append(time_band_note(timed_rows, "step s", False))
     caption += refused
     if device == "cuda" and method != "simulate":
@@ -196,24 +198,23 @@ def command_apart(caption: list[str]) -> tuple[list[str], str | None]:
 
 
 def _step_time(fixed: dict[str, Any], policy: str, field_name: str, found: Any, device: str,
-               card: Any) -> tuple[float | None, str | None, ResolvedRun | None]:
-    """(seconds, the rates' basis, the config timed) of the size found on `card`, by the time model
-    (estimators/step_time.py): its simulation (the search's, where it simulated that size); (None, None, None)
-    without a card, a size, or a CUDA target."""
+               card: Any) -> tuple[Any, ResolvedRun | None]:
+    """(the step on `card` (step_time.Step), the config timed) of the size found, by the time model
+    (estimators/step_time.py): its simulation (the search's, where it simulated that size); (None, None) without a
+    card, a size, or a CUDA target."""
     from gcbench.estimators import estimate
     from gcbench.estimators.card_rates import rates_for
 
     rates = rates_for(card)
     if card is None or found.value is None or device != "cuda" or isinstance(rates, str):
-        return None, None, None
+        return None, None
     fields = {**fixed, "device": "cpu", "memory_cap_bytes": None,
               "precision": fixed.get("precision") or default_precision(device)}
     try:
         spec = spec_at(fields, policy, field_name, found.value)
         work = estimate(spec, "simulate", device).work
     except GcbenchError:
-        return None, None, None
+        return None, None
     if work is None:
-        return None, None, None
-    step = work.time(rates)
-    return step.step_ms / 1e3, step.basis, spec
+        return None, None
+    return work.time(rates), spec

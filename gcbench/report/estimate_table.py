@@ -123,8 +123,9 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
     if any(r.get("predicted_step_ms") is not None for r in rows):  # the step's time on the named card
         columns.append(_Column("ms", False, [f"{r['predicted_step_ms']:.0f}" if r.get("predicted_step_ms") is not None
                                              else "-" for r in rows]))
-        columns.append(_Column("ms err", False, [band_cell(r, TIME_PREFIX) if r.get("predicted_step_ms") is not None
-                                                 else "-" for r in rows]))
+        if any(r.get(f"{TIME_PREFIX}_configs") for r in rows):  # a note says so where none has a band
+            columns.append(_Column("ms err", False, [band_cell(r, TIME_PREFIX) if r.get("predicted_step_ms")
+                                                     is not None else "-" for r in rows]))
         columns.append(_Column("tok/s", False, [_rate(r["predicted_tokens_per_s"])
                                                 if r.get("predicted_tokens_per_s") is not None else "-"
                                                 for r in rows]))

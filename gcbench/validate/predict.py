@@ -48,7 +48,10 @@ def predict_plan(validation: Validation, console: Console, cards: tuple[str, ...
             values, _ = parse_options({k: v for k, v in o.items() if k in ("model", "layers", "seq", "policy")})
             for card in cards:
                 status.update(f"predicting {planned.step.name}: estimate --fit --gpu {card}")
-                found, field_name, title, caption = predicted_fits(dict(values), None, card, "batch", "0%", "cuda")
+                # no error bands: a record of errors, not a prediction (the plan reads each row's size and step),
+                # which benchmarks/error_bands.py rewrites without making these files stale
+                found, field_name, title, caption = predicted_fits(dict(values), None, card, "batch", "0%", "cuda",
+                                                                   bands=False)
                 base = folder / f"estimate-fit-{planned.step.name}-{card}"
                 _write(base.with_suffix(".json"), json.dumps(found, indent=1) + "\n")
                 text = io.StringIO()
