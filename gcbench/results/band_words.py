@@ -37,7 +37,7 @@ def time_band_note(timed: Sequence[dict[str, Any]], column: str, shown: bool) ->
                 "predicted too fast; results/gpu/; -: none measured)")
     low = min(r[f"{TIME_PREFIX}_error_low_pct"] for r in banded)
     high = max(r[f"{TIME_PREFIX}_error_high_pct"] for r in banded)
-    some = f" ({len(banded)} of {len(timed)} rows; the others: none measured)" if len(banded) < len(timed) else ""
+    some = [f"{len(banded)} of {len(timed)} rows, the others none measured"] if len(banded) < len(timed) else []
     return (f"{column} err: {span(low, high)} against measured steps of configs like "
-            f"{'these' if len(banded) > 1 else 'this'} on this card{some} (negative: predicted too fast; "
-            "results/gpu/; each row's in --format json)")
+            f"{'these' if len(banded) > 1 else 'this'} on this card ("
+            + "; ".join([*some, "negative: predicted too fast", "results/gpu/", "each row's in --format json"]) + ")")
