@@ -139,8 +139,20 @@ def test_estimate_shows_the_band_in_its_table_and_json():
 def test_the_band_gives_way_at_80_columns_before_the_table_overflows():
     table = _estimate("--model", "tiny-llama,tiny-gpt2", "--seq", "64", "--policy", "segments:k=2,every-k:k=2",
                       "--optimizer", "adamw,adamw-fused", "--method", "analytic")
+    words = " ".join(table.split())
     assert max(len(line) for line in table.splitlines()) <= 80
-    assert "left out at this width: B/p, in, grads, method, err" in " ".join(table.split())
+    assert "left out at this width: B/p, in, grads, method, err" in words
+    # its range stays: over the rows with a band (llama's), saying the others have none (tiny-gpt2 under
+    # adamw-fused: nothing like it measured)
+    rows = [json.loads(line) for line in _estimate("--model", "tiny-llama,tiny-gpt2", "--seq", "64", "--policy",
+                                                    "segments:k=2,every-k:k=2", "--optimizer", "adamw,adamw-fused",
+                                                    "--method", "analytic", "--format", "json").splitlines()]
+    banded = [r for r in rows if r["measured_configs"]]
+    assert 0 < len(banded) < len(rows)
+    low = min(r["measured_error_low_pct"] for r in banded)
+    high = max(r["measured_error_high_pct"] for r in banded)
+    assert (f"err: {low:+.1f}..{high:+.1f}%, the peak's error against GPU measurements of configs like these "
+            f"({len(banded)} of {len(rows)} rows, the others none measured;") in words
 
 
 def test_a_cpu_estimate_has_no_band():

@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from gcbench.fields import run_field
-from gcbench.results.band_words import TIME_PREFIX, band_cell, time_band_note
+from gcbench.results.band_words import PEAK_PREFIX, TIME_PREFIX, band_cell, peak_band_note, time_band_note
 from gcbench.results.schema import LEVER_FIELDS, PHASE_SHORT, blocks_text, lever_text, policy_label
 from gcbench.text import fits, markup
 from gcbench.units import byte_unit, fmt_bytes
@@ -81,6 +81,8 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
     notes = ["; ".join([f"sizes in {unit}", *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
                        + ([_fits_note(rows, memory_bytes)] if memory_bytes else []))]
+    if "err" not in shown and (banded := [r for r in predicted_rows if r.get(f"{PEAK_PREFIX}_configs")]):
+        notes.append(peak_band_note(banded, len(predicted_rows)))  # the err column left out: its range
     notes += _time_notes(rows, shown)
     stand_ins = sorted({r["stands_in"] for r in predicted_rows if r.get("stands_in")})
     notes += [f"† simulated instead: {markup(reason)}" for reason in stand_ins]

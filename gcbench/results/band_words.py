@@ -23,6 +23,17 @@ def band_cell(row: dict[str, Any], prefix: str = PEAK_PREFIX) -> str:
     return span(row[f"{prefix}_error_low_pct"], row[f"{prefix}_error_high_pct"])
 
 
+def peak_band_note(banded: Sequence[dict[str, Any]], predicted: int) -> str:
+    """The peak's error band over `banded` (rows with one, of `predicted` rows with a peak), where the table left
+    its `err` column out."""
+    low = min(r[f"{PEAK_PREFIX}_error_low_pct"] for r in banded)
+    high = max(r[f"{PEAK_PREFIX}_error_high_pct"] for r in banded)
+    some = [f"{len(banded)} of {predicted} rows, the others none measured"] if len(banded) < predicted else []
+    return (f"err: {span(low, high)}, the peak's error against GPU measurements of configs like "
+            f"{'these' if len(banded) > 1 else 'this'} (" + "; ".join([*some, "results/gpu/, benchmarks/published/",
+                                                                    "each row's in --format json"]) + ")")
+
+
 def time_band_note(timed: Sequence[dict[str, Any]], column: str, shown: bool) -> str:
     """How far the predicted step times of `timed` (rows with a time, in the column headed `column`) were from GPU
     measurements of configs like them on this card: the `ms err` column's meaning where it is `shown`, else the
