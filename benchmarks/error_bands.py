@@ -5,8 +5,10 @@ The measurements: the ok single-process records under results/gpu/ (max_memory_a
 included) and the published rows of benchmarks/published/rows.toml whose figure is max_memory_allocated. Each is
 predicted as `estimate` predicts it, with each method that can; a method that cannot express a config adds
 nothing to its class. The step time's bands (TIME_BANDS): each ok single-process record's median step against the
-time model's step on the card it ran on (benchmarks/time_accuracy.py's records and predictions). Rerun after a GPU
-window or a change to the estimators; the bands are a record, not a tuning set.
+time model's step on the card it ran on (benchmarks/time_accuracy.py's records and predictions); and per card how far
+the predicted ratio of two records' steps of one results file was from the measured one (ORDER_ERRORS), what an
+order between two predictions can be trusted to. Rerun after a GPU window or a change to the estimators; the bands
+are a record, not a tuning set.
 
     python benchmarks/error_bands.py          # needs gcbench[peft]; about 2 minutes on 2 cores
 """
@@ -15,8 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
+import math
+import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
@@ -54,9 +60,21 @@ def record_errors() -> list[tuple[Class, float, str]]:
     return found
 
 
-def time_errors() -> list[tuple[TimeClass, float, str]]:
-    """(class, signed error %, the config) of each GPU record's predicted step time, on the card it ran on; a
-    record on a card without the time model's rates adds nothing."""
+class Timed(NamedTuple):
+    """One GPU record's step time, predicted and measured, on the card it ran on."""
+
+    key: TimeClass
+    error: float  # signed, percent
+    config: str  # config_key
+    card: str
+    file: str  # the results file: records of one file ran in one window, one after another
+    predicted_ms: float
+    measured_ms: float
+
+
+def time_errors() -> list[Timed]:
+    """Each GPU record's predicted step time, on the card it ran on; a record on a card without the time model's
+    rates adds nothing."""
     found = []
     for folder in gpu_folders(ROOT):
         for record in time_accuracy.records(folder):
@@ -64,19 +82,35 @@ def time_errors() -> list[tuple[TimeClass, float, str]]:
             card = matching(record["env"]["gpu_name"])
             if step is not None and card is not None:
                 spec = resolve(spec_of(record))
-                error = 100 * (step.step_ms / record["step_ms_median"] - 1)
-                found.append((time_class_of(spec, card.name, step.host_bound), error, config_key(spec.as_record())))
+                measured = record["step_ms_median"]
+                found.append(Timed(time_class_of(spec, card.name, step.host_bound),
+                                   100 * (step.step_ms / measured - 1), config_key(spec.as_record()), card.name,
+                                   f"{folder.name}/{record['_file']}", step.step_ms, measured))
         print(f"{len(found)} step times: {folder.name}", file=sys.stderr, flush=True)
     return found
 
 
-def time_bands(found: list[tuple[TimeClass, float, str]]) -> dict[TimeClass, Band]:
+def time_bands(found: list[Timed]) -> dict[TimeClass, Band]:
     """bands() of the step times, each counting its configs: a config measured twice adds both errors, once."""
     configs: dict[TimeClass, set[str]] = {}
-    for key, _, config in found:
-        configs.setdefault(key, set()).add(config)
+    for t in found:
+        configs.setdefault(t.key, set()).add(t.config)
     return {key: dataclasses.replace(band, configs=len(configs[key]))
-            for key, band in bands((key, error) for key, error, _ in found).items()}
+            for key, band in bands((t.key, t.error) for t in found).items()}
+
+
+def order_errors(found: list[Timed]) -> dict[str, tuple[int, float, float]]:
+    """Per card, how far the predicted ratio of two records' step times was from the measured one (|predicted
+    ratio / measured ratio - 1|, percent), over every pair of records of one results file (one window, one
+    machine state): (pairs, median, the 90th percentile, nearest rank). What an order between two predicted
+    configs can be trusted to; the records' own spread is in it too."""
+    by_card: dict[str, list[float]] = {}
+    for a, b in itertools.combinations(found, 2):
+        if a.card == b.card and a.file == b.file:
+            off = (a.predicted_ms / b.predicted_ms) / (a.measured_ms / b.measured_ms) - 1
+            by_card.setdefault(a.card, []).append(100 * abs(off))
+    return {card: (len(xs), round(statistics.median(xs), 1), round(sorted(xs)[math.ceil(0.9 * len(xs)) - 1], 1))
+            for card, xs in sorted(by_card.items())}
 
 
 def published_errors() -> list[tuple[Class, float, str]]:
@@ -97,15 +131,20 @@ def published_errors() -> list[tuple[Class, float, str]]:
     return found
 
 
-def module_text(table: dict[Class, Band], times: dict[TimeClass, Band], sources: list[str]) -> str:
+def module_text(table: dict[Class, Band], times: dict[TimeClass, Band], orders: dict[str, tuple[int, float, float]],
+                sources: list[str]) -> str:
     lines = ['"""Written by benchmarks/error_bands.py (do not edit by hand): the errors of `estimate` against the GPU',
              "measurements kept in the repository, per class (gcbench/estimators/bands.py): configs, median |error| %,",
              'lowest and highest signed error %. From ' + ", ".join(sources) + '.',
-             "BANDS: the peak (max_memory_allocated); TIME_BANDS: the step time, on the card the records ran on.",
+             "BANDS: the peak (max_memory_allocated); TIME_BANDS: the step time, on the card the records ran on;",
+             "ORDER_ERRORS: per card, the predicted ratio of two records' step times against the measured one (pairs,",
+             "median and 90th percentile |error| %).",
              '"""', "", "BANDS = {"]
     lines += [f"    {key!r}: ({b.configs}, {b.median_abs_pct}, {b.low_pct}, {b.high_pct})," for key, b in table.items()]
     lines += ["}", "", "TIME_BANDS = {"]
     lines += [f"    {key!r}: ({b.configs}, {b.median_abs_pct}, {b.low_pct}, {b.high_pct})," for key, b in times.items()]
+    lines += ["}", "", "ORDER_ERRORS = {"]
+    lines += [f"    {card!r}: {figures!r}," for card, figures in orders.items()]
     return "\n".join(lines + ["}", ""])
 
 
@@ -115,9 +154,12 @@ def main() -> None:
     table = bands((key, error) for key, error, _ in found)
     times = time_bands(timed)
     sources = sorted({f"results/gpu/{s}" if s != "published" else "benchmarks/published" for _, _, s in found})
-    OUT.write_text(module_text(table, times, sources))
+    orders = order_errors(timed)
+    OUT.write_text(module_text(table, times, orders, sources))
     for key, band in [*table.items(), *times.items()]:
         print(" ".join(key), band)
+    for card, (pairs, median, p90) in orders.items():
+        print(f"{card}: the predicted order of two records' steps, {pairs} pairs: median {median}%, p90 {p90}%")
     print(f"{len(found)} predictions in {len(table)} classes, {len(timed)} step times in {len(times)} classes -> "
           f"{OUT.relative_to(ROOT)}")
 

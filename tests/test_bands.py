@@ -12,12 +12,12 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.estimators import estimate
 from gcbench.estimators.estimates import Unavailable
-from gcbench.estimators.bands import (REGIMES, Band, band_fields, band_for, bands, class_of, time_band_fields,
-                                     time_band_for, time_class_of)
-from gcbench.estimators.measured_bands import BANDS, TIME_BANDS
+from gcbench.estimators.bands import (REGIMES, Band, band_fields, band_for, bands, class_of, order_error,
+                                     time_band_fields, time_band_for, time_class_of)
+from gcbench.estimators.measured_bands import BANDS, ORDER_ERRORS, TIME_BANDS
 from gcbench.gpus import GPUS, matching
 from gcbench.report import estimate_table
-from gcbench.results.band_words import TIME_PREFIX
+from gcbench.results.band_words import TIME_PREFIX, order_note
 from gcbench.fields import ATTENTION, HEADS
 from gcbench.losses import LOSSES
 from gcbench.optimizers import OPTIMIZERS
@@ -289,11 +289,41 @@ def test_estimate_fit_carries_the_time_band_of_its_card():
                == (n, low, high) for r in rows)
     words = " ".join(_estimate(*args, "--gpu", "h200-141gb").split())
     assert f"step s err: {low:+.1f}..{high:+.1f}% against measured steps of configs like these on this card" in words
+    assert order_note("h200-141gb", order_error("h200-141gb")) in words  # before it names the fastest
+    assert words.index("order: on h200-141gb's records") < words.index("predicted fastest:")
     other = [json.loads(line) for line in _estimate(*args, "--gpu", _unmeasured_card(), "--format",
                                                     "json").splitlines()]
     assert all(r["step_s"] and r["measured_time_configs"] == 0 for r in other)
-    assert "step s: no step of configs like these measured on this card yet" in " ".join(
-        _estimate(*args, "--gpu", _unmeasured_card()).split())
+    unmeasured = " ".join(_estimate(*args, "--gpu", _unmeasured_card()).split())
+    assert "step s: no step of configs like these measured on this card yet" in unmeasured
+    assert f"order: no two steps measured on {_unmeasured_card()} yet say how far a predicted order holds" \
+        in unmeasured
+
+
+def test_how_far_a_predicted_order_held_is_every_pair_of_one_files_records():
+    """ORDER_ERRORS: per card, every pair of timed records of one results file (rerun benchmarks/error_bands.py after
+    a window: the count follows the records), the median at most the 90th percentile."""
+    accuracy = _time_accuracy()
+    files: dict[tuple[str, str], int] = {}
+    for folder in _reserved_accuracy().gpu_folders(ROOT):
+        for record in accuracy.records(folder):
+            key = (matching(record["env"]["gpu_name"]).name, f"{folder.name}/{record['_file']}")
+            files[key] = files.get(key, 0) + 1
+    pairs: dict[str, int] = {}
+    for (card, _), n in files.items():
+        pairs[card] = pairs.get(card, 0) + n * (n - 1) // 2
+    assert {card: figures[0] for card, figures in ORDER_ERRORS.items()} == pairs
+    assert all(0 <= median <= p90 for _, median, p90 in ORDER_ERRORS.values())
+    assert order_error(_unmeasured_card()) is None
+    assert order_note("h200-141gb", (262, 6.1, 22.6)) == (
+        "order: on h200-141gb's records (262 pairs) the predicted ratio of two steps was off by a median 6.1%, by "
+        "over 22.6% for 1 pair in 10: configs predicted closer than that may swap when measured")
+
+
+def test_the_plan_across_levers_says_how_far_its_order_held_on_the_card():
+    plan = " ".join(_estimate("--model", "tiny-llama", "--seq", "64", "--fit", "--gpu", "h200-141gb", "--levers",
+                              "optimizer").split())
+    assert order_note("h200-141gb", order_error("h200-141gb")) in plan and "=N: not told apart" in plan
 
 
 def test_rewriting_the_bands_leaves_the_stored_predictions_current(tmp_path):

@@ -104,6 +104,14 @@ def time_band_for(spec: ResolvedRun, card: str, host_bound: bool) -> Band | None
     return Band(*found) if found else None
 
 
+def order_error(card: str) -> tuple[int, float, float] | None:
+    """How far the time model's ratio of two steps was from the measured one on the records of the card named
+    `card` (ORDER_ERRORS: pairs, median and 90th percentile |error| %), or None where none were measured there."""
+    from gcbench.estimators.measured_bands import ORDER_ERRORS
+
+    return ORDER_ERRORS.get(card)
+
+
 def bands(errors: Iterable[tuple[Class, float]]) -> dict[Class, Band]:
     """Each class's band from (class, signed error in percent) pairs (benchmarks/error_bands.py)."""
     grouped: dict[Class, list[float]] = {}

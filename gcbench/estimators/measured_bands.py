@@ -1,7 +1,9 @@
 """Written by benchmarks/error_bands.py (do not edit by hand): the errors of `estimate` against the GPU
 measurements kept in the repository, per class (gcbench/estimators/bands.py): configs, median |error| %,
 lowest and highest signed error %. From benchmarks/published, results/gpu/nvidia-h200.
-BANDS: the peak (max_memory_allocated); TIME_BANDS: the step time, on the card the records ran on.
+BANDS: the peak (max_memory_allocated); TIME_BANDS: the step time, on the card the records ran on;
+ORDER_ERRORS: per card, the predicted ratio of two records' step times against the measured one (pairs,
+median and 90th percentile |error| %).
 """
 
 BANDS = {
@@ -43,4 +45,8 @@ TIME_BANDS = {
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (2, 19.82, -25.2, -14.43),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'ce', 'lm', 'adamw'): (2, 40.03, -49.58, -30.49),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'): (1, 38.15, -38.15, -38.15),
+}
+
+ORDER_ERRORS = {
+    'h200-141gb': (262, 6.1, 22.6),
 }

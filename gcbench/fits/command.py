@@ -13,14 +13,14 @@ from rich.console import Console
 from gcbench.errors import GcbenchError
 from gcbench.fits.fit import DEFAULT_BATCH_RANGE, DEFAULT_POLICIES, DEFAULT_SEQ_LO, VARY, Fit, FitSpec, \
     canonical_policy
-from gcbench.estimators.bands import time_band_fields
+from gcbench.estimators.bands import order_error, time_band_fields
 from gcbench.estimators.estimates import Progress
 from gcbench.fits.predict import predict_each, spec_at
 from gcbench.gpus import gpu, max_memory_reserved
 from gcbench.grid import RUN_OPTIONS, one_value_each
 from gcbench.fields import RUN_FIELDS, default_precision, run_field
 from gcbench.resolved import ResolvedRun, resolve, runnable_defaults
-from gcbench.results.band_words import time_band_note
+from gcbench.results.band_words import order_note, time_band_note
 from gcbench.spec import RunSpec
 from gcbench.text import markup
 from gcbench.units import fmt_bytes, parse_bytes
@@ -164,6 +164,8 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     caption += [f"time rates: {basis}" for basis in dict.fromkeys(r["time_basis"] for r in rows if r["time_basis"])]
     if bands and (timed_rows := [r for r in rows if r["step_s"]]):
         caption.append(time_band_note(timed_rows, "step s", False))
+        if len(timed_rows) > 1:  # the fastest is named below: how far such an order holds
+            caption.append(order_note(card.name, order_error(card.name)))
     caption += refused
     if device == "cuda" and method != "simulate":
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "

@@ -146,13 +146,16 @@ def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu
 
 
 def _print(plan: LeverPlan, ranked: list[Row], console: Console, caption: list[str], card: Any = None) -> None:
+    from gcbench.estimators.bands import order_error
     from gcbench.estimators.card_rates import rates_for
     from gcbench.fits.lever_table import lever_tables
+    from gcbench.results.band_words import order_note
 
     rates = rates_for(card)
     timed_on = rates.basis if any(r.tokens_per_s for r in ranked) and not isinstance(rates, str) else None
+    order = order_note(card.name, order_error(card.name)) if timed_on and card is not None else None
     out = console if console.is_terminal else Console(width=80)
-    for table in lever_tables(plan, ranked, caption, timed_on):
+    for table in lever_tables(plan, ranked, caption, timed_on, order):
         out.print(table)
 
 

@@ -25,11 +25,11 @@ _NOT_INSTALLED = re.compile(r", which (?:is|are) not installed: (pip install \S+
 
 
 def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], timed_on: str | None,
-                 top: int = DEFAULT_TOP) -> list[RenderableType]:
+                 order: str | None = None, top: int = DEFAULT_TOP) -> list[RenderableType]:
     """Per group with a candidate (or one left out as not runnable here: plan.unrunnable): its table and caption, or
     one line when none of its candidates is ranked. `timed_on`: where the time model's rates for the card come from
     (step_time's basis); None: no time model for the target (the speed is then FLOPs per token, relative to the
-    group's best)."""
+    group's best). `order`: what the card's records say of a predicted order (band_words.order_note)."""
     fields = plan.fields
     shown: list[RenderableType] = []
     for group in (FULL, ADAPTERS):
@@ -65,6 +65,7 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
                  f"(docs/methodology.md, \"Predicting step time\"); =N: not told apart from row N (each within "
                  f"{TIED:.0%} of the row above); rates: {timed_on}" if timed_on
                  else "x best = the fewest FLOPs per token / the row's (no time model: no GPU named)"]
+        lines += [order] if order and timed_on and len(fitting) > 1 else []
         lines += _reasons(rows)
         lines += [f"not ranked: {text}" for text, _ in missing]  # whole: the line says what to install
         if plan.refused and group == FULL:

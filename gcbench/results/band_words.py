@@ -52,3 +52,14 @@ def time_band_note(timed: Sequence[dict[str, Any]], column: str, shown: bool) ->
     return (f"{column} err: {span(low, high)} against measured steps of configs like "
             f"{'these' if len(banded) > 1 else 'this'} on this card ("
             + "; ".join([*some, "negative: predicted too fast", "results/gpu/", "each row's in --format json"]) + ")")
+
+
+def order_note(card: str, figures: tuple[int, float, float] | None) -> str:
+    """What the records of `card` say of an order between two predicted step times (bands.order_error's figures:
+    pairs, median and 90th percentile |error| % of a predicted ratio), or that none do yet."""
+    if figures is None:
+        return f"order: no two steps measured on {card} yet say how far a predicted order holds there"
+    pairs, median, p90 = figures
+    return (f"order: on {card}'s records ({pairs} pairs) the predicted ratio of two steps was off by a median "
+            f"{median:g}%, by over {p90:g}% for 1 pair in 10: configs predicted closer than that may swap when "
+            "measured")
