@@ -67,7 +67,7 @@ class Timed(NamedTuple):
     error: float  # signed, percent
     config: str  # config_key
     card: str
-    file: str  # the results file: records of one file ran in one window, one after another
+    window: str  # its results file and the commit that made it: records of one window ran one after another
     predicted_ms: float
     measured_ms: float
 
@@ -85,13 +85,15 @@ def time_errors() -> list[Timed]:
                 measured = record["step_ms_median"]
                 found.append(Timed(time_class_of(spec, card.name, step.host_bound),
                                    100 * (step.step_ms / measured - 1), config_key(spec.as_record()), card.name,
-                                   f"{folder.name}/{record['_file']}", step.step_ms, measured))
+                                   f"{folder.name}/{record['_file']} at {record['env'].get('git_sha')}",
+                                   step.step_ms, measured))
         print(f"{len(found)} step times: {folder.name}", file=sys.stderr, flush=True)
     return found
 
 
 def time_bands(found: list[Timed]) -> dict[TimeClass, Band]:
-    """bands() of the step times, each counting its configs: a config measured twice adds both errors, once."""
+    """bands() of the step times, each counting its configs: a config measured twice adds both its errors to the
+    band and one to the count."""
     configs: dict[TimeClass, set[str]] = {}
     for t in found:
         configs.setdefault(t.key, set()).add(t.config)
@@ -99,18 +101,23 @@ def time_bands(found: list[Timed]) -> dict[TimeClass, Band]:
             for key, band in bands((t.key, t.error) for t in found).items()}
 
 
-def order_errors(found: list[Timed]) -> dict[str, tuple[int, float, float]]:
-    """Per card, how far the predicted ratio of two records' step times was from the measured one (|predicted
-    ratio / measured ratio - 1|, percent), over every pair of records of one results file (one window, one
-    machine state): (pairs, median, the 90th percentile, nearest rank). What an order between two predicted
-    configs can be trusted to; the records' own spread is in it too."""
-    by_card: dict[str, list[float]] = {}
+def order_errors(found: list[Timed]) -> dict[str, dict[str, tuple[int, float, float]]]:
+    """Per card, how far the predicted ratio of two records' step times was from the measured one, over every pair
+    of records of one window (one results file, one commit: one machine state, one after another): by how much one
+    ratio exceeds the other (max(q, 1/q) - 1 of q = predicted ratio / measured ratio, percent: the same whichever
+    record comes first). Apart for pairs of one class (policies and sizes: what estimate --fit orders) and of two
+    (other optimizers, adapters, losses: what the plan across levers orders too): {"within": ..., "across": ...},
+    each (pairs, median, 90th percentile by nearest rank). What an order between two predictions can be trusted to;
+    the records' own spread is in it too."""
+    by_card: dict[str, dict[str, list[float]]] = {}
     for a, b in itertools.combinations(found, 2):
-        if a.card == b.card and a.file == b.file:
-            off = (a.predicted_ms / b.predicted_ms) / (a.measured_ms / b.measured_ms) - 1
-            by_card.setdefault(a.card, []).append(100 * abs(off))
-    return {card: (len(xs), round(statistics.median(xs), 1), round(sorted(xs)[math.ceil(0.9 * len(xs)) - 1], 1))
-            for card, xs in sorted(by_card.items())}
+        if a.card == b.card and a.window == b.window:
+            q = (a.predicted_ms / b.predicted_ms) / (a.measured_ms / b.measured_ms)
+            scope = "within" if a.key == b.key else "across"
+            by_card.setdefault(a.card, {}).setdefault(scope, []).append(100 * (max(q, 1 / q) - 1))
+    return {card: {scope: (len(xs), round(statistics.median(xs), 1), round(sorted(xs)[math.ceil(0.9 * len(xs)) - 1], 1))
+                   for scope, xs in sorted(scopes.items(), reverse=True)}
+            for card, scopes in sorted(by_card.items())}
 
 
 def published_errors() -> list[tuple[Class, float, str]]:
@@ -131,21 +138,27 @@ def published_errors() -> list[tuple[Class, float, str]]:
     return found
 
 
-def module_text(table: dict[Class, Band], times: dict[TimeClass, Band], orders: dict[str, tuple[int, float, float]],
-                sources: list[str]) -> str:
+def module_text(table: dict[Class, Band], times: dict[TimeClass, Band],
+                orders: dict[str, dict[str, tuple[int, float, float]]], sources: list[str]) -> str:
     lines = ['"""Written by benchmarks/error_bands.py (do not edit by hand): the errors of `estimate` against the GPU',
              "measurements kept in the repository, per class (gcbench/estimators/bands.py): configs, median |error| %,",
              'lowest and highest signed error %. From ' + ", ".join(sources) + '.',
              "BANDS: the peak (max_memory_allocated); TIME_BANDS: the step time, on the card the records ran on;",
-             "ORDER_ERRORS: per card, the predicted ratio of two records' step times against the measured one (pairs,",
-             "median and 90th percentile |error| %).",
+             "ORDER_ERRORS: per card, the predicted ratio of two records' step times of one window against the",
+             "measured one, for pairs within a class and across two (pairs, median and 90th percentile, %).",
              '"""', "", "BANDS = {"]
-    lines += [f"    {key!r}: ({b.configs}, {b.median_abs_pct}, {b.low_pct}, {b.high_pct})," for key, b in table.items()]
+    lines += [_entry(key, (b.configs, b.median_abs_pct, b.low_pct, b.high_pct)) for key, b in table.items()]
     lines += ["}", "", "TIME_BANDS = {"]
-    lines += [f"    {key!r}: ({b.configs}, {b.median_abs_pct}, {b.low_pct}, {b.high_pct})," for key, b in times.items()]
+    lines += [_entry(key, (b.configs, b.median_abs_pct, b.low_pct, b.high_pct)) for key, b in times.items()]
     lines += ["}", "", "ORDER_ERRORS = {"]
-    lines += [f"    {card!r}: {figures!r}," for card, figures in orders.items()]
+    lines += [_entry(card, figures) for card, figures in orders.items()]
     return "\n".join(lines + ["}", ""])
+
+
+def _entry(key: object, value: object) -> str:
+    """One dict entry, its value on a line of its own where both would pass 120 characters."""
+    line = f"    {key!r}: {value!r},"
+    return line if len(line) <= 120 else f"    {key!r}:\n        {value!r},"
 
 
 def main() -> None:
@@ -158,8 +171,10 @@ def main() -> None:
     OUT.write_text(module_text(table, times, orders, sources))
     for key, band in [*table.items(), *times.items()]:
         print(" ".join(key), band)
-    for card, (pairs, median, p90) in orders.items():
-        print(f"{card}: the predicted order of two records' steps, {pairs} pairs: median {median}%, p90 {p90}%")
+    for card, scopes in orders.items():
+        for scope, (pairs, median, p90) in scopes.items():
+            print(f"{card}: the predicted ratio of two steps of one window, pairs {scope} classes: {pairs}, median "
+                  f"{median}%, p90 {p90}%")
     print(f"{len(found)} predictions in {len(table)} classes, {len(timed)} step times in {len(times)} classes -> "
           f"{OUT.relative_to(ROOT)}")
 

@@ -35,7 +35,7 @@ AS_RUN = ("warmup_steps", "measure_steps", "max_steps", "max_time_s")  # how man
 # code before one (its env.git_sha not descended from the commit) is listed but left out of the figures: it priced
 # a start that no longer happens.
 MOVED_STARTS = (
-    ("8929740", lambda r: str(r.get("adapter", "none")).startswith("qlora"),
+    ("892974060ad5fbc93c528870aa55d09db9ded4cc", lambda r: str(r.get("adapter", "none")).startswith("qlora"),
      "a QLoRA base was then built on the host and quantised there (74-86 s a config); since 8929740 it is made on "
      "the meta device and each 4-bit layer on the card"),
 )
@@ -52,16 +52,24 @@ def records(folder: Path) -> list[dict]:
     return out
 
 
-def moved_start(record: dict) -> str | None:
-    """Why the record's wall time is not today's harness's (MOVED_STARTS), or None (also where git cannot say:
-    a commit this clone lacks)."""
+def moved_start(record: dict, undecided: list[str] | None = None) -> str | None:
+    """Why the record's wall time is not today's harness's (MOVED_STARTS), or None. Where git cannot say (no git, a
+    shallow clone, a commit this clone lacks) the record is kept, and `undecided` told why. A "-dirty" commit is
+    taken as its commit: a change not yet committed when the record was made is not seen."""
     sha = str(record.get("env", {}).get("git_sha") or "").removesuffix("-dirty")
     for commit, applies, why in MOVED_STARTS:
         if applies(record) and sha:
-            done = subprocess.run(["git", "merge-base", "--is-ancestor", commit, sha], cwd=ROOT,
-                                  capture_output=True)
-            if done.returncode == 1:  # 0: made after the change; 128: an unknown commit
-                return f"measured before {commit}: {why}"
+            try:
+                done = subprocess.run(["git", "merge-base", "--is-ancestor", commit, sha], cwd=ROOT,
+                                      capture_output=True)
+            except OSError as e:
+                done = None
+                reason = f"git did not run ({e.strerror})"
+            if done is not None and done.returncode == 1:  # 0: made after the change
+                return f"measured before {commit[:7]}: {why}"
+            if done is None or done.returncode != 0:  # 128: a commit this clone lacks
+                if undecided is not None:
+                    undecided.append(reason if done is None else f"git does not know {sha[:12]} or {commit[:7]}")
     return None
 
 
@@ -93,9 +101,10 @@ def main(argv: list[str]) -> int:
     steps: dict[str, list[float]] = {}
     ratios = []
     moved: dict[str, int] = {}
+    undecided: list[str] = []
     for r in rows:
         measured, planned = r["config_wall_ms"] / 1e3, priced(r, plan)
-        why = moved_start(r)
+        why = moved_start(r, undecided)
         if why is None:
             ratios.append(planned / measured)
             steps.setdefault(r["_file"], [0.0, cost.SWEEP_START_S])
@@ -113,6 +122,8 @@ def main(argv: list[str]) -> int:
     step_ratios = [p / m for m, p in steps.values()]
     for why, n in moved.items():
         print(f"\nleft out of the figures, {n} config{'s' if n != 1 else ''} {why}")
+    for reason in dict.fromkeys(undecided):
+        print(f"\nkept, though a change may have moved their start: {undecided.count(reason)} config(s): {reason}")
     for what, xs in (("configs", ratios), ("steps", step_ratios)):
         print(f"\n{what}: {len(xs)}, planned under measured: {sum(x < 1 for x in xs)}, over 1.5x: "
               f"{sum(x > 1.5 for x in xs)}; planned / measured median {statistics.median(xs):.2f}, "

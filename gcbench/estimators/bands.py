@@ -104,9 +104,10 @@ def time_band_for(spec: ResolvedRun, card: str, host_bound: bool) -> Band | None
     return Band(*found) if found else None
 
 
-def order_error(card: str) -> tuple[int, float, float] | None:
-    """How far the time model's ratio of two steps was from the measured one on the records of the card named
-    `card` (ORDER_ERRORS: pairs, median and 90th percentile |error| %), or None where none were measured there."""
+def order_error(card: str) -> dict[str, tuple[int, float, float]] | None:
+    """How far the time model's ratio of two steps of one window was from the measured one on the records of the
+    card named `card` (ORDER_ERRORS: {"within" a class, "across" two: (pairs, median %, 90th percentile %)}), or
+    None where none were measured there."""
     from gcbench.estimators.measured_bands import ORDER_ERRORS
 
     return ORDER_ERRORS.get(card)

@@ -153,8 +153,9 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                          "allocated_only": found.allocated_only}
                         if found.allocated_only is not None else {}),
                      "gpu": card.name if card else None, "time_basis": step.basis if step else None,
-                     # the step time's measured error band on the card (estimators/bands.py)
-                     **(time_band_fields(timed, card.name, step and step.host_bound)
+                     # the step time's measured error band on the card (estimators/bands.py), which its regime picks
+                     **({"predicted_host_bound": step and step.host_bound,
+                         **time_band_fields(timed, card.name, step and step.host_bound)}
                         if bands and card and device == "cuda" else {})})
     where = card.budget_words() if card else f"--gpu-memory {fmt_bytes(memory)}"
     caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
@@ -165,7 +166,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     if bands and (timed_rows := [r for r in rows if r["step_s"]]):
         caption.append(time_band_note(timed_rows, "step s", False))
         if len(timed_rows) > 1:  # the fastest is named below: how far such an order holds
-            caption.append(order_note(card.name, order_error(card.name)))
+            caption.append(order_note(card.name, order_error(card.name), ["within"]))  # one setup: one class
     caption += refused
     if device == "cuda" and method != "simulate":
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "

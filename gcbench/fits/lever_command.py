@@ -153,7 +153,8 @@ def _print(plan: LeverPlan, ranked: list[Row], console: Console, caption: list[s
 
     rates = rates_for(card)
     timed_on = rates.basis if any(r.tokens_per_s for r in ranked) and not isinstance(rates, str) else None
-    order = order_note(card.name, order_error(card.name)) if timed_on and card is not None else None
+    # its rows differ in levers that change the class (optimizer, adapter, loss) and in ones that do not
+    order = order_note(card.name, order_error(card.name), ["within", "across"]) if timed_on and card else None
     out = console if console.is_terminal else Console(width=80)
     for table in lever_tables(plan, ranked, caption, timed_on, order):
         out.print(table)

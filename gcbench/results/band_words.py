@@ -3,7 +3,7 @@ words a table or a caption puts around them. Read by the tables of `estimate` an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 PEAK_PREFIX = "measured"  # the peak's band: measured_configs, measured_error_low_pct, measured_error_high_pct
@@ -23,15 +23,20 @@ def band_cell(row: dict[str, Any], prefix: str = PEAK_PREFIX) -> str:
     return span(row[f"{prefix}_error_low_pct"], row[f"{prefix}_error_high_pct"])
 
 
+def _over_rows(banded: Sequence[dict[str, Any]], rows: int, prefix: str) -> tuple[str, str, list[str]]:
+    """(the band's range over `banded`, 'these' or 'this', how many of `rows` have a band where not all)."""
+    low = min(r[f"{prefix}_error_low_pct"] for r in banded)
+    high = max(r[f"{prefix}_error_high_pct"] for r in banded)
+    some = [f"{len(banded)} of {rows} rows, the others none measured"] if len(banded) < rows else []
+    return span(low, high), "these" if len(banded) > 1 else "this", some
+
+
 def peak_band_note(banded: Sequence[dict[str, Any]], predicted: int) -> str:
     """The peak's error band over `banded` (rows with one, of `predicted` rows with a peak), where the table left
-    its `err` column out."""
-    low = min(r[f"{PEAK_PREFIX}_error_low_pct"] for r in banded)
-    high = max(r[f"{PEAK_PREFIX}_error_high_pct"] for r in banded)
-    some = [f"{len(banded)} of {predicted} rows, the others none measured"] if len(banded) < predicted else []
-    return (f"err: {span(low, high)}, the peak's error against GPU measurements of configs like "
-            f"{'these' if len(banded) > 1 else 'this'} (" + "; ".join([*some, "results/gpu/, benchmarks/published/",
-                                                                    "each row's in --format json"]) + ")")
+    its `err` column out: each row's is its method's, the range is over the methods shown."""
+    band, these, some = _over_rows(banded, predicted, PEAK_PREFIX)
+    return (f"err: {band}, the peak's error against GPU measurements of configs like {these} ("
+            + "; ".join([*some, "results/gpu/, benchmarks/published/", "each row's in --format json"]) + ")")
 
 
 def time_band_note(timed: Sequence[dict[str, Any]], column: str, shown: bool) -> str:
@@ -46,20 +51,22 @@ def time_band_note(timed: Sequence[dict[str, Any]], column: str, shown: bool) ->
         return ("ms err = the step time's lowest..highest error against GPU measurements on this card of configs of "
                 "the same family, precision, adapter, sharding, attention, loss, head and optimizer (negative: "
                 "predicted too fast; results/gpu/; -: none measured)")
-    low = min(r[f"{TIME_PREFIX}_error_low_pct"] for r in banded)
-    high = max(r[f"{TIME_PREFIX}_error_high_pct"] for r in banded)
-    some = [f"{len(banded)} of {len(timed)} rows, the others none measured"] if len(banded) < len(timed) else []
-    return (f"{column} err: {span(low, high)} against measured steps of configs like "
-            f"{'these' if len(banded) > 1 else 'this'} on this card ("
+    band, these, some = _over_rows(banded, len(timed), TIME_PREFIX)
+    return (f"{column} err: {band} against measured steps of configs like {these} on this card ("
             + "; ".join([*some, "negative: predicted too fast", "results/gpu/", "each row's in --format json"]) + ")")
 
 
-def order_note(card: str, figures: tuple[int, float, float] | None) -> str:
-    """What the records of `card` say of an order between two predicted step times (bands.order_error's figures:
-    pairs, median and 90th percentile |error| % of a predicted ratio), or that none do yet."""
-    if figures is None:
-        return f"order: no two steps measured on {card} yet say how far a predicted order holds there"
-    pairs, median, p90 = figures
-    return (f"order: on {card}'s records ({pairs} pairs) the predicted ratio of two steps was off by a median "
-            f"{median:g}%, by over {p90:g}% for 1 pair in 10: configs predicted closer than that may swap when "
-            "measured")
+ORDER_SCOPES = {"within": "of one class (policies, sizes)", "across": "of two classes (optimizers, adapters, losses)"}
+
+
+def order_note(card: str, figures: Mapping[str, tuple[int, float, float]] | None, scopes: Sequence[str]) -> str:
+    """What the records of `card` say of an order between two predicted step times (bands.order_error's figures,
+    those of `scopes`: "within" a class, "across" two), or that none do yet."""
+    found = [(ORDER_SCOPES[scope], *(figures or {})[scope]) for scope in scopes if scope in (figures or {})]
+    if not found:
+        return f"order: no two steps measured in one window on {card} yet say how far a predicted order holds there"
+    parts = [f"{what}: a median {median:g}%, over {p90:g}% for 1 pair in 10 ({pairs} pairs)"
+             for what, pairs, median, p90 in found]
+    apart = max(p90 for *_, p90 in found)
+    return (f"order: on {card}'s records the predicted ratio of two steps measured in one window was off, for configs "
+            f"{'; '.join(parts)}: configs predicted less than {apart:g}% apart may swap when measured")
