@@ -143,7 +143,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         spec_fields = {**fields, field_name: found.value} if found.value else fields
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
         step, timed = _step_time(fixed, policy, field_name, found, device, card)
-        step_s = step.step_ms / 1e3 if step else None
+        step_s, host_bound = (step.step_ms / 1e3, step.host_bound) if step else (None, None)
         rows.append({"policy": policy, "value": found.value, "peak": found.estimate.peak_bytes
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
@@ -154,8 +154,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                         if found.allocated_only is not None else {}),
                      "gpu": card.name if card else None, "time_basis": step.basis if step else None,
                      # the step time's measured error band on the card (estimators/bands.py), which its regime picks
-                     **({"predicted_host_bound": step and step.host_bound,
-                         **time_band_fields(timed, card.name, step and step.host_bound)}
+                     **({"predicted_host_bound": host_bound, **time_band_fields(timed, card.name, host_bound)}
                         if bands and card and device == "cuda" else {})})
     where = card.budget_words() if card else f"--gpu-memory {fmt_bytes(memory)}"
     caption = [f"budget {fmt_bytes(cap)}: {where}" + (f", less {headroom} headroom" if cap < usable else ""),
