@@ -136,6 +136,9 @@ def _start_child(send: Any, device: str, model: str) -> None:
     from gcbench.resolved import resolve
     from gcbench.spec import RunSpec
 
+    # One CPU thread: GNU OpenMP is not fork-safe, and a child forked from a process that ran a parallel region (a
+    # test before, or a caller's own CPU work) hangs in its first one. What it times runs on the card.
+    torch.set_num_threads(1)
     try:
         configs = [resolve(RunSpec(model=model, seq_len=128, batch_size=1, policy="none", device="cpu",
                                    layers=n)).model_config()[0] for n in (1, 1, 3)]
