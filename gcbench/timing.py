@@ -34,6 +34,8 @@ TARGET_HALF_WIDTH = {"cpu": 0.02, "cuda": 0.01}
 MIN_SPAN_S = 10.0
 # From this many steps on, the interval is judged at every (n // CHECK_EVERY_FROM)-th step count, not every one.
 CHECK_EVERY_FROM = 50
+# The progress line's interval is recomputed every 10 steps, past 100 steps at most this often.
+PROGRESS_EVERY_S = 0.5
 MIN_STEPS = MIN_SAMPLES  # the fewest samples that can have an interval (6; correlated steps need more)
 # Correlated steps in a calm spell look better known than they are: auto stops once the interval has been within its
 # target at this many step counts in a row, not at the first (on simulated AR(1) steps correlated 0.8, the interval
@@ -74,7 +76,7 @@ class StepBudget:
         if self.fixed is not None:
             return "fixed" if n >= self.fixed else None
         # The interval is judged at every step count up to CHECK_EVERY_FROM, then at every n/CHECK_EVERY_FROM-th:
-        # its cost (O(n log n)) stays a small share of the host's time between two of up to 1000 steps.
+        # its cost (O(n log n)) stays a small share of the host's time between two of up to 10,000 steps.
         stride = max(1, n // CHECK_EVERY_FROM)
         if n >= MIN_STEPS + CONFIRMATIONS - 1 and n % stride == 0 and \
                 elapsed_s >= min(self.min_span_s, self.time_limit_s) and \
@@ -99,11 +101,11 @@ def measure_until(budget: StepBudget, timed_step: Callable[[], float], clock: Ca
     (a sequential test covers a little less); the minimum of 6 steps and the interval's margin for correlated steps
     keep that small."""
     samples: list[float] = []
-    t0 = clock()
+    t0 = shown = clock()
     ci = ""
-    while (reason := budget.stop_reason([samples], clock() - t0)) is None:
-        if len(samples) % 10 == 0:  # the interval costs O(n log n): not between every two of up to 1000 steps
-            ci = _ci_text(samples)
+    while (reason := budget.stop_reason([samples], (now := clock()) - t0)) is None:
+        if len(samples) % 10 == 0 and (len(samples) <= 100 or now - shown >= PROGRESS_EVERY_S):
+            ci, shown = _ci_text(samples), now  # the interval costs O(n log n): 7 ms at 10,000 steps
         progress(f"measuring step {len(samples) + 1}" + (f"/{budget.fixed}" if budget.fixed else ci))
         samples.append(timed_step())
     return samples, reason

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from gcbench import timing
 from gcbench.cli import app
 from gcbench.errors import GcbenchError
+from gcbench.fields import DEFAULT_MAX_STEPS
 from gcbench.instruments import CpuInstrument
 from gcbench.paired import choose_baseline, run_paired
 from gcbench.resolved import resolve
@@ -104,6 +105,19 @@ def _measure(budget: StepBudget, durations) -> tuple[list[float], str, FakeClock
     it = iter(durations)
     samples, stop = measure_until(budget, lambda: clock.spend(next(it)), clock, lambda _: None)
     return samples, stop, clock
+
+
+def test_auto_runs_10_s_of_1_ms_steps_and_shows_their_interval_twice_a_second_not_every_10_steps(monkeypatch):
+    """The default cap lets steps of 1 ms span the 10 s an interval needs; the progress line's interval (O(n log n)
+    each) is recomputed every 10 steps up to 100, then at most every PROGRESS_EVERY_S: 10,000 steps pay ~30 of
+    them, not 1,000."""
+    shown = []
+    real = timing._ci_text
+    monkeypatch.setattr(timing, "_ci_text", lambda samples: shown.append(len(samples)) or real(samples))
+    spread = [1.01 + (i % 7) * 0.01 for i in range(20_000)]
+    samples, stop, _ = _measure(StepBudget(), spread)
+    assert stop in ("ci", "max-time") and 9_000 < len(samples) < DEFAULT_MAX_STEPS and sum(samples) >= 10_000.0
+    assert len(shown) <= 10 + 10 / timing.PROGRESS_EVERY_S + 1 and shown[-1] > 9_000
 
 
 def test_fixed_steps_measure_exactly_n():
@@ -288,7 +302,7 @@ def test_steps_auto_is_the_default_and_keeps_every_sample(tmp_path, monkeypatch)
 
     record = run(spec)
     assert record["steps_stop"] == "ci" and record["step_ms"] == ([200.0, 202.0, 198.0] * 17)[:50]
-    assert record["step_ms_ci"] == list(Stats.of(record["step_ms"]).ci) and record["max_steps"] == 1000
+    assert record["step_ms_ci"] == list(Stats.of(record["step_ms"]).ci) and record["max_steps"] == DEFAULT_MAX_STEPS
     lo, hi = record["step_ms_ci"]
     assert 198.0 <= lo <= 200.0 <= hi <= 202.0
     assert record["step_ms_median"] == 200.0 and record["step_ms_rel_iqr"] == pytest.approx(4.0 / 200, abs=1e-9)
