@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def rates(**changes) -> Rates:
     """Round numbers: 100 TFLOP/s, 1 TB/s, 10 SMs, fractions 1, no floor, 10 us per op on the host."""
     base = Rates(card="test", tensor_flops=100e12, fp32_flops=10e12, bandwidth=1e12, sms=10, host_link=10e9,
-                 interconnect=100e9, gemm_fraction=1.0, pipeline_k=0.0, bandwidth_fraction=1.0,
+                 interconnect=100e9, gemm_fraction=1.0, pipeline_k=0.0, fp32_pipeline_k=0.0,
+                 bandwidth_fraction=1.0,
                  flash_fraction=(0.5, 0.25), efficient_fraction=(0.5, 0.25), cudnn_fraction=(0.5, 0.25),
                  dequant_fraction=0.5, optimizer_8bit_fraction=0.5, kernel_floor_s=0.0,
                  host_op_s=(10e-6, 10e-6, 10e-6), host_launch_s=0.0, host_mode_s=0.0, host_library_s=0.0,
@@ -75,8 +76,13 @@ def test_a_matmul_pays_for_a_partly_filled_last_wave_and_a_short_k():
     partial = items({"kind": st.GEMM, "flops": 1e12, "m": 128 * 11, "n": 128, "k": 4096, "batch": 1})  # 11: 2 waves
     assert st._device_seconds(full, r)[0] == pytest.approx(0.01)
     assert st._device_seconds(partial, r)[0] == pytest.approx(0.01 * 20 / 11)
-    short_k = dataclasses.replace(r, pipeline_k=256.0)
+    short_k = dataclasses.replace(r, pipeline_k=256.0, fp32_pipeline_k=16.0)
     assert st._device_seconds(full, short_k)[0] == pytest.approx(0.01 * (4096 + 256) / 4096)
+    # an fp32 matmul runs on the SIMT cores: its own, shallower pipeline (at a tenth of the rate: 10 TFLOP/s)
+    simt = full.copy()
+    simt["dtype"] = st.FP32
+    assert st._device_seconds(simt, short_k)[0] == pytest.approx(0.1 * (4096 + 16) / 4096)
+    assert st._device_seconds(simt, r)[0] == pytest.approx(0.1)
 
 
 def test_the_clock_counts_flops_and_bytes_as_the_card_moves_them():

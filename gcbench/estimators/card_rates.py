@@ -12,6 +12,10 @@ The defaults, and where each comes from:
   fills only as deep as K; such a matmul, a LoRA rank's, is bound by its bytes anyway). Held against XLA's published sm_90
   matmul table (xla/service/gpu/model/matmul_interpolator_data.h: 4096 x 4096 at K 256, 2048 and 4096 reached 392,
   763 and 783 TFLOPS; this gives 405, 721 and 762); a check, not a source of the number.
+- `fp32_pipeline_k`: 16 for an fp32 matmul, which runs on the FP32 cores (SIMT), not the tensor cores: a SIMT tile
+  steps through K 8 at a time in 2 stages (CUTLASS's default SIMT GEMM: threadblock 128 x 128 x 8, kStages 2;
+  include/cutlass/gemm/device/default_gemm_configuration.h, DefaultGemmConfiguration<arch::OpClassSimt, ...>), so
+  its pipeline fills after 16 steps' worth, not 256. A calibration measures the 16-bit pipeline only.
 - `bandwidth_fraction`: ASSUMED 0.9 of the datasheet bandwidth for a streaming kernel (copies, elementwise,
   reductions), the host link and NVLink alike.
 - `flash_fraction` (forward, backward), of the dense 16-bit peak, with FLOPs counted as FlashAttention-2 counts them
@@ -42,6 +46,7 @@ from gcbench.gpus import NO_CARD, Gpu
 ASSUMED_GEMM_FRACTION = 0.75
 ASSUMED_BANDWIDTH_FRACTION = 0.9
 ASSUMED_PIPELINE_K = 256
+SIMT_PIPELINE_K = 16.0  # 2 stages x 8 (module docstring)
 ASSUMED_FLASH = {9: (0.33, 0.28), 8: (0.6, 0.45)}  # by compute capability's major version
 ASSUMED_CUDNN = {9: (0.5, 0.4)}
 ASSUMED_KERNEL_FLOOR_S = 3e-6
@@ -65,6 +70,7 @@ class Rates:
     interconnect: float | None
     gemm_fraction: float
     pipeline_k: float  # a tile costs K + this many steps' worth (module docstring)
+    fp32_pipeline_k: float  # the same for an fp32 matmul's SIMT tiles
     bandwidth_fraction: float
     flash_fraction: tuple[float, float]  # (forward, backward): a Rates item picks by direction (step_time)
     efficient_fraction: tuple[float, float]
@@ -93,7 +99,7 @@ def rates_for(gpu: Gpu | None) -> Rates | str:
         sms=gpu.sms, host_link=gpu.host_link * ASSUMED_BANDWIDTH_FRACTION,
         interconnect=gpu.interconnect * ASSUMED_BANDWIDTH_FRACTION if gpu.interconnect else None,
         gemm_fraction=gpu.mamf / gpu.peak_flops if gpu.mamf else ASSUMED_GEMM_FRACTION,
-        pipeline_k=ASSUMED_PIPELINE_K,
+        pipeline_k=ASSUMED_PIPELINE_K, fp32_pipeline_k=SIMT_PIPELINE_K,
         bandwidth_fraction=ASSUMED_BANDWIDTH_FRACTION, flash_fraction=flash,
         efficient_fraction=(flash[0] / 2, flash[1] / 2), cudnn_fraction=ASSUMED_CUDNN.get(major, flash),
         dequant_fraction=ASSUMED_BANDWIDTH_FRACTION, optimizer_8bit_fraction=ASSUMED_BANDWIDTH_FRACTION,

@@ -7,7 +7,8 @@ card.
 What an op does, as the card does it:
 - a matmul (mm, addmm, bmm, baddbmm, _grouped_mm): its FLOPs at the card's tensor-core rate (bf16, fp16) or its
   FP32 rate (fp32: PyTorch's default float32_matmul_precision "highest" uses no TF32), in waves of 128 x 128 output
-  tiles over the SMs (a last wave that fills only some SMs costs a whole wave), and never faster than its bytes;
+  tiles over the SMs (a last wave that fills only some SMs costs a whole wave), each tile paying for its K
+  pipeline (the tensor cores' deeper than fp32's SIMT one: card_rates.py), and never faster than its bytes;
 - an SDPA kernel (flash, memory-efficient, cuDNN; forward and backward): its FLOPs, halved when causal (the
   kernels skip the masked blocks), at the rate that kernel reaches; the backward does 2.5 times the forward's
   matmul work (five matmuls to two, recompute included: FlashAttention-2, Dao 2023, section 3.1.2);
@@ -162,10 +163,12 @@ def _device_seconds(items: np.ndarray, r: Rates) -> np.ndarray:
     tiles = np.ceil(items["m"] / TILE) * np.ceil(items["n"] / TILE) * np.maximum(items["batch"], 1)
     waves = np.maximum(np.ceil(tiles / r.sms), 1)
     filled = np.where(tiles > 0, tiles / (waves * r.sms), 1.0)
-    # a tile's mainloop runs K in 64-deep steps through a pipeline it must fill and drain first: a tile costs about
-    # K + pipeline_k (card_rates.py), and a K shorter than the pipeline fills only as deep as K
+    # a tile's mainloop runs K in 64-deep steps (8-deep on fp32's SIMT cores) through a pipeline it must fill and
+    # drain first: a tile costs about K + pipeline_k (card_rates.py), and a K shorter than the pipeline fills only
+    # as deep as K
     k = items["k"].astype(float)
-    depth = np.divide(k, k + np.minimum(k, r.pipeline_k), out=np.ones_like(k), where=k > 0)
+    pipeline = np.where(items["dtype"] == LOW, r.pipeline_k, r.fp32_pipeline_k)
+    depth = np.divide(k, k + np.minimum(k, pipeline), out=np.ones_like(k), where=k > 0)
     gemm_s = np.maximum(items["flops"] / (peak * filled * depth), memory_s)
     # an attention item's variant: its kernel x 2 + 1 for the backward
     fractions = np.array([*r.flash_fraction, *r.efficient_fraction, *r.cudnn_fraction])
