@@ -247,7 +247,8 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
         return model
     adapter.check_installed()
     with quiet_logger("bitsandbytes"):  # peft imports it where installed: its CPU backend warns of optional kernels
-        from peft import get_peft_model
+        from peft import __version__ as peft_version, get_peft_model
+    _refuse_converted_moe(model, peft_version)
     if adapter.quantised:
         count_gemm_4bit_flops()
         quantise_base(model, adapter.skip, compute_dtype, device)
@@ -267,6 +268,21 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
     if adapter.build_device(device) == "cpu" != device:  # the rest of a host-built qlora model: norms, embeddings
         model.to(device)
     return model
+
+
+# Models whose LoRA targets peft 0.22 on converts as if written for transformers 4 (its
+# utils/transformers_weight_conversion.py, _MOE_TARGET_MODULE_MAPPING): the experts' projections and the router
+# become the fused experts' parameters (lora.ParamWrapper, no dropout): another adapter than the one gcbench describes.
+PEFT_CONVERTED_MOE = ("mixtral", "qwen2_moe")
+
+
+def _refuse_converted_moe(model: nn.Module, version: str) -> None:
+    """GcbenchError in one line where peft would remap this model's targets (pyproject.toml pins peft below 0.22)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    major_minor = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if model_type in PEFT_CONVERTED_MOE and major_minor >= (0, 22):
+        raise GcbenchError(f"--adapter on {model_type}: peft {plain(version)} moves LoRA onto the fused experts and the "
+                           "router (ParamWrapper, no dropout), another adapter than gcbench's: pip install 'peft<0.22'")
 
 
 def frozen_bytes(module: nn.Module, elem: int) -> int:

@@ -83,6 +83,24 @@ def test_a_missing_package_is_one_line_with_its_install_hint(monkeypatch):
         tiny_spec(adapter="qlora").check_runnable()
 
 
+def test_a_peft_that_would_move_an_moe_models_lora_onto_its_fused_experts_is_refused_in_one_line(monkeypatch):
+    """peft 0.22 rewrites a LoRA config on transformers 5's Mixtral and Qwen2-MoE (the experts' projections become
+    their fused parameters): gcbench refuses that peft there, before touching the model, and not elsewhere."""
+    import peft
+    import transformers
+
+    monkeypatch.setattr(peft, "__version__", "0.22.0")
+    moe = build_model(transformers.AutoConfig.for_model("qwen2_moe", **FAMILY_CONFIGS["qwen2_moe"]), "meta",
+                      torch.float32)
+    before = [(name, type(m)) for name, m in moe.named_modules()]
+    with pytest.raises(GcbenchError, match=r"^--adapter on qwen2_moe: peft 0\.22\.0 moves LoRA onto the fused experts"
+                                           r".*pip install 'peft<0\.22'$"):
+        apply_adapter(moe, parse_adapter("lora"), torch.float32, "cpu")
+    assert [(name, type(m)) for name, m in moe.named_modules()] == before  # nothing wrapped, nothing quantised
+    dense = build_model(transformers.AutoConfig.for_model("llama", **FAMILY_CONFIGS["llama"]), "cpu", torch.float32)
+    assert adapter_params(apply_adapter(dense, parse_adapter("lora"), torch.float32, "cpu"))  # other models: as ever
+
+
 def test_lora_run_counts_what_peft_counts_and_its_parts_add_up_to_the_static_baseline(records):
     from peft import get_peft_model
 
