@@ -7,13 +7,14 @@ micro-benchmark, never off a training step of a config the model is tested on:
   under half their time): the K + pipeline_k that makes their fractions of the peak (wave-filled, as the model
   counts them) most alike (the least spread of their logarithms, pipeline_k on a grid of 8), and the median fraction
   at it;
-- bandwidth_fraction: the median of the streaming kernels' bytes (as the model counts them) per second over the
-  datasheet bandwidth; kernel_floor_s: the tiny kernel's device time;
+- kernel_floor_s: the tiny kernel's device time; bandwidth_fraction: the median of the streaming kernels' bytes
+  (as the model counts them) per second, over what is left of their time after the floor, over the datasheet
+  bandwidth;
 - flash/efficient/cudnn fractions: each kernel's FLOPs (as the model counts them: causal halved, the backward 2.5x)
   per second over the 16-bit peak, forward alone and the backward as forward+backward less forward; the median over
   shapes;
 - host_link: the slower direction's bytes per second; dequant_fraction and optimizer_8bit_fraction: bitsandbytes'
-  kernels' bytes per second over the bandwidth; host_library_s: a bitsandbytes call's host time less its aten ops';
+  kernels' bytes per second (after the floor) over the bandwidth; host_library_s: a bitsandbytes call's host time less its aten ops';
 - host_op_s: each phase's host time over the ops the model counts for it (a tiny model, `none`); host_mode_s: the
   `sac` forward's host time beyond its ops', per policy-function call.
 What a calibration did not measure (bitsandbytes missing, a kernel the build lacks) keeps its default.
@@ -64,12 +65,15 @@ def derive(lines: list[dict], rates: Rates) -> dict[str, object]:
 
         k0 = min(range(0, 2049, 8), key=lambda k: statistics.pstdev(math.log(f) for f in fractions(k)))
         found.update(gemm_fraction=statistics.median(fractions(k0)), pipeline_k=float(k0))
-    streams = by("copy") + by("add") + by("cast")
-    if streams:
-        found["bandwidth_fraction"] = statistics.median(x["model_bytes"] / (x["ms"] / 1e3) / rates.bandwidth
-                                                        for x in streams)
     if floor := by("kernel-floor"):
         found["kernel_floor_s"] = floor[0]["ms"] / 1e3
+    # a streaming kernel's time is the floor and then its bytes (step_time._device_seconds): its rate is read off
+    # what is left after the floor
+    floor_s = found.get("kernel_floor_s", rates.kernel_floor_s)
+    rate = lambda x: x["model_bytes"] / max(x["ms"] / 1e3 - floor_s, 1e-9) / rates.bandwidth  # noqa: E731
+    streams = by("copy") + by("add") + by("cast")
+    if streams:
+        found["bandwidth_fraction"] = statistics.median(rate(x) for x in streams)
     for kernel in ("flash", "efficient", "cudnn"):
         pairs = [(f, t) for f in by("attention") for t in by("attention") if f["kernel"] == t["kernel"] == kernel
                  and f["direction"] == "forward" and t["direction"] == "forward+backward"
@@ -83,7 +87,7 @@ def derive(lines: list[dict], rates: Rates) -> dict[str, object]:
         found["host_link"] = min(x["bytes"] / (x["ms"] / 1e3) for x in links)
     for what, field in (("dequant-4bit", "dequant_fraction"), ("adamw-8bit", "optimizer_8bit_fraction")):
         if measured := by(what):
-            found[field] = measured[0]["model_bytes"] / (measured[0]["ms"] / 1e3) / rates.bandwidth
+            found[field] = rate(measured[0])
     host = {(x["policy"], x["phase"]): x for x in lines if x.get("what") == "host-ops" and x.get("host_ms")}
     phases = ("forward", "backward", "optimizer")
     if all(("none", p) in host and host[("none", p)]["host_ops"] for p in phases):

@@ -76,6 +76,9 @@ def test_a_matmul_pays_for_a_partly_filled_last_wave_and_a_short_k():
     partial = items({"kind": st.GEMM, "flops": 1e12, "m": 128 * 11, "n": 128, "k": 4096, "batch": 1})  # 11: 2 waves
     assert st._device_seconds(full, r)[0] == pytest.approx(0.01)
     assert st._device_seconds(partial, r)[0] == pytest.approx(0.01 * 20 / 11)
+    # a matmul's time is never under the floor, and holds it inside (its fraction was read off whole kernels)
+    assert st._device_seconds(full, dataclasses.replace(r, kernel_floor_s=1e-3))[0] == pytest.approx(0.01)
+    assert st._device_seconds(full, dataclasses.replace(r, kernel_floor_s=0.05))[0] == pytest.approx(0.05)
     short_k = dataclasses.replace(r, pipeline_k=256.0, fp32_pipeline_k=16.0)
     assert st._device_seconds(full, short_k)[0] == pytest.approx(0.01 * (4096 + 256) / 4096)
     # an fp32 matmul runs on the SIMT cores: its own, shallower pipeline (at a tenth of the rate: 10 TFLOP/s)
@@ -83,6 +86,14 @@ def test_a_matmul_pays_for_a_partly_filled_last_wave_and_a_short_k():
     simt["dtype"] = st.FP32
     assert st._device_seconds(simt, short_k)[0] == pytest.approx(0.1 * (4096 + 16) / 4096)
     assert st._device_seconds(simt, r)[0] == pytest.approx(0.1)
+
+
+def test_a_streaming_kernel_pays_the_floor_and_then_its_bytes():
+    r = rates(kernel_floor_s=3e-6)
+    work = items({"kind": st.MEMORY, "bytes": 1e9}, {"kind": st.MEMORY, "bytes": 1e3, "launches": 4},
+                 {"kind": st.DEQUANT, "bytes": 1e9}, {"kind": st.OPTIMIZER_8BIT, "bytes": 1e9})
+    # 1 ms of bytes at 1 TB/s after 3 us; a tiny one 4 floors; bitsandbytes' kernels at half the bandwidth
+    assert list(st._device_seconds(work, r)) == pytest.approx([1e-3 + 3e-6, 1e-9 + 12e-6, 2e-3 + 3e-6, 2e-3 + 3e-6])
 
 
 def test_the_clock_counts_flops_and_bytes_as_the_card_moves_them():
@@ -229,7 +240,9 @@ def test_the_calibration_is_read_back_into_the_rates_that_made_its_times():
                       "bytes": 2.0 * (m * k + k * n + m * n)})
         lines.append({"what": "gemm", "dtype": "bfloat16", "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k,
                       "model_bytes": float(work["bytes"][0]), "ms": st._device_seconds(work, truth)[0] * 1e3})
-    lines.append({"what": "copy", "model_bytes": 2e9, "ms": 2e9 / (truth.bandwidth * 0.85) * 1e3})
+    copy = items({"kind": st.MEMORY, "bytes": 2e9})  # the floor, then the bytes at the truth's bandwidth
+    lines.append({"what": "copy", "model_bytes": 2e9, "ms": st._device_seconds(copy, truth)[0] * 1e3})
+    lines.append({"what": "kernel-floor", "ms": truth.kernel_floor_s * 1e3})
     forward = 4.0 * 32 * 2048 * 2048 * 128 * 0.5
     lines.append({"what": "attention", "kernel": "flash", "direction": "forward", "batch": 1, "heads": 32,
                   "seq": 2048, "head_dim": 128, "flops": forward, "ms": forward / (truth.tensor_flops * 0.41) * 1e3})

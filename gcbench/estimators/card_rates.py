@@ -28,7 +28,8 @@ The defaults, and where each comes from:
 - `dequant_fraction`, `optimizer_8bit_fraction`: bitsandbytes' 4-bit dequantisation and 8-bit optimizer update
   ASSUMED at the bandwidth_fraction like any streaming kernel (their table lookups may make them slower: the
   calibration measures both).
-- `kernel_floor_s`: ASSUMED 3 us of device time per kernel launch, whatever its work (a launch and an empty kernel).
+- `kernel_floor_s`: ASSUMED 3 us of device time per kernel launch (a launch and an empty kernel): a tiny kernel's
+  whole time, what a streaming kernel pays before its bytes, the least a matmul or attention kernel takes.
 - host time per op issued, by who issues it: ASSUMED 12 us for the model's Python forward (module code, the
   dispatcher, the launch; a checkpoint's recompute inside the backward too), 6 us for autograd's C++ engine (the
   backward's own ops), 12 us for the optimizer's Python step (stepped in backward by a hook too); 30 us for

@@ -34,31 +34,31 @@ BANDS = {
 
 TIME_BANDS = {
     ('h200-141gb', 'host-bound', 'gpt2', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'):
-        (1, 64.32, -64.32, -64.32),
+        (1, 64.27, -64.27, -64.27),
     ('h200-141gb', 'kernel-bound', 'gpt2', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'):
-        (8, 40.97, -45.49, -39.69),
+        (8, 39.13, -42.41, -36.6),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'ce', 'lm', 'adamw'):
-        (2, 23.13, -30.69, -15.57),
+        (2, 18.2, -26.25, -10.15),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'lora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'):
-        (2, 28.21, -28.99, -27.44),
+        (2, 23.48, -24.34, -22.63),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'fsdp2:1', 'sdpa', 'ce', 'lm', 'adamw'):
-        (3, 17.0, -20.04, -16.43),
+        (3, 13.75, -16.72, -13.02),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adafactor'):
-        (4, 17.74, -21.45, -17.13),
+        (4, 16.17, -19.92, -15.42),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw'):
-        (29, 15.53, -38.78, -12.24),
+        (29, 13.24, -38.45, -11.53),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw-fused'):
-        (4, 13.76, -13.85, -13.26),
+        (4, 12.63, -12.79, -12.16),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'ce', 'lm', 'adamw8bit'):
-        (4, 28.75, -29.72, -26.44),
+        (4, 27.85, -28.74, -25.41),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'none', 'none', 'sdpa', 'chunked', 'lm', 'adamw'):
-        (2, 19.82, -25.2, -14.43),
+        (2, 16.65, -22.14, -11.17),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'ce', 'lm', 'adamw'):
-        (2, 40.56, -50.0, -31.12),
+        (2, 36.41, -46.44, -26.37),
     ('h200-141gb', 'kernel-bound', 'llama', 'bf16', 'qlora', 'none', 'sdpa', 'chunked', 'lm', 'adamw'):
-        (1, 38.7, -38.7, -38.7),
+        (1, 34.36, -34.36, -34.36),
 }
 
 ORDER_ERRORS = {
-    'h200-141gb': {'within': (113, 1.8, 11.4), 'across': (77, 5.1, 18.9)},
+    'h200-141gb': {'within': (113, 1.9, 13.6), 'across': (77, 4.6, 17.0)},
 }

@@ -13,7 +13,8 @@ What an op does, as the card does it:
   kernels skip the masked blocks), at the rate that kernel reaches; the backward does 2.5 times the forward's
   matmul work (five matmuls to two, recompute included: FlashAttention-2, Dao 2023, section 3.1.2);
 - anything else (elementwise, reductions, copies, the optimizer's foreach and fused kernels, bitsandbytes' 8-bit
-  optimizer and 4-bit dequantisation): its bytes read and written at the memory bandwidth. Inputs are read once
+  optimizer and 4-bit dequantisation): a kernel's fixed cost (the floor) and then its bytes read and written at
+  the memory bandwidth. Inputs are read once
   (a broadcast dimension, stride 0, once), outputs and the arguments its schema marks as written are written;
   a pure write (zero_, fill_, copy_'s destination) is not read. A foreach or fused optimizer op launches one
   kernel per multi_tensor_apply chunk of tensors (MultiTensorApply.cuh);
@@ -181,7 +182,13 @@ def _device_seconds(items: np.ndarray, r: Rates) -> np.ndarray:
     seconds = np.select([kind == GEMM, kind == ATTENTION, kind == HOST_COPY, kind == COLLECTIVE, kind == SYNC,
                          kind == DEQUANT, kind == OPTIMIZER_8BIT],
                         [gemm_s, attention_s, copy_s, collective_s, 0.0, dequant_s, optimizer_8bit_s], memory_s)
-    return np.where(kind == SYNC, 0.0, np.maximum(seconds, items["launches"] * r.kernel_floor_s))
+    # A streaming kernel pays a fixed cost (its launch on the device, the first wave of blocks, the drain) and then
+    # its bytes: the latency-bandwidth model, t = floor + bytes / bandwidth, whose two terms the calibration measures
+    # apart (an empty kernel back to back; copies of 256 MiB). A matmul's and an attention kernel's fractions are
+    # read off whole kernels, their fixed cost inside: those are held to the floor only.
+    floor = items["launches"] * r.kernel_floor_s
+    streaming = (kind == MEMORY) | (kind == DEQUANT) | (kind == OPTIMIZER_8BIT)
+    return np.where(kind == SYNC, 0.0, np.where(streaming, seconds + floor, np.maximum(seconds, floor)))
 
 
 def time_fields(work: StepWork | None, tokens: int, card, method: str = "simulate") -> dict:
