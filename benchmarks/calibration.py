@@ -14,7 +14,8 @@ micro-benchmark, never off a training step of a config the model is tested on:
   per second over the 16-bit peak, forward alone and the backward as forward+backward less forward; the median over
   shapes;
 - host_link: the slower direction's bytes per second; dequant_fraction and optimizer_8bit_fraction: bitsandbytes'
-  kernels' bytes per second (after the floor) over the bandwidth; host_library_s: a bitsandbytes call's host time less its aten ops';
+  kernels' bytes per second (after a floor per kernel) over the bandwidth; host_library_s: a bitsandbytes call's
+  host time less its aten ops';
 - host_op_s: each phase's host time over the ops the model counts for it (a tiny model, `none`); host_mode_s: the
   `sac` forward's host time beyond its ops', per policy-function call.
 What a calibration did not measure (bitsandbytes missing, a kernel the build lacks) keeps its default.
@@ -67,11 +68,12 @@ def derive(lines: list[dict], rates: Rates) -> dict[str, object]:
         found.update(gemm_fraction=statistics.median(fractions(k0)), pipeline_k=float(k0))
     if floor := by("kernel-floor"):
         found["kernel_floor_s"] = floor[0]["ms"] / 1e3
-    # a streaming kernel's time is the floor and then its bytes (step_time._device_seconds): its rate is read off
-    # what is left after the floor
+    # a streaming kernel's time is a floor per launch and then its bytes (step_time._device_seconds): its rate is
+    # read off what is left after its floors; a line whose time its floors take whole says nothing of its bytes
     floor_s = found.get("kernel_floor_s", rates.kernel_floor_s)
-    rate = lambda x: x["model_bytes"] / max(x["ms"] / 1e3 - floor_s, 1e-9) / rates.bandwidth  # noqa: E731
-    streams = by("copy") + by("add") + by("cast")
+    bytes_s = lambda x: x["ms"] / 1e3 - x.get("launches", 1) * floor_s  # noqa: E731
+    rate = lambda x: x["model_bytes"] / bytes_s(x) / rates.bandwidth  # noqa: E731
+    streams = [x for x in by("copy") + by("add") + by("cast") if bytes_s(x) > 0]
     if streams:
         found["bandwidth_fraction"] = statistics.median(rate(x) for x in streams)
     for kernel in ("flash", "efficient", "cudnn"):
@@ -86,7 +88,7 @@ def derive(lines: list[dict], rates: Rates) -> dict[str, object]:
     if links := by("host-link"):
         found["host_link"] = min(x["bytes"] / (x["ms"] / 1e3) for x in links)
     for what, field in (("dequant-4bit", "dequant_fraction"), ("adamw-8bit", "optimizer_8bit_fraction")):
-        if measured := by(what):
+        if (measured := by(what)) and bytes_s(measured[0]) > 0:
             found[field] = rate(measured[0])
     host = {(x["policy"], x["phase"]): x for x in lines if x.get("what") == "host-ops" and x.get("host_ms")}
     phases = ("forward", "backward", "optimizer")

@@ -277,12 +277,17 @@ PEFT_CONVERTED_MOE = ("mixtral", "qwen2_moe")
 
 
 def _refuse_converted_moe(model: nn.Module, version: str) -> None:
-    """GcbenchError in one line where peft would remap this model's targets (pyproject.toml pins peft below 0.22)."""
+    """GcbenchError in one line where peft would remap this model's targets (pyproject.toml pins peft below 0.22):
+    peft converts only on transformers 5 and later, whose MoE layers fuse the experts."""
+    import transformers
+
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    major_minor = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-    if model_type in PEFT_CONVERTED_MOE and major_minor >= (0, 22):
-        raise GcbenchError(f"--adapter on {model_type}: peft {plain(version)} moves LoRA onto the fused experts and the "
-                           "router (ParamWrapper, no dropout), another adapter than gcbench's: pip install 'peft<0.22'")
+    major_minor = lambda text: tuple(int(x) for x in re.findall(r"\d+", text)[:2])  # noqa: E731
+    if model_type in PEFT_CONVERTED_MOE and major_minor(version) >= (0, 22) and \
+            major_minor(transformers.__version__) >= (5, 0):
+        raise GcbenchError(f"--adapter on {model_type}: peft {plain(version)} moves LoRA onto the fused experts and "
+                           "the router (ParamWrapper, no dropout), another adapter than gcbench's: "
+                           "pip install 'peft<0.22'")
 
 
 def frozen_bytes(module: nn.Module, elem: int) -> int:

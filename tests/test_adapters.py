@@ -97,6 +97,8 @@ def test_a_peft_that_would_move_an_moe_models_lora_onto_its_fused_experts_is_ref
                                            r".*pip install 'peft<0\.22'$"):
         apply_adapter(moe, parse_adapter("lora"), torch.float32, "cpu")
     assert [(name, type(m)) for name, m in moe.named_modules()] == before  # nothing wrapped, nothing quantised
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")  # no fused experts, nothing for peft to convert
+    assert adapter_params(apply_adapter(moe, parse_adapter("lora"), torch.float32, "meta"))
     dense = build_model(transformers.AutoConfig.for_model("llama", **FAMILY_CONFIGS["llama"]), "cpu", torch.float32)
     assert adapter_params(apply_adapter(dense, parse_adapter("lora"), torch.float32, "cpu"))  # other models: as ever
 

@@ -147,12 +147,12 @@ def test_on_a_card_the_plan_ranks_by_predicted_step_time_and_ties_what_it_cannot
     budget = 110
     _fake(monkeypatch, budget)
 
-    class Timed:  # an estimate whose work takes `ms` on any card: one host-free kernel of that many bytes
+    class Timed:  # an estimate whose work takes `ms` on the card: one host-free kernel, its floor then its bytes
         def __init__(self, ms):
             items = np.zeros(1, st.WORK)
             items["kind"], items["launches"] = st.MEMORY, 1
             rates = levers_rates()
-            items["bytes"] = ms / 1e3 * rates.bandwidth * rates.bandwidth_fraction
+            items["bytes"] = (ms / 1e3 - rates.kernel_floor_s) * rates.bandwidth * rates.bandwidth_fraction
             self.work = st.StepWork(items)
 
     def levers_rates():

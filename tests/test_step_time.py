@@ -240,9 +240,18 @@ def test_the_calibration_is_read_back_into_the_rates_that_made_its_times():
                       "bytes": 2.0 * (m * k + k * n + m * n)})
         lines.append({"what": "gemm", "dtype": "bfloat16", "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k,
                       "model_bytes": float(work["bytes"][0]), "ms": st._device_seconds(work, truth)[0] * 1e3})
-    copy = items({"kind": st.MEMORY, "bytes": 2e9})  # the floor, then the bytes at the truth's bandwidth
-    lines.append({"what": "copy", "model_bytes": 2e9, "ms": st._device_seconds(copy, truth)[0] * 1e3})
+    # streaming kernels: a floor per launch (the card's own, not the default), then the bytes at the truth's rates;
+    # bitsandbytes' dequantisation is three kernels (the nested absmax, an add, the weight), its time theirs summed
+    truth = dataclasses.replace(truth, kernel_floor_s=7e-6, dequant_fraction=0.4)
+    copy = items({"kind": st.MEMORY, "bytes": 2e9})
+    lines.append({"what": "copy", "model_bytes": 2e9, "launches": 1,
+                  "ms": st._device_seconds(copy, truth)[0] * 1e3})
+    dequant = items({"kind": st.DEQUANT, "bytes": 1e5}, {"kind": st.MEMORY, "bytes": 1e4},
+                    {"kind": st.DEQUANT, "bytes": 4e7})
+    lines.append({"what": "dequant-4bit", "model_bytes": 1e5 + 1e4 + 4e7, "launches": 3,
+                  "ms": st._device_seconds(dequant, dataclasses.replace(truth, bandwidth_fraction=0.4)).sum() * 1e3})
     lines.append({"what": "kernel-floor", "ms": truth.kernel_floor_s * 1e3})
+    lines.append({"what": "cast", "model_bytes": 1e3, "launches": 1, "ms": 1e-3})  # within its floor: says nothing
     forward = 4.0 * 32 * 2048 * 2048 * 128 * 0.5
     lines.append({"what": "attention", "kernel": "flash", "direction": "forward", "batch": 1, "heads": 32,
                   "seq": 2048, "head_dim": 128, "flops": forward, "ms": forward / (truth.tensor_flops * 0.41) * 1e3})
@@ -251,7 +260,8 @@ def test_the_calibration_is_read_back_into_the_rates_that_made_its_times():
                   "ms": (forward / 0.41 + 2.5 * forward / 0.29) / truth.tensor_flops * 1e3})
     found = derive_module().derive(lines, rates_for(gpu("h100-80gb")))
     assert found["gemm_fraction"] == pytest.approx(0.62, rel=1e-3) and found["pipeline_k"] == 320.0
-    assert found["bandwidth_fraction"] == pytest.approx(0.85, rel=1e-3)
+    assert found["bandwidth_fraction"] == pytest.approx(0.85, rel=1e-3) and found["kernel_floor_s"] == 7e-6
+    assert found["dequant_fraction"] == pytest.approx(0.4, rel=1e-3)
     assert found["flash_fraction"] == pytest.approx([0.41, 0.29], rel=1e-3)
 
 
