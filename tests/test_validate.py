@@ -119,6 +119,46 @@ def test_a_config_is_priced_by_the_time_model_and_the_start_its_card_measured(tm
     assert cost.measured_starts(tmp_path / "none.ndjson") is None
 
 
+def test_the_deadline_charges_a_sweeps_and_a_fits_first_config_its_fork_servers_start(tmp_path, monkeypatch):
+    """Before each config (a fit's trial) the deadline asks whether its price would pass it; the first one also
+    waits for the fork server the children come from (cost.SWEEP_START_S), as the plan prices a step."""
+    import gcbench.fits.command
+    import gcbench.sweeps
+
+    plan = Validation(tiers(smoke=True), tmp_path / "gpu", predicted=tmp_path / "predicted", planning=True)
+    asked: list[float] = []
+    past = lambda seconds: asked.append(seconds) or False  # noqa: E731
+
+    class Asked(Exception):
+        pass
+
+    class Job:  # asks the deadline before each of two configs, as a sweep or a fit does, then stops
+        def __init__(self, specs, as_list):
+            self.specs, self.as_list, self.stop_before = specs, as_list, None
+
+        def run(self):
+            for spec in self.specs[:2]:
+                self.stop_before([spec] if self.as_list else spec)
+            raise Asked
+
+    for kind, in_list in ((StepKind.SWEEP, True), (StepKind.FIT, False)):
+        planned = next(p for p in plan.steps if p.step.kind is kind)
+        specs = (planned.specs * 2)[:2]  # two configs (a fit of one policy: two trials of it)
+        job = Job(specs, in_list)
+
+        def sweep(grid, console, stop_before):
+            job.stop_before = stop_before
+            return job
+
+        monkeypatch.setattr(gcbench.sweeps, "Sweep", sweep)
+        monkeypatch.setattr(gcbench.fits.command, "fit_job", lambda *a, **k: (job, {}))
+        asked.clear()
+        with pytest.raises(Asked):
+            (plan._sweep if kind is StepKind.SWEEP else plan._fit)(planned.step, past)
+        first, second = (cost.config_seconds(s, plan.pricing) for s in specs)
+        assert asked == pytest.approx([cost.SWEEP_START_S + first, second]), kind
+
+
 def test_the_plan_reads_only_usable_step_times_made_beforehand_for_its_own_card(tmp_path):
     """A fit's trials are expected, and priced, from its card's estimate --fit rows (another card's sizes where it
     has none); a step time that is not a finite number above 0, or a row of batch 0, is not read."""

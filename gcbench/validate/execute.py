@@ -265,11 +265,14 @@ class Validation:
         from gcbench.sweeps import Sweep
 
         grid = self.sweep_grid(step)
+        started: list[bool] = []  # the first config waits for the sweep's fork server to start
 
         def stop_before(specs: list[ResolvedRun]) -> bool:
+            start = 0.0 if started else cost.SWEEP_START_S
+            started.append(True)
             if len(specs) == 1:
-                return past(cost.config_seconds(specs[0], self.pricing))
-            return past(cost.paired_seconds(specs, self.pricing))
+                return past(start + cost.config_seconds(specs[0], self.pricing))
+            return past(start + cost.paired_seconds(specs, self.pricing))
 
         job = Sweep(grid, console=self.console, stop_before=stop_before)
         records = job.run()
@@ -289,7 +292,14 @@ class Validation:
         out = step.out(self.folder)
         job, fields = fit_job(values, "batch", fit_range, 1, memory, "0%", out, 600.0, isolation, True,
                               self.console)
-        job.stop_before = lambda spec: past(cost.config_seconds(spec, self.pricing))
+        started: list[bool] = []  # the first trial waits for the fit's fork server to start
+
+        def stop_before(spec: ResolvedRun) -> bool:
+            start = 0.0 if started else cost.SWEEP_START_S
+            started.append(True)
+            return past(start + cost.config_seconds(spec, self.pricing))
+
+        job.stop_before = stop_before
         fits, rec = job.run()
         text = io.StringIO()
         view = Console(file=text, width=100, color_system=None)
