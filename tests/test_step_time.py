@@ -280,7 +280,10 @@ def test_the_calibration_runs_on_the_fake_gpu_and_counts_what_the_model_counts(f
     # a config's start, measured first, in a forked child (the fake GPU's calls carried into it by the fork)
     (start,) = [x for x in lines if x["what"] == "start"]
     assert lines[0] is start and start["model"] == "tiny-llama" and "unavailable" not in start, start.get("unavailable")
-    assert start["context_s"] >= 0 and start["cublas_s"] >= 0 and start["build_fixed_s"] > 0
+    # measured, not judged: on the fake GPU a tiny model's builds take what this machine's CPU gives them (the fixed
+    # part, a difference of two builds, may even come out below 0; cost.measured_starts clamps it)
+    assert all(math.isfinite(start[k]) for k in ("context_s", "cublas_s", "build_fixed_s", "build_per_block_s"))
+    assert start["context_s"] >= 0 and start["cublas_s"] >= 0
 
 
 def test_the_calibrated_rates_are_what_the_committed_calibrations_give():
