@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import subprocess
 import tarfile
@@ -52,6 +51,13 @@ class StepPlan:
     @property
     def finished(self) -> bool:
         return self.total > 0 and self.done >= self.total
+
+
+def _after_server_start(past: Callable[[float], bool]) -> Callable[[float], bool]:
+    """`past`, asked first with the sweep's start added: a sweep's (a fit's) first config waits for the fork server
+    its children come from (cost.SWEEP_START_S, as the plan prices a step)."""
+    start = iter([cost.SWEEP_START_S])
+    return lambda seconds: past(next(start, 0.0) + seconds)
 
 
 class Validation:
@@ -265,14 +271,12 @@ class Validation:
         from gcbench.sweeps import Sweep
 
         grid = self.sweep_grid(step)
-        started: list[bool] = []  # the first config waits for the sweep's fork server to start
+        past = _after_server_start(past)
 
         def stop_before(specs: list[ResolvedRun]) -> bool:
-            start = 0.0 if started else cost.SWEEP_START_S
-            started.append(True)
             if len(specs) == 1:
-                return past(start + cost.config_seconds(specs[0], self.pricing))
-            return past(start + cost.paired_seconds(specs, self.pricing))
+                return past(cost.config_seconds(specs[0], self.pricing))
+            return past(cost.paired_seconds(specs, self.pricing))
 
         job = Sweep(grid, console=self.console, stop_before=stop_before)
         records = job.run()
@@ -292,14 +296,8 @@ class Validation:
         out = step.out(self.folder)
         job, fields = fit_job(values, "batch", fit_range, 1, memory, "0%", out, 600.0, isolation, True,
                               self.console)
-        started: list[bool] = []  # the first trial waits for the fit's fork server to start
-
-        def stop_before(spec: ResolvedRun) -> bool:
-            start = 0.0 if started else cost.SWEEP_START_S
-            started.append(True)
-            return past(start + cost.config_seconds(spec, self.pricing))
-
-        job.stop_before = stop_before
+        past = _after_server_start(past)
+        job.stop_before = lambda spec: past(cost.config_seconds(spec, self.pricing))
         fits, rec = job.run()
         text = io.StringIO()
         view = Console(file=text, width=100, color_system=None)
