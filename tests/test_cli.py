@@ -182,7 +182,44 @@ def test_the_entry_point_leaves_its_heap_to_the_exit_not_to_a_last_collection():
     """The interpreter's last garbage collection would walk every object torch, transformers and the command
     made (about a second on 2 cores, after the record is written): the entry point freezes them, however the
     command ends."""
-    code = ("import gc, sys\nfrom gcbench.__main__ import main\nsys.argv = ['gcbench', 'models']\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    print(e.code, gc.get_freeze_count() > 10_000)")
+    code = ("import atexit, gc, sys\nfrom gcbench.__main__ import main\nsys.argv = ['gcbench', 'models']\n"
+            "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 10_000))\nmain()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.split()[-2:] == ["0", "True"], done.stderr
+    assert done.returncode == 0 and done.stdout.split()[-2:] == ["frozen", "True"], done.stderr
+
+
+# A process ending by the entry point, its first argument a file: an atexit handler says so on stdout, and the file
+# is held open with a write only the interpreter's finalization would flush ("thread": another thread runs until
+# the main thread has ended)
+_ENDING = ("import atexit, sys, threading\nfrom gcbench.__main__ import main\n"
+           "held = open(sys.argv.pop(1), 'w')\nheld.write('finalized')\n"
+           "atexit.register(lambda: print('atexit ran'))\n"
+           "if 'thread' in sys.argv:\n    sys.argv.remove('thread')\n"
+           "    threading.Thread(target=lambda: (threading.main_thread().join(), print('thread done'))).start()\n"
+           "main()")
+
+
+@pytest.mark.parametrize("argv, code", [(["models"], 0), (["run", "--model", "no-such-model"], 2)])
+def test_an_ended_command_exits_with_its_code_its_output_whole_and_without_the_finalization(tmp_path, argv, code):
+    """The entry point ends a command's process at once (gcbench/__main__.py): its exit code and every line it wrote
+    come out as they would, the atexit handlers run, and the interpreter's finalization (which tears down torch's
+    and transformers' objects one by one, and would flush the held file) does not."""
+    held = tmp_path / "held.txt"
+    done = subprocess.run([sys.executable, "-c", _ENDING, str(held), *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == code, done.stderr
+    assert done.stdout.rstrip().endswith("atexit ran") and held.read_text() == ""
+    if code == 0:
+        assert "llama-7b" in done.stdout
+    else:
+        assert done.stderr.startswith("gcbench: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_command_that_leaves_a_thread_running_exits_as_python_does(tmp_path):
+    """Another thread still running at the end: Python's own exit waits for it, so the entry point leaves the end
+    to it, finalization included."""
+    held = tmp_path / "held.txt"
+    done = subprocess.run([sys.executable, "-c", _ENDING, str(held), "thread", "models"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "thread done" in done.stdout and "atexit ran" in done.stdout and held.read_text() == "finalized"

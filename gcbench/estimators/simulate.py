@@ -273,7 +273,9 @@ def _fake_step(spec: ResolvedRun, cuda: bool, ran: set[str] | None = None,
         optimizer = make_optimizer(spec, model, multi_tensor=optimizer_kind(spec.optimizer).multi_tensor_on_cuda
                                    if cuda else None)
         steps_read_no_values(optimizer)
-        with fake, GroupedMmShapes(experts), _unpacked_batch(), \
+        # a dense model calls no grouped matmul: one dispatch mode less on every op (8% of a 7B simulation)
+        grouped = GroupedMmShapes(experts) if experts_implementation(model) else contextlib.nullcontext()
+        with fake, grouped, _unpacked_batch(), \
                 (cuda_kernels(ran) if cuda else contextlib.nullcontext()), \
                 quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
             inputs = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype)
