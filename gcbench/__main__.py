@@ -10,7 +10,9 @@ of failing: a character it cannot take is written as its ASCII stand-in ("·" ->
 A command that has ended (its output written, its exit code chosen) ends the process at once: the interpreter's
 finalization would then tear down every module and object torch and transformers made, one by one (0.1-0.2 s on
 2 cores, after everything is written), and nothing gcbench writes waits for it (its files are closed as they are
-written)."""
+written). Not where something may still want that end: a profiler or tracer watching the process (cProfile,
+coverage, a debugger), or CUDA in use (a CUDA profiler such as Nsight Systems flushes at the C library's exit,
+which os._exit skips)."""
 
 import atexit
 import codecs
@@ -73,17 +75,27 @@ def main() -> None:
 
 def _end_now(code: object) -> None:
     """End the process with `code` without the interpreter's finalization (module docstring), once what it would
-    still do that matters is done: the atexit handlers run (multiprocessing's, tempfile's, logging's) and stdout and
-    stderr are flushed. Returns, leaving the ordinary exit to Python, where that is not all: another thread still
-    runs (Python would wait for it), the code is a message to print, or a stream cannot be flushed (a closed pipe:
+    still do that matters is done: the atexit handlers run (multiprocessing's, tempfile's, logging's), and stdout,
+    stderr and the C library's streams (what an extension printed) are flushed. Returns, leaving the ordinary exit
+    to Python, where that is not all: a thread Python would wait for still runs, the code is a message to print, a
+    profiler, tracer or CUDA may want the end (module docstring), or a stream cannot be flushed (a closed pipe:
     Python reports it as it always did)."""
-    if threading.active_count() > 1 or not (code is None or isinstance(code, int)):
+    if not (code is None or isinstance(code, int)) or sys.getprofile() is not None or sys.gettrace() is not None:
+        return
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
         return
     atexit._run_exitfuncs()  # each handler once: CPython clears them after running them
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None and not stream.closed:  # None: closed when Python started (`>&-`)
+                stream.flush()
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # every C stdio stream (None: all of them)
+    except (OSError, ValueError, AttributeError, TypeError):
         return
     os._exit(code or 0)
 

@@ -1,6 +1,7 @@
 """The CLI through typer's CliRunner: what the user sees and what lands in the results file."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -223,3 +224,24 @@ def test_a_command_that_leaves_a_thread_running_exits_as_python_does(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "thread done" in done.stdout and "atexit ran" in done.stdout and held.read_text() == "finalized"
+
+
+@pytest.mark.parametrize("watch", ["sys.setprofile(lambda *a: None)", "sys.settrace(lambda *a: None)"])
+def test_a_profiled_or_traced_process_keeps_python_s_own_exit(tmp_path, watch):
+    """A profiler (cProfile) or a tracer (coverage, a debugger) writes what it saw at the interpreter's exit: the
+    entry point's early end leaves such a process to it."""
+    held = tmp_path / "held.txt"
+    code = (f"import sys\nfrom gcbench.__main__ import _end_now\nheld = open({str(held)!r}, 'w')\n"
+            f"held.write('finalized')\n{watch}\n_end_now(0)\nsys.setprofile(None)\nsys.settrace(None)\n"
+            "print('returned')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "returned", done.stderr
+    assert held.read_text() == "finalized"
+
+
+def test_a_command_whose_output_was_closed_at_its_start_still_ends_cleanly():
+    """stdout closed when the process starts (`gcbench ... >&-`): Python sets sys.stdout to None, which the early
+    end skips as Python's own exit does (no traceback, exit 0)."""
+    done = subprocess.run([sys.executable, "-m", "gcbench", "models"], stderr=subprocess.PIPE, text=True,
+                          timeout=120, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
