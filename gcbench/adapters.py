@@ -270,7 +270,7 @@ def apply_adapter(model: nn.Module, adapter: Adapter, compute_dtype: torch.dtype
     return model
 
 
-# Models whose LoRA targets peft 0.22 on converts as if written for transformers 4 (its
+# Models whose LoRA targets peft 0.22 and later convert as if written for transformers 4 (its
 # utils/transformers_weight_conversion.py, _MOE_TARGET_MODULE_MAPPING): the experts' projections and the router
 # become the fused experts' parameters (lora.ParamWrapper, no dropout): another adapter than the one gcbench describes.
 PEFT_CONVERTED_MOE = ("mixtral", "qwen2_moe")

@@ -128,8 +128,11 @@ class Field:
 
     def parse_many(self, value: Any) -> tuple[Any, ...]:
         """Values from a comma string, a list, or one scalar; no duplicates (each config would run twice)."""
-        items = self.kind.split(value) if isinstance(value, str) else list(value) \
-            if isinstance(value, (list, tuple)) else [value]
+        try:
+            items = self.kind.split(value) if isinstance(value, str) else list(value) \
+                if isinstance(value, (list, tuple)) else [value]
+        except GcbenchError as e:
+            raise GcbenchError(f"--{self.flag}: {e}") from None
         if not items:
             raise GcbenchError(f"--{self.flag}: no values: the grid would be empty")
         values = [self.parse(v) for v in items]

@@ -173,6 +173,8 @@ GPUS: list[Gpu] = [
 def gpu(name: str) -> Gpu:
     """The table's entry for --gpu NAME (one with a memory size); GcbenchError naming the known ones."""
     known = [g for g in GPUS if g.memory_mib is not None]
+    if "," in name:
+        raise GcbenchError(f"--gpu takes one card, got {name!r}: give each card a command of its own")
     for g in known:
         if g.name == name.strip().lower():
             return g

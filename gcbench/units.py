@@ -19,16 +19,26 @@ MAX_BYTES = 2**60  # 1 EiB: a size past this is a typo, and past 2**63 no longer
 
 
 def parse_bytes(text: str, option: str = "") -> int:
-    """'2GiB' -> 2147483648, '500MB' -> 500000000 (GiB = 2**30, GB = 10**9; a bare number is bytes). `option`: the
-    option it was given to (--memory), named first in the error."""
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, '512B' -> 512 (GiB = 2**30, GB = 10**9). A number without its
+    unit is refused: `--gpu-memory 80` meant 80 GiB or 80 GB, not 80 bytes (an int from a file or the Python API is
+    bytes: `checked_bytes`). `option`: the option it was given to (--memory), named first in the error."""
     lead = f"{option}: " if option else ""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
         raise GcbenchError(f"{lead}cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not m.group(2):
+        number = m.group(1)
+        raise GcbenchError(f"{lead}size {text!r} has no unit: write {number}GiB, {number}GB or {number}B (bytes)")
+    return checked_bytes(float(m.group(1)) * _UNITS[m.group(2).upper()], text, lead)
+
+
+def checked_bytes(value: float, text: object = None, lead: str = "") -> int:
+    """`value` bytes as an int, refused below 1 byte or beyond MAX_BYTES (`text`: how it was given, for the
+    error)."""
+    shown = repr(text if text is not None else value)
     if not 1 <= value <= MAX_BYTES:
-        raise GcbenchError(f"{lead}size {text!r} must be at least 1 byte" if value < 1 else
-                           f"{lead}size {text!r} is beyond any memory (at most {fmt_bytes(MAX_BYTES)})")
+        raise GcbenchError(f"{lead}size {shown} must be at least 1 byte" if value < 1 else
+                           f"{lead}size {shown} is beyond any memory (at most {fmt_bytes(MAX_BYTES)})")
     return int(value)
 
 

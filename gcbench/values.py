@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcbench.errors import GcbenchError
-from gcbench.units import parse_bytes
+from gcbench.units import checked_bytes, parse_bytes
 
 AUTO = "auto"  # --steps auto, --threads auto, --device auto
 
@@ -25,8 +25,12 @@ def shown(value: Any, most: int = 60) -> str:
 
 
 def split_items(text: str) -> list[str]:
-    """A comma list as typed: "512,1024" -> ["512", "1024"]."""
-    return [s.strip() for s in text.split(",") if s.strip()]
+    """A comma list as typed: "512,1024" -> ["512", "1024"]; an empty item ("512,,1024", "512,") is refused, not
+    skipped: a value may have been lost in typing. Empty text is no items (the caller says what that means)."""
+    items = [s.strip() for s in text.split(",")]
+    if any(items) and not all(items):
+        raise GcbenchError(f"an empty item in {shown(text)} (a value between two commas, or after the last)")
+    return [s for s in items if s]
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ class Device(Name):
 
 @dataclass(frozen=True)
 class Size(Kind):
-    """A positive number of bytes: 2GiB, 500MB, 1073741824."""
+    """A positive number of bytes: text with its unit (2GiB, 500MB, 512B), or an int (bytes: a file's, the API's)."""
 
     metavar = "SIZE"
     python_type = "int"
@@ -179,10 +183,7 @@ class Size(Kind):
     def parse(self, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise GcbenchError(f"expected a size such as 2GiB, got {shown(value)}")
-        size = parse_bytes(str(value))  # an int is bytes: the checks of a size typed
-        if size <= 0:
-            raise GcbenchError(f"must be a positive size, got {shown(value)}")
-        return size
+        return checked_bytes(value) if isinstance(value, int) else parse_bytes(value)  # an int is bytes
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gcbench.cli import app
+from gcbench.errors import GcbenchError
 from gcbench.resolved import resolve
 from gcbench.results import store
 from gcbench.results.schema import SCHEMA_VERSION, new_record
@@ -174,6 +175,36 @@ def test_run_onto_a_torn_last_line_repairs_it_then_appends(tmp_path):
     assert "removed a truncated last line" in result.stderr
     lines = out.read_text().splitlines()
     assert len(lines) == 2 and lines[0] == good and json.loads(lines[1])["status"] == "ok"
+
+
+@pytest.mark.parametrize("text", ["hello", "hello\n", "notes\nmore notes"])
+def test_a_file_whose_last_line_is_no_record_is_refused_never_cut_or_appended_to(tmp_path, no_measuring, text):
+    # Only a line that starts as a record does ("{") can be one a killed writer cut short: "hello" says the file is
+    # not a results file, which `--out` by mistake must not cut a line off or write a record after.
+    out = tmp_path / "notes.txt"
+    out.write_text(text)
+    refused(runner.invoke(app, [*RUN, "--out", str(out)]), "notes.txt:", "corrupt results line")
+    refused(runner.invoke(app, ["report", str(out)]), "notes.txt:", "corrupt results line")
+    assert out.read_text() == text
+    from gcbench.results.store import append_record
+
+    if not text.endswith("\n"):  # where the append itself would have cut the line off as a torn record
+        with pytest.raises(GcbenchError, match="its last line is not a gcbench record"):
+            append_record(out, {"schema_version": SCHEMA_VERSION})
+        assert out.read_text() == text
+
+
+@pytest.mark.parametrize("option, value", [("--seq", "32,,64"), ("--policy", "none,"), ("--batch", ",1")])
+def test_an_empty_item_in_a_comma_list_is_refused_not_skipped(tmp_path, option, value):
+    given = {"--seq": "32", "--batch": "1", option: value}
+    args = ["sweep", "--model", "tiny-llama", *(x for item in given.items() for x in item), "--device", "cpu",
+            "--dry-run", "--out", str(tmp_path / "s.jsonl")]
+    refused(runner.invoke(app, args), option, "an empty item", repr(value))
+
+
+def test_several_cards_for_gpu_are_refused_as_such():
+    refused(runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "32", "--method", "analytic", "--gpu",
+                                "rtx4090-24gb,a100-80gb"]), "--gpu takes one card", "a command of its own")
 
 
 def test_run_onto_a_newer_schema_is_refused_before_measuring(tmp_path, no_measuring):
@@ -362,6 +393,26 @@ def test_sizes_below_a_byte_or_beyond_any_memory_are_refused(text):
 
     with pytest.raises(GcbenchError):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("args", [
+    [*RUN, "--memory-cap", "12"],
+    ["estimate", "--model", "tiny-llama", "--seq", "32", "--method", "analytic", "--gpu-memory", "80"],
+    ["fit", "--model", "tiny-llama", "--seq", "32", "--device", "cpu", "--memory", "12"],
+])
+def test_a_size_without_its_unit_is_refused_not_read_as_bytes(tmp_path, no_measuring, args):
+    # `--gpu-memory 80` meant 80 GiB or GB: read as 80 bytes it made every estimate "does not fit"
+    refused(runner.invoke(app, [*args, "--out", str(tmp_path / "r.jsonl")] if args[0] != "estimate" else args),
+            "has no unit", "GiB")
+
+
+def test_a_size_as_an_int_from_a_file_or_the_api_is_bytes():
+    from gcbench.fields import BY_NAME
+
+    size = BY_NAME["memory_cap_bytes"].kind
+    assert size.parse(5 * 2**20) == 5 * 2**20 == size.parse("5MiB")
+    with pytest.raises(GcbenchError, match="has no unit"):
+        size.parse("5242880")
 
 
 class FakeNvml:

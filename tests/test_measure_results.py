@@ -232,8 +232,8 @@ def test_peak_flops_table():
 def test_parse_bytes_units():
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9
-    assert parse_bytes("512") == 512
-    for bad in ("lots", "-1GiB", "0", "3 parsecs"):
+    assert parse_bytes("512B") == 512
+    for bad in ("lots", "-1GiB", "0B", "3 parsecs"):
         with pytest.raises(GcbenchError):
             parse_bytes(bad)
 

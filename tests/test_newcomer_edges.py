@@ -119,8 +119,9 @@ def test_the_compile_warning_on_cpu_is_a_whole_sentence():
     (["fit", "--memory", "-1", "--isolation", "none"], "--memory: cannot read '-1' as a size"),
     (["fit", "--memory", "1XB", "--levers", "policy"], "--memory: cannot read '1XB' as a size"),
     (["estimate", "--gpu-memory", "-1"], "--gpu-memory: cannot read '-1' as a size"),
-    (["estimate", "--fit", "--gpu-memory", "0"], "--gpu-memory: size '0' must be at least 1 byte"),
-    (["run", "--batch", "1", "--memory-cap", "0"], "--memory-cap: size '0' must be at least 1 byte"),
+    (["estimate", "--fit", "--gpu-memory", "0B"], "--gpu-memory: size '0B' must be at least 1 byte"),
+    (["run", "--batch", "1", "--memory-cap", "0B"], "--memory-cap: size '0B' must be at least 1 byte"),
+    (["run", "--batch", "1", "--memory-cap", "0"], "--memory-cap: size '0' has no unit: write 0GiB, 0GB or 0B (bytes)"),
 ])
 def test_a_bad_size_names_its_option(tmp_path, args, message):
     """"cannot read '-1' as a size" did not say which option (issue 48)."""
