@@ -63,8 +63,9 @@ def load_results(paths: Iterable[str | Path]) -> tuple[pd.DataFrame, list[str]]:
         files = result_files(paths)
         df = load(*files)
     notes = [str(w.message) for w in caught]
-    if df.empty:
-        raise GcbenchError(f"no records in {', '.join(map(str, files))} (empty results)")
+    if df.empty:  # a file whose one line is not a record was skipped as a torn last line: say so, not "empty"
+        raise GcbenchError(f"no records in {', '.join(map(str, files))} "
+                           + (f"({notes[0]})" if notes else "(empty results)"))
     empty = sorted({str(f) for f in files} - set(df["source"]))
     notes += [f"{f}: no records (empty file), left out" for f in empty]
     return df, notes

@@ -127,7 +127,7 @@ def _rewrite(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> Rewrit
     try:
         with signals_held():
             _remove_stale_temporaries(path)  # under the lock: a writer killed mid-rewrite left them
-            dropped = drop_torn_tail(fd)  # a writer killed mid-line: cut off in place first
+            dropped = drop_torn_tail(fd, str(path))  # a writer killed mid-line: cut off in place first
             os.fsync(fd)
             lines = _read_all(fd).splitlines(keepends=True)
             changed = change(lines)

@@ -112,7 +112,7 @@ def append_record(path: Path, record: dict[str, Any], written: Callable[[], None
     fd, created = open_locked(path, create=True)  # type: ignore[misc]
     try:
         with signals_held():
-            dropped = drop_torn_tail(fd)
+            dropped = drop_torn_tail(fd, str(path))
             size = os.fstat(fd).st_size
             try:
                 _write_all(fd, data)
@@ -223,9 +223,17 @@ def lock_holder(fd: int) -> int | None:
     return None
 
 
-def drop_torn_tail(fd: int) -> str | None:
-    """Cut the last line off the file when it lacks its newline and is not a whole JSON object; return it. A whole
-    object without a newline (written by hand) stays: a newline is added after it."""
+def torn_record(line: str | bytes) -> bool:
+    """Whether an unreadable last line can be a record cut short (a writer killed mid-line): a record's line starts
+    with its "{", so a cut one does too. Any other line ("hello") says the file is not a results file: refused,
+    never cut off or written after."""
+    return line.lstrip()[:1] in ("{", b"{")
+
+
+def drop_torn_tail(fd: int, where: str) -> str | None:
+    """Cut the last line off the file when it lacks its newline and is a record cut short (`torn_record`); return
+    it. A whole object without a newline (written by hand) stays: a newline is added after it. Any other last line
+    is a GcbenchError naming `where` (the file): nothing is cut or written."""
     size = os.fstat(fd).st_size
     if not size or os.pread(fd, 1, size - 1) == b"\n":
         return None
@@ -245,6 +253,9 @@ def drop_torn_tail(fd: int) -> str | None:
             return None
     except (ValueError, RecursionError):
         pass
+    if not torn_record(tail):
+        raise GcbenchError(f"{where}: its last line is not a gcbench record ({tail[:40].decode(errors='replace')!r})"
+                           ": not a results file? Nothing was written to it")
     os.ftruncate(fd, start)
     return tail.decode(errors="replace")
 
@@ -265,7 +276,7 @@ def drop_truncated_last_line(path: Path) -> str | None:
     fd = opened[0]
     try:
         with signals_held():
-            dropped = drop_torn_tail(fd)
+            dropped = drop_torn_tail(fd, str(path))
             os.fsync(fd)
         return dropped
     finally:
@@ -301,10 +312,11 @@ def parse_records(lines: list[str], where: str) -> list[tuple[int, dict[str, Any
         except BeyondRecords as e:  # a whole line, not one cut short: refused wherever it stands
             raise GcbenchError(f"{where}:{i}: corrupt results line ({e})") from None
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than the JSON parser follows
-            if i == len(lines):
+            if i == len(lines) and torn_record(line):
                 warnings.warn(f"{where}:{i}: ignoring a truncated last line (an interrupted run)", stacklevel=3)
                 continue
-            raise GcbenchError(f"{where}:{i}: corrupt results line (not a JSON object)") from None
+            raise GcbenchError(f"{where}:{i}: corrupt results line (not a JSON object): mend or delete that line "
+                               "to read this file or add to it") from None
         version = record.get("schema_version")
         if version not in READABLE_VERSIONS or isinstance(version, bool):  # true == 1 in Python, not in a schema
             newer = isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION
