@@ -276,7 +276,24 @@ def print_comparison(console: Console, c: Comparison, thresholds: dict[str, floa
         for line in c.regressions:
             console.print(f"  {markup(line)}")
     elif thresholds:
-        console.print(f"[green]no regression past --fail {markup(fail)}[/]")
+        line, complete = verdict(c, thresholds, fail)
+        console.print(f"[{'green' if complete else 'yellow'}]{markup(line)}[/]")
+
+
+def verdict(c: Comparison, thresholds: dict[str, float], fail: str | None) -> tuple[str, bool]:
+    """The line a comparison without regressions ends with, and whether it checked everything: how many of the
+    configs in both runs each threshold was checked on (a step time only where both runs trust theirs), and the
+    configs in OLD that NEW lacks. "No regression" over configs never checked would claim what was not tested."""
+    n = len(c.matched)
+    both_ok = (c.matched["status_old"] == Status.OK) & (c.matched["status_new"] == Status.OK)
+    timed = both_ok & ~c.matched["time_why_not"].map(given)
+    parts = [f"{METRICS[key][1]} checked on {int((both_ok if key == 'peak' else timed).sum())} of {n}"
+             for key in thresholds]
+    complete = all(int((both_ok if key == "peak" else timed).sum()) == n for key in thresholds) and not c.only_old
+    line = f"no regression past --fail {fail} in the {n} config(s) of both runs ({', '.join(parts)})"
+    if c.only_old:
+        line += f"; {len(c.only_old)} config(s) only in OLD not checked"
+    return line, complete
 
 
 def _print_label(console: Console, label: str, indent: str) -> None:

@@ -107,6 +107,8 @@ def test_two_sweeps_of_the_same_commit_under_a_load_shift_report_no_regression(t
     assert result.exit_code == 0, result.output
     assert "no regression past --fail" in result.stdout and "step times not compared (never a regression): 16" \
         in result.stdout
+    # ... and the verdict says that no step time was checked, rather than passing them
+    assert "(peak memory checked on 16 of 16, step time checked on 0 of 16)" in " ".join(result.stdout.split())
     assert "  timing not trusted: NEW: other processes busy:\n    seq 32 · batch 1 · every-k:k=2\n" in result.stdout
     assert len(compare_results(*frames(tmp_path, old, new), {"time": 0.10}).not_compared) == 16
     ratio = compare_results(*frames(tmp_path, old, new), {"time": 0.05}, by="ratio")
@@ -143,6 +145,18 @@ def test_sweeps_of_the_same_commit_with_correlated_steps_report_no_regression(tm
     assert regressions == []
     result = invoke(tmp_path, old, new, "--fail", "peak:5%,time:10%")
     assert result.exit_code == 0 and "no regression past --fail peak:5%,time:10%" in result.stdout
+
+
+def test_configs_new_lacks_are_named_in_the_verdict_not_passed(tmp_path):
+    old = sweep(1)
+    new = [r for r in sweep(2) if r["policy"] != "full"]  # the NEW sweep lost a policy
+    result = invoke(tmp_path, old, new, "--fail", "peak:5%")
+    verdict = " ".join(result.stdout.split())
+    assert result.exit_code == 0, result.output
+    lost = len(old) - len(new)
+    assert lost > 0 and f"only in OLD (not compared): {lost}" in verdict
+    assert (f"in the {len(new)} config(s) of both runs (peak memory checked on {len(new)} of {len(new)}); {lost} "
+            f"config(s) only in OLD not checked") in verdict
 
 
 # ---------------------------------------------------------------------------------------------- a real regression
