@@ -22,7 +22,7 @@ from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption,
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
 from gcbench.gpus import gpu as gpu_entry, memory_to_fit
-from gcbench.grid import one_value_each
+from gcbench.grid import DEFAULT_POLICIES, REQUIRED, one_value_each
 from gcbench.results.schema import Status
 from gcbench.spec import RunSpec
 from gcbench.text import markup, plain
@@ -34,6 +34,9 @@ console = Console()
 err_console = Console(stderr=True)
 
 DEFAULT_OUT = Path("results/runs.jsonl")
+# What `sweep --help` says of the fields a sweep defaults itself or requires (grid.SweepSpec), not RunSpec's defaults
+SWEEP_SHOWN = {"policy": f"default: {','.join(DEFAULT_POLICIES)}, those the model allows",
+               **{name: "required, here or in --config" for name in REQUIRED}}
 
 
 def _print_version(value: bool) -> None:
@@ -188,7 +191,7 @@ def compare(
 
 
 @app.command()
-@with_spec_options(several=ALL)
+@with_spec_options(several=ALL, shown=SWEEP_SHOWN)
 def sweep(
     spec_values: dict[str, Any],
     config: Annotated[Path | None, typer.Option(help="TOML file with the grid (keys: the option names above and "

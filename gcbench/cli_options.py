@@ -73,12 +73,15 @@ _SWITCHES: dict[str, dict[str, str]] = {}  # command -> {its run fields' switch 
 
 
 def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str, ...] | None = None,
-                 defaults: dict[str, Any] | None = None) -> Callable[[Callable], Callable]:
+                 defaults: dict[str, Any] | None = None,
+                 shown: dict[str, str] | None = None) -> Callable[[Callable], Callable]:
     """Give a command one option per run field (fields.py declares them: flag, help, metavar), before its own.
 
     The command receives `spec_values`: {flag: value as typed} for the options given or with a default here
     (`defaults`, by field name; the others keep RunSpec's). `several`: the fields that take comma-separated values
-    here (ALL: every one); `fields`: which RunSpec fields the command has (None: all).
+    here (ALL: every one); `fields`: which RunSpec fields the command has (None: all); `shown`: what the help says
+    in parentheses of a field whose default the command itself applies (a sweep's default policies) or that it
+    requires, instead of RunSpec's default.
     """
     options = {f.name: f for f in RUN_FIELDS if fields is None or f.name in fields}
     defaults = defaults or {}
@@ -94,7 +97,9 @@ def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str,
         for name, opt in options.items():
             many = several == ALL or name in several
             help = opt.help + ("; comma-separated for several" if many and several != ALL else "")
-            if name not in defaults and opt.default not in (None, "", dataclasses.MISSING):
+            if name in (shown or {}):
+                help += f" ({shown[name]})"
+            elif name not in defaults and opt.default not in (None, "", dataclasses.MISSING):
                 help += f" (default: {opt.kind.show(opt.default)})"  # applied by RunSpec, so that a TOML file can set it
             metavar = f"<{opt.kind.metavar.lower()}{',...' if many else ''}>"
             hint = Annotated[str | None, typer.Option(f"--{opt.flag}", help=help, metavar=metavar)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,3 +124,20 @@ def test_the_public_names_stay_the_functions_once_their_modules_are_loaded():
     for name in ("run", "resolve", "estimate", "sweep", "load"):
         assert callable(getattr(gcbench, name)), name
     assert gcbench.resolve.__module__ == "gcbench.resolved" and gcbench.run.__module__ == "gcbench.launch.direct"
+
+
+def test_sweep_help_states_the_defaults_a_sweep_applies_itself():
+    # A sweep without --policy runs grid.DEFAULT_POLICIES, not RunSpec's `none`; model, seq and batch it requires
+    from typer.testing import CliRunner
+
+    from gcbench.cli import app
+    from gcbench.grid import DEFAULT_POLICIES, REQUIRED
+
+    text = " ".join(CliRunner().invoke(app, ["sweep", "--help"], env={"COLUMNS": "200"}).output.replace("│", " ")
+                    .split())
+    assert f"(default: {','.join(DEFAULT_POLICIES)}, those the model allows)" in text
+    assert "(default: none)" not in text.split("--policy")[1].split("--")[0]
+    for name in REQUIRED:
+        flag = BY_NAME[name].flag
+        # within the option's own help: before the next option's name and metavar
+        assert re.search(rf"--{flag} <[^>]+>((?! --[a-z-]+ <).)*\(required, here or in --config\)", text), flag
