@@ -493,3 +493,26 @@ def test_a_sweep_table_with_long_setups_wraps_the_setup_not_the_numbers():
     assert "…" not in text and "peak" in text and max(map(len, text.splitlines())) <= 80
     assert all(f"{r['step_ms_median']:.1f}" in text for r in records)
     assert "lora:r=8,dropout" in text and "chunked:n=4" in text
+
+
+def test_a_simulation_no_run_asked_for_is_left_out_not_shown_as_failed(tmp_path, records):
+    # `--predict off` (the default) records carry analytic's prediction only: a simulate column of "-" would read
+    # as "cannot predict"; it is left out and the caption says why. A mix marks the runs that did not ask "off".
+    predicted = without_predictions(records)
+    ok = [r for r in predicted if r["status"] == "ok"]
+    for r in ok:
+        r["predict"], r["predicted_peak_bytes_analytic"] = False, round(r["peak_tracked_bytes"] * 0.9)
+    result = runner.invoke(app, ["report", str(write(tmp_path / "r.jsonl", predicted)), "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    md = (tmp_path / "a" / "report.md").read_text()
+    section = md[md.index("### Prediction error per method"):md.index("### Figures")]
+    assert "simulate error" not in section and "analytic error" in section
+    assert "No simulate column: these runs did not ask for the simulation (--predict on adds it)." in section
+    ok[0]["predict"], ok[0]["predicted_peak_bytes_simulate"] = True, round(ok[0]["peak_tracked_bytes"] * 1.02)
+    result = runner.invoke(app, ["report", str(write(tmp_path / "m.jsonl", predicted)), "--out", str(tmp_path / "m")])
+    md = (tmp_path / "m" / "report.md").read_text()
+    section = md[md.index("### Prediction error per method"):md.index("### Figures")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:1 + len(ok)]
+    assert sorted("+2.0%" in row for row in rows) == [False] * (len(ok) - 1) + [True]
+    assert sum("| off |" in row for row in rows) == len(ok) - 1
+    assert "off = this run did not ask for the simulation (--predict on)." in section

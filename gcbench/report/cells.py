@@ -231,27 +231,38 @@ PREDICTION_METHODS = ("simulate", "analytic")
 
 def prediction_grid(part: pd.DataFrame) -> Grid | None:
     """For one device and setup: per measured config, each prediction method's error against the measured peak,
-    then the median and worst absolute error per method; None when no record carries per-method predictions."""
+    then the median and worst absolute error per method; None when no record carries per-method predictions. A run
+    simulates only when asked (`--predict on`): its simulate cell says `off` where it was not, and a column no
+    record asked for is left out, said so in the caption, rather than shown as predictions that failed."""
     columns = [f"predicted_peak_bytes_{m}" for m in PREDICTION_METHODS]
     ok = part[(part["status"] == "ok") & part["peak_bytes"].notna() & part[columns].notna().any(axis=1)]
     if ok.empty:
         return None
+    asked = {m: ok["predict"].map(lambda v: v is True or v == "on") if m == "simulate" and "predict" in ok
+             else pd.Series(True, index=ok.index) for m in PREDICTION_METHODS}
+    asked = {m: a | ok[f"predicted_peak_bytes_{m}"].notna() for m, a in asked.items()}  # records before the field
+    methods = [m for m in PREDICTION_METHODS if asked[m].any()]
     scale, unit = byte_unit(ok["peak_bytes"].max())
-    errors = {m: ok[f"predicted_peak_bytes_{m}"] / ok["peak_bytes"] - 1 for m in PREDICTION_METHODS}
+    errors = {m: ok[f"predicted_peak_bytes_{m}"] / ok["peak_bytes"] - 1 for m in methods}
     pct = lambda v: f"{round(v, 3) or 0.0:+.1%}" if given(v) else "-"  # noqa: E731 - never "-0.0%"
     rows = [[str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], f"{r['peak_bytes'] / scale:,.2f}",
-             *(pct(errors[m][i]) for m in PREDICTION_METHODS)] for i, r in ok.iterrows()]
+             *(pct(errors[m][i]) if asked[m][i] else "off" for m in methods)] for i, r in ok.iterrows()]
     for label, stat in (("median |error|", "median"), ("worst |error|", "max")):
         rows.append(["", "", label, "", *(f"{getattr(errors[m].abs(), stat)():.1%}" if errors[m].notna().any()
-                                          else "-" for m in PREDICTION_METHODS)])
-    return Grid(["seq", "batch", "policy", f"measured {unit}", *(f"{m} error" for m in PREDICTION_METHODS)], rows,
+                                          else "-" for m in methods)])
+    missing = [m for m in PREDICTION_METHODS if m not in methods]
+    off = " off = this run did not ask for the simulation (--predict on)." if any(
+        not asked[m].all() for m in methods) else ""
+    return Grid(["seq", "batch", "policy", f"measured {unit}", *(f"{m} error" for m in methods)], rows,
                 title=f"prediction error · {part['setup'].iloc[0]}",
                 caption=f"error = predicted / measured peak - 1, measured = {part['peak_label'].iloc[0]}; median and "
                         "worst over the configs each method predicts; - = the method cannot predict this policy "
-                        "(analytic knows the block-grouping ones)."
+                        "(analytic knows the block-grouping ones)." + off
+                        + (f" No {', '.join(missing)} column: these runs did not ask for the simulation (--predict "
+                           "on adds it)." if missing else "")
                         + (" Sharded: both per rank, measured = the rank that peaked highest (docs/scale.md)."
                            if "shard" in part and (part["shard"] == "fsdp2").any() else ""),
-                numeric={0, 1, 3, 4, 5}, section_ends={len(rows) - 3}, keys=3)
+                numeric={0, 1, *range(3, 4 + len(methods))}, section_ends={len(rows) - 3}, keys=3)
 
 
 def environment_grid(dev: pd.DataFrame) -> Grid:
