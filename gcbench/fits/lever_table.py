@@ -59,7 +59,7 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
                 f"{best / r.flops_per_token:.3f}" if best and r.flops_per_token else "-"
             table.add_row(str(i) if head == i else f"={head}", markup(r.words()), f"{r.micro_batch} x {r.accum}",
                           fmt_bytes(r.peak), value, r.method)
-        lines = [*caption, f"PREDICTED, nothing ran; {len(fitting)} of {len(rows)} fit; batch {fitting[0].micro_batch} "
+        lines = [*caption, f"PREDICTED beforehand; {len(fitting)} of {len(rows)} fit; batch {fitting[0].micro_batch} "
                  f"x {fitting[0].accum} = micro-batch x accumulation",
                  "tokens/s = micro-batch x accumulation x seq / the step time predicted on the card "
                  f"(docs/methodology.md, \"Predicting step time\"); =N: not told apart from row N (each within "
