@@ -32,7 +32,7 @@ from gcbench.results.frame import FAILED, GROUP_KEYS, given, latest_per_group, p
 from gcbench.results.schema import NoteKind, Status, note_kinds, timing_notes_of
 from gcbench.results.stats import Stats, clearly_different
 from gcbench.text import fits, markup, plain
-from gcbench.units import byte_unit
+from gcbench.units import byte_unit, fmt_change
 
 # --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
 METRICS = {
@@ -386,4 +386,4 @@ def _change(change: float, sign: int, limit: float | None, mark: str = "") -> Te
     past = limit is not None and worse > limit
     style = ("bold red" if not mark else "yellow" if mark == NOISE else "dim") if past else \
         "green" if worse < 0 and not mark else ""
-    return Text(f"{change:+.1%}{mark}", style=style)
+    return Text(f"{fmt_change(change)}{mark}", style=style)

@@ -52,6 +52,12 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
+def fmt_change(fraction: float) -> str:
+    """A relative change or error as a signed percentage, one decimal: 0.123 -> '+12.3%'; never '-0.0%' (a
+    change that rounds to nothing has no sign)."""
+    return f"{round(fraction, 3) or 0.0:+.1%}"
+
+
 def human_count(n: float | None, unit: str = "") -> str:
     """1.5e9 -> '1.50 G' + unit (decimal prefixes: FLOPs, parameters, tokens)."""
     if n is None:

@@ -229,6 +229,13 @@ def test_peak_flops_table():
     assert peak_flops("Some Future GPU") is None
 
 
+def test_a_change_that_rounds_to_nothing_has_no_sign():
+    from gcbench.units import fmt_change
+
+    assert [fmt_change(x) for x in (-0.0004, 0.0, 0.0004, 0.123, -0.0456)] == ["+0.0%", "+0.0%", "+0.0%", "+12.3%",
+                                                                              "-4.6%"]
+
+
 def test_parse_bytes_units():
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9

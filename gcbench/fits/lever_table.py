@@ -17,7 +17,7 @@ from rich.text import Text
 from gcbench.fits.levers import ADAPTERS, DEFAULT_TOP, FULL, TIED, LeverPlan, Row, tier_heads
 from gcbench.results.schema import Status, peak_bytes
 from gcbench.text import markup, plain
-from gcbench.units import fmt_bytes, plural
+from gcbench.units import fmt_bytes, fmt_change, plural
 
 REASONS_SHOWN = 4  # "not ranked" reasons under a table, each on its own line; the rest together on one
 # the install hint of an optimizer's or an adapter's check_installed
@@ -108,7 +108,7 @@ def verification_lines(row: Row, record: Mapping[str, Any], out: Any) -> list[st
         return [plain(f"{head} FAILED: {record.get('status')}" + (f": {error}" if error else "")),
                 f"record in {plain(out)}"]
     measured = peak_bytes(record)
-    error = f" ({(row.peak - measured) / measured:+.1%} predicted vs measured)" if measured and row.peak else ""
+    error = f" ({fmt_change((row.peak - measured) / measured)} predicted vs measured)" if measured and row.peak else ""
     return [plain(f"{head}: ok"),
             f"peak: measured {fmt_bytes(measured)}, predicted {fmt_bytes(row.peak)}{error}",
             f"tokens/s: measured {record.get('tokens_per_s') or 0:,.0f}"

@@ -11,7 +11,7 @@ import pandas as pd
 
 from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank, without_fit_trials
 from gcbench.results.schema import PHASE_SHORT, note_kinds
-from gcbench.units import byte_unit, fmt_bytes, plural
+from gcbench.units import byte_unit, fmt_bytes, fmt_change, plural
 
 ENV_ROWS = [  # (label, column) of the environment table; rows without any value are left out
     ("gcbench", "env.gcbench"), ("git commit", "env.git_sha"), ("python", "env.python"), ("torch", "env.torch"),
@@ -81,7 +81,7 @@ def results_grid(part: pd.DataFrame) -> Grid:
                f"+{r['recompute_flops_ratio']:.1%}" if ok and given(r["recompute_flops_ratio"]) else "-"]
         if predicted:
             row += [size(r["predicted_peak_bytes"]),
-                    f"{r['prediction_error']:+.1%}" if ok and given(r["prediction_error"]) else "-"]
+                    fmt_change(r["prediction_error"]) if ok and given(r["prediction_error"]) else "-"]
         if planned:
             row.append(r["plan_mix_text"] if given(r["plan_mix_text"]) else "")
         rows.append(row)
@@ -244,7 +244,7 @@ def prediction_grid(part: pd.DataFrame) -> Grid | None:
     methods = [m for m in PREDICTION_METHODS if asked[m].any()]
     scale, unit = byte_unit(ok["peak_bytes"].max())
     errors = {m: ok[f"predicted_peak_bytes_{m}"] / ok["peak_bytes"] - 1 for m in methods}
-    pct = lambda v: f"{round(v, 3) or 0.0:+.1%}" if given(v) else "-"  # noqa: E731 - never "-0.0%"
+    pct = lambda v: fmt_change(v) if given(v) else "-"  # noqa: E731
     rows = [[str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], f"{r['peak_bytes'] / scale:,.2f}",
              *(pct(errors[m][i]) if asked[m][i] else "off" for m in methods)] for i, r in ok.iterrows()]
     for label, stat in (("median |error|", "median"), ("worst |error|", "max")):

@@ -14,7 +14,7 @@ from gcbench.fields import DeviceKind
 from gcbench.text import markup
 from gcbench.results.schema import (PHASE_SHORT, PHASES, blocks_text, half_width, lever_text, mix_text, peak_bytes,
                                     policy_label)
-from gcbench.units import fmt_bytes, human_count, plural
+from gcbench.units import fmt_bytes, fmt_change, human_count, plural
 
 
 def run_table(record: dict[str, Any]) -> Table:
@@ -59,7 +59,7 @@ def run_table(record: dict[str, Any]) -> Table:
     if record.get("predicted_peak_bytes") and measured:
         error = record["predicted_peak_bytes"] / measured - 1
         table.add_row("predicted peak", fmt_bytes(record["predicted_peak_bytes"]),
-                      f"{record.get('prediction_method')} before the run, {error:+.1%} vs measured")
+                      f"{record.get('prediction_method')} before the run, {fmt_change(error)} vs measured")
     elif not record.get("predicted_peak_bytes") and not compiled:
         table.add_row("predicted peak", "[dim]not predicted[/]", "the analytic formulas do not cover this "
                       "setup; --predict simulates it before the run")
@@ -101,7 +101,7 @@ def run_table(record: dict[str, Any]) -> Table:
     if record.get("predicted_step_ms"):  # a CUDA run on a card the time model has rates for (--predict on)
         error = record["predicted_step_ms"] / record["step_ms_median"] - 1
         table.add_row("predicted step time", f"{record['predicted_step_ms']:.1f} ms",
-                      f"the simulated step played on this card, {error:+.1%} vs measured (docs/methodology.md)")
+                      f"the simulated step played on this card, {fmt_change(error)} vs measured (docs/methodology.md)")
     if "timing_stable" in record:
         stable = record["timing_stable"]
         table.add_row("timing", "[green]stable[/]" if stable else "[bold yellow]not trusted[/]",
@@ -116,7 +116,7 @@ def run_table(record: dict[str, Any]) -> Table:
     else:
         table.add_row("recompute FLOPs", "-" if ratio is None else f"+{ratio:.1%}",
                       f"{human_count(record['flops'], 'FLOP')} per step vs "
-                      f"{human_count(record['model_flops'], 'FLOP')}")
+                      f"{human_count(record['model_flops'], 'FLOP')} (matmuls and attention)")
     if record.get("mfu") is not None:
         table.add_row("MFU", f"{record['mfu']:.1%}", "model FLOPs / step time / dense bf16 peak")
     return table
