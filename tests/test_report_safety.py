@@ -481,3 +481,18 @@ def test_spread_keeps_labels_apart_near_their_points():
     assert placed[1] == pytest.approx(10.5) and placed[3] == 50.0  # centred on the crowd; the loner stays put
     top = spread([97.0, 98.0, 99.0], gap=2.0, low=0.0, high=99.0)
     assert top == pytest.approx([95.0, 97.0, 99.0])  # pushed down, not out of the panel
+
+
+def test_a_failures_text_in_the_sweeps_end_table_reaches_the_terminal_plain(records):
+    # the end table's numbered notes quote each record's error and paired_error (a resumed sweep reads them back)
+    from rich.console import Console
+
+    from gcbench.report.sweep_tables import summary_table
+
+    bad = copy.deepcopy(records)
+    for r in bad:
+        r["error"], r["paired_error"] = f"boom{EVIL}", f"unpaired{EVIL}"
+    console = Console(width=200, record=True, force_terminal=False)
+    console.print(summary_table(bad, 200))
+    shown = console.export_text()
+    assert "\x1b" not in shown and "boomRED" in shown.replace("\n", "")

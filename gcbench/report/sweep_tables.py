@@ -11,7 +11,6 @@ from typing import Any
 import pandas as pd
 from rich import box
 from rich.console import Group
-from rich.markup import escape
 from rich.table import Table
 
 from gcbench.report.cells import OTHER_BASELINE, largest_fit_grid, time_ratio_text
@@ -119,7 +118,7 @@ def summary_table(records: list[dict[str, Any]], width: int | None = None) -> Ta
                            f"at 1.00x{OTHER_BASELINE}")
     if len(frame) and frame["timing_stable"].map(_false).any():
         caption.append("~step ms = timing not trusted (the note says why; each record's timing_notes has the numbers)")
-    caption += [f"({n}) {escape(text)}" for text, n in notes.items()]
+    caption += [f"({n}) {markup(text, lines=True)}" for text, n in notes.items()]
     setups = len(frame) > 0 and (frame["setup"] != "").any()
     dropped = {c for c, keep in (("model", len(models) > 1), ("setup", setups), ("time x", paired),
                                  ("note", bool(notes))) if not keep}
