@@ -284,12 +284,15 @@ def verdict(c: Comparison, thresholds: dict[str, float], fail: str | None) -> tu
     """The line a comparison without regressions ends with, and whether it checked everything: how many of the
     configs in both runs each threshold was checked on (a step time only where both runs trust theirs), and the
     configs in OLD that NEW lacks. "No regression" over configs never checked would claim what was not tested."""
-    n = len(c.matched)
-    both_ok = (c.matched["status_old"] == Status.OK) & (c.matched["status_new"] == Status.OK)
-    timed = both_ok & ~c.matched["time_why_not"].map(given)
-    parts = [f"{METRICS[key][1]} checked on {int((both_ok if key == 'peak' else timed).sum())} of {n}"
-             for key in thresholds]
-    complete = all(int((both_ok if key == "peak" else timed).sum()) == n for key in thresholds) and not c.only_old
+    m, n = c.matched, len(c.matched)
+    timed = ~m["time_why_not"].map(given)
+    # a threshold was checked where its change is a number: both ran ok and both have the value (a compiled CPU run
+    # has no peak), and for a time, where both runs' times may be compared
+    checked = {key: int((m["peak_change"].notna() if key == "peak" else
+                         timed & m["ratio_change" if c.by == "ratio" else f"{key}_change"].notna()).sum())
+               for key in thresholds}
+    parts = [f"{METRICS[key][1]} checked on {k} of {n}" for key, k in checked.items()]
+    complete = all(k == n for k in checked.values()) and not c.only_old
     line = f"no regression past --fail {fail} in the {n} config(s) of both runs ({', '.join(parts)})"
     if c.only_old:
         line += f"; {len(c.only_old)} config(s) only in OLD not checked"

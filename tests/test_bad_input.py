@@ -166,9 +166,14 @@ def test_a_sweep_that_cannot_fit_at_all_starts_no_child(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def a_record() -> str:
+    """A record as a line of a results file (a config that has not run: the checks of a record pass)."""
+    return json.dumps(new_record(resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu")).as_record()))
+
+
 def test_run_onto_a_torn_last_line_repairs_it_then_appends(tmp_path):
     out = tmp_path / "r.jsonl"
-    good = json.dumps(new_record(resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu")).as_record()))
+    good = a_record()
     out.write_text(good + "\n" + '{"schema_version": 1, "mod')
     result = runner.invoke(app, [*RUN, "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -227,7 +232,7 @@ def _disk_fills_up(monkeypatch, after: int = 10):
 @pytest.mark.parametrize("existing", [True, False])
 def test_full_disk_leaves_the_file_as_it_was_and_prints_the_record(tmp_path, monkeypatch, existing):
     out = tmp_path / "r.jsonl"
-    before = json.dumps({"schema_version": SCHEMA_VERSION, "status": "ok"}) + "\n"
+    before = a_record() + "\n"
     if existing:
         out.write_text(before)
     _disk_fills_up(monkeypatch)
@@ -285,7 +290,7 @@ def test_ctrl_c_during_run_says_nothing_was_written(tmp_path, monkeypatch):
 
 def test_ctrl_c_while_the_record_is_written_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     out = tmp_path / "r.jsonl"
-    out.write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n")
+    out.write_text(a_record() + "\n")
     before = out.read_bytes()
 
     def write_all(fd, data):

@@ -18,7 +18,7 @@ from gcbench.heap import collect_garbage, heap_grew
 from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops
 from gcbench.timing import Stats
 from gcbench.results.frame import load
-from gcbench.results.store import append_record, read_records
+from gcbench.results.store import append_record, check_appendable, read_records
 from gcbench.units import parse_bytes
 
 
@@ -269,7 +269,7 @@ def test_other_schema_version_is_refused(tmp_path):
 
 def test_load_is_a_dataframe_with_env_columns(tmp_path):
     head = {"schema_version": 1, "model": "tiny-llama", "batch_size": 1, "policy": "none", "device": "cpu",
-            "status": "ok"}
+            "status": "ok", "step_ms_median": 10.0}
     for seq in (32, 64):
         append_record(tmp_path / "r.jsonl", {**head, "seq_len": seq, "env": {"torch": "x"}})
     with warnings.catch_warnings():
@@ -284,15 +284,27 @@ def test_load_is_a_dataframe_with_env_columns(tmp_path):
     ({"seq_len": "abc"}, "seq_len is 'abc', not an int"), ({"batch_size": None}, "batch_size is None"),
     ({"status": "weird"}, "unknown status 'weird'"), ({"peak_tracked_bytes": [1]}, "not a number"),
     ({"seq_len": True}, "seq_len is True"), ({"policy_options": [1]}, "not an object"),
+    # every field by the schema's own declarations (results/types.py): a run field by its kind, the others by
+    # schema.Record's annotations; measurements within what a measurement can be
+    ({"seed": "zz"}, "seed: 'zz' is not an integer"), ({"threads": "zz"}, "threads: 'zz' is neither"),
+    ({"seq_len": 0}, "seq_len: must be"), ({"step_ms": [1, "a"]}, "step_ms is [1, 'a'], not a list of finite"),
+    ({"peak_tracked_bytes": float("nan")}, "peak_tracked_bytes is nan, not an int"),
+    ({"step_ms_median": float("inf")}, "not a finite number"), ({"step_ms_median": -3.0}, "outside 0..1e+10"),
+    ({"step_ms_median": 1e308}, "outside 0..1e+10"), ({"time_ratio": 0}, "time_ratio is 0, not above 0"),
+    ({"tokens_per_s": -1.0}, "tokens_per_s is -1.0, below 0"), ({"plan_mix": "x"}, "not an object of ints"),
+    ({"env": {"gcbench": {"a": [1]}}}, "env is"), ({"prediction_method": 5}, "prediction_method is 5, not a string"),
+    ({"fit_id": "f", "fit_vary": "seq", "fit_budget_bytes": 10}, "a fit's trial without its fit_vary"),
 ])
 def test_a_line_that_is_no_record_is_named(tmp_path, change, problem):
     head = {"schema_version": 1, "model": "tiny-llama", "seq_len": 32, "batch_size": 1, "policy": "none",
-            "device": "cpu", "status": "ok"}
+            "device": "cpu", "status": "ok", "step_ms_median": 10.0}
     path = tmp_path / "r.jsonl"
     append_record(path, head)
     append_record(path, {**head, **change})
-    with pytest.raises(GcbenchError, match=f"record 2 is not a gcbench record: .*{re.escape(problem)}"):
+    with pytest.raises(GcbenchError, match=f"r.jsonl:2: not a gcbench record: .*{re.escape(problem)}"):
         load(path)
+    with pytest.raises(GcbenchError, match=f"r.jsonl:2: not a gcbench record: .*{re.escape(problem)}"):
+        check_appendable(path)  # refused before a run or a sweep would add to it
     (tmp_path / "v.jsonl").write_text(json.dumps({**head, "schema_version": True}) + "\n")
     with pytest.raises(GcbenchError, match="schema_version True"):
         load(tmp_path / "v.jsonl")

@@ -75,9 +75,10 @@ def results_grid(part: pd.DataFrame) -> Grid:
         row = [str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], status,
                size(r["peak_bytes"]), PHASE_SHORT.get(r["peak_phase"], "-") if ok else "-",
                ratio(r["peak_x_none"], r), size(r["activation_peak_bytes"]),
-               (("" if r["timing_trusted"] else "~") + f"{r['step_ms_median']:,.1f}") if ok else "-",
-               f"{r['step_ms_iqr']:,.1f}" if ok else "-", time_ratio(r),
-               f"{r['tokens_per_s']:,.0f}" if ok else "-",
+               (("" if r["timing_trusted"] else "~") + f"{r['step_ms_median']:,.1f}")
+               if ok and given(r["step_ms_median"]) else "-",
+               f"{r['step_ms_iqr']:,.1f}" if ok and given(r["step_ms_iqr"]) else "-", time_ratio(r),
+               f"{r['tokens_per_s']:,.0f}" if ok and given(r["tokens_per_s"]) else "-",
                f"+{r['recompute_flops_ratio']:.1%}" if ok and given(r["recompute_flops_ratio"]) else "-"]
         if predicted:
             row += [size(r["predicted_peak_bytes"]),

@@ -23,7 +23,7 @@ from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, Drawn, coinc
                                           policy_ticks)
 from gcbench.report.fit_figures import fit_frontier
 from gcbench.report.prediction_figure import predicted_vs_measured, predicted_vs_measured_time
-from gcbench.results.frame import policy_rank, without_fit_trials
+from gcbench.results.frame import given, policy_rank, without_fit_trials
 from gcbench.units import byte_unit, fmt_bytes
 
 PNG_DPI = 90  # modest: the figures are embedded in report.html
@@ -111,7 +111,7 @@ def peak_vs_seq(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
 
 
 def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
-    ok = dev[dev["status"] == "ok"]
+    ok = dev[(dev["status"] == "ok") & dev["peak_bytes"].notna() & dev["step_ms_median"].notna()]
     if ok.empty:
         return "no successful runs"
     groups = sorted(ok.groupby(["setup", "seq_len", "batch_size"]), key=lambda kv: (kv[1]["tokens"].iloc[0], kv[0]))
@@ -268,11 +268,11 @@ def memory_breakdown(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         shortened |= crowded
         bottom = [0.0] * len(records)
         for label, col in parts:
-            heights = [r[col] / scale if r["status"] == "ok" else 0 for r in records]
+            heights = [r[col] / scale if r["status"] == "ok" and given(r[col]) else 0 for r in records]
             ax.bar(range(len(records)), heights, 0.6, bottom=bottom, color=STATE_COLORS[label], label=label)
             bottom = [b + h for b, h in zip(bottom, heights)]
         for i, r in enumerate(records):
-            if r["status"] == "ok":
+            if r["status"] == "ok" and given(r["peak_bytes"]):
                 ax.scatter(i, r["peak_bytes"] / scale, marker="_", s=500, color="black", linewidths=2, zorder=5,
                            label="measured peak, whole step (incl. optimizer step)")
                 if isinstance(r.get("peak_phase"), str):

@@ -16,7 +16,7 @@ import pandas as pd
 from gcbench.errors import GcbenchError
 from gcbench.fields import DeviceKind, setup_words, spec_columns
 from gcbench.results.schema import (SHAPE_FIELDS, SIZE_WORDS, fastest, fit_policy, half_width, mix_text,
-                                    policy_label, record_problem)
+                                    policy_label)
 from gcbench.results.store import read_records, result_files
 from gcbench.units import plural
 
@@ -29,7 +29,8 @@ EXPECTED = [*spec_columns(), "peak_allocated_bytes", "peak_tracked_bytes", "acti
             "fwd_bwd_peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "step_ms_median", "step_ms_iqr",
             "tokens_per_s", "recompute_flops_ratio", "predicted_peak_bytes", "predicted_peak_bytes_simulate",
             "predicted_peak_bytes_analytic", "error", "env.gpu_name", "env.gpu_memory_bytes", "env.cpu",
-            "env.cpu_model", "env.cpu_count", "env.torch_threads", "env.gcbench", "timing_stable", "timing_notes", "timing_note_kinds", "step_ms_ci",
+            "env.cpu_model", "env.cpu_count", "env.torch_threads", "env.gcbench", "timing_stable", "timing_notes",
+            "timing_note_kinds", "step_ms_ci",
             "step_ms_rel_iqr", "time_ratio", "time_ratio_ci", "time_ratio_vs", "paired_error", "peak_phase",
             "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "n_params",
             # `gcbench fit`'s trials (fits/fit.py): the search a record belonged to
@@ -45,9 +46,7 @@ def load(*paths: str | Path) -> pd.DataFrame:
     also get `fit_policy` (results.schema.fit_policy), a plan's records `plan_mix_text` ("full 4 · none 28")."""
     rows = []
     for path in result_files(paths or ("results",)):
-        for i, record in enumerate(read_records(path), 1):
-            if (problem := record_problem(record)) is not None:
-                raise GcbenchError(f"{path}: record {i} is not a gcbench record: {problem}")
+        for record in read_records(path, checked=True):
             extra = {"fit_policy": fit_policy(record)} if record.get("fit_id") else {}
             if record.get("plan_mix"):
                 extra["plan_mix_text"] = mix_text(record["plan_mix"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from gcbench.fields import RUN_FIELDS, Role, default_precision, identity_columns, names, run_field, setup_words
+from gcbench.results.types import field_problem, range_problem
 from gcbench.units import parse_bytes, plural
 
 # 2: the levers beside checkpointing (optim_in_backward, grad_accum, per-phase peaks); 3: sharded runs (shard, nproc,
@@ -344,7 +345,11 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
         return f"peak_phase is {record['peak_phase']!r}, not forward, backward or optimizer"
     if record.get("timing_stable") is not None and not isinstance(record["timing_stable"], bool):
         return f"timing_stable is {record['timing_stable']!r}, not true or false"
-    return None
+    if record.get("fit_id") is not None and (record.get("fit_vary") not in SHAPE_FIELDS
+                                             or not isinstance(record.get("fit_budget_bytes"), int)):
+        return "a fit's trial without its fit_vary (seq_len or batch_size) or its fit_budget_bytes"
+    return next((p for name, value in record.items()
+                 if (p := field_problem(name, value, Record) or range_problem(name, value))), None)
 
 
 def half_width(value: float, interval: Any) -> float | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gcbench.errors import GcbenchError, signals_held
-from gcbench.results.schema import ADDED_SPEC_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION, config_key
+from gcbench.results.schema import ADDED_SPEC_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION, config_key, record_problem
 from gcbench.text import plain
 
 # Waiting for another process's lock on a results file: how often to try again (a blocking flock would hold off
@@ -93,7 +93,7 @@ def check_appendable(path: Path) -> None:
     if path.exists():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            read_records(path)
+            read_records(path, checked=True)
 
 
 def append_record(path: Path, record: dict[str, Any], written: Callable[[], None] | None = None) -> str | None:
@@ -224,9 +224,8 @@ def lock_holder(fd: int) -> int | None:
 
 
 def torn_record(line: str | bytes) -> bool:
-    """Whether an unreadable last line can be a record cut short (a writer killed mid-line): a record's line starts
-    with its "{", so a cut one does too. Any other line ("hello") says the file is not a results file: refused,
-    never cut off or written after."""
+    """Whether an unreadable last line can be a record cut short (a writer killed mid-line: it starts with "{"). Any
+    other ("hello") says the file is not a results file: refused, never cut off or written after."""
     return line.lstrip()[:1] in ("{", b"{")
 
 
@@ -283,10 +282,12 @@ def drop_truncated_last_line(path: Path) -> str | None:
         os.close(fd)
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path, checked: bool = False) -> list[dict[str, Any]]:
     """All records of one file. A corrupt last line (a killed run) is warned about and skipped; a corrupt line
     elsewhere, or a record of another schema version, is an error. A record written again under the same
-    `record_id` (a sweep adds its paired timing) is read once: its newest version, where the first one stood."""
+    `record_id` (a sweep adds its paired timing) is read once: its newest version, where the first one stood.
+    `checked`: each line a record that tables and runs can use (schema.record_problem), else a GcbenchError
+    naming the first that is not, before a table reads the file or a run adds to it."""
     check_regular(path)
     try:
         lines = path.read_bytes().decode().splitlines()
@@ -294,7 +295,11 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise GcbenchError(f"{str(path)!r} is not a results file (not UTF-8 text)") from None
-    records = [record for _, record in parse_records(lines, str(path))]
+    parsed = parse_records(lines, str(path))
+    for line, record in parsed if checked else ():
+        if (problem := record_problem(record)) is not None:
+            raise GcbenchError(f"{path}:{line}: not a gcbench record: {problem}")
+    records = [record for _, record in parsed]
     return [records[i] for i in newest_positions(records)]
 
 

@@ -394,7 +394,7 @@ def _existing_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
         raise GcbenchError(f"cannot use {str(path)[:200]!r} for results: {e.strerror or e}") from None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        records = read_records(path)
+        records = read_records(path, checked=True)
     return records, [str(w.message) for w in caught]
 
 
