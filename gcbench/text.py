@@ -1,6 +1,6 @@
 """Text that came from a file, a config or a user, made safe to show: no terminal control sequences, and (for rich)
-no markup. Every string read from a results file, a TOML file, a model config or a path goes through here before it
-reaches a terminal; HTML and SVG escape on their own."""
+no markup, and (for Markdown) no syntax. Every string read from a results file, a TOML file, a model config or a path
+goes through here before it reaches a terminal or a Markdown file; HTML and SVG escape on their own."""
 
 import re
 
@@ -28,6 +28,18 @@ def markup(text: object, *, lines: bool = False) -> str:
     from rich.markup import escape
 
     return escape(plain(text, lines=lines))
+
+
+# What Markdown (and the HTML it lets through) would read as syntax inside a line: emphasis, code, links and images,
+# raw HTML tags, table cells, strikethrough (a single ~ in GitHub's Markdown: "~56.7 ... ~1.30x" would strike
+# everything between), and the backslash itself.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~])")
+
+
+def md_text(text: object) -> str:
+    """`plain(text)` as literal Markdown text on one line: each character Markdown reads as syntax escaped, so that
+    a model name, a CPU's name or a path reads as itself, never as a tag, a link or a new table cell."""
+    return _MD_SPECIAL.sub(r"\\\1", plain(text))
 
 
 def fits(renderable: object, width: int | None) -> bool:

@@ -265,6 +265,24 @@ def test_the_quoted_block_lists_every_gpu_and_says_so_when_none_has_records(tmp_
     assert "superseded" not in block
 
 
+def test_the_quoted_block_escapes_the_records_text_and_quotes_gpu_records_only(tmp_path):
+    # The block goes into README.md and docs/gpu.md: a record's text is data (no tag, no new cell or heading), and
+    # only what ran on a GPU is a GPU number (a CPU record dropped in a GPU folder is not).
+    folder = tmp_path / "nvidia-h200"
+    folder.mkdir()
+    records = [json.loads(line) for line in (REPO_ROOT / H200 / "gpt2.jsonl").read_text().splitlines()]
+    for r in records:
+        r["model"], r["env"]["gpu_name"] = "gpt2<script>x</script>|y|", "H200<img src=x onerror=alert(1)>"
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    block = gpu_results_block(folder)
+    assert "<script>" not in block.replace("\\<script\\>", "") and "<img" not in block.replace("\\<img", "")
+    assert "gpt2\\<script\\>x\\</script\\>\\|y\\|" in block and "Measured on H200\\<img" in block
+    for r in records:
+        r["device"] = "cpu"
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert gpu_results_block(folder) == NO_RECORD
+
+
 def test_the_readme_and_gpu_page_quote_the_records_as_they_stand():
     """The committed blocks are what the records render to (re-rendered by validate --import)."""
     block = quoted_block(REPO_ROOT)

@@ -173,7 +173,7 @@ def test_predicted_step_times_get_a_figure_of_their_own(tmp_path, records):
     result = runner.invoke(app, ["report", str(write(tmp_path / "r.jsonl", predicted)), "--out", str(out)])
     assert result.exit_code == 0, result.output
     md = (out / "report.md").read_text()
-    assert f"Median |error| 10.0%, worst 20.0%. Hollow: a timing not trusted (1 of {len(ok)})" in md
+    assert f"Median \\|error\\| 10.0%, worst 20.0%. Hollow: a timing not trusted (1 of {len(ok)})" in md
     with Image.open(out / "figures" / "8-predicted-vs-measured-time.png") as im:
         im.verify()
     out2 = tmp_path / "report2"

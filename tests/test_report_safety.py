@@ -496,3 +496,19 @@ def test_a_failures_text_in_the_sweeps_end_table_reaches_the_terminal_plain(reco
     console.print(summary_table(bad, 200))
     shown = console.export_text()
     assert "\x1b" not in shown and "boomRED" in shown.replace("\n", "")
+
+
+def test_html_links_and_cells_from_a_results_file_stay_text_in_report_md(tmp_path, records):
+    # A model name or a CPU's name is data: in report.md it must read as itself, never as a tag, a link breaking
+    # out of an image's alt text, a new table cell or a heading.
+    bad = copy.deepcopy(records)
+    for r in bad:
+        r["model"] = "evil<script>alert(1)</script>|x|"
+        r["env"]["cpu"] = "CPU c](javascript:alert(1)) ![x"
+    path = write(tmp_path / "md.jsonl", bad)
+    shown = runner.invoke(app, ["report", str(path), "--out", str(tmp_path / "rep")])
+    assert shown.exit_code == 0, shown.output
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert not re.search(r"(?<!\\)<script", md) and not re.search(r"(?<!\\)\]\(javascript", md)
+    assert "evil\\<script\\>alert(1)\\</script\\>\\|x\\|" in md
+    assert "|x|" not in md.replace("\\|", "")  # no new cells: every | of the name is escaped

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import quote
 
 import pandas as pd
 
@@ -16,7 +17,7 @@ from gcbench.report.cells import (Grid, environment_grid, fit_grids, grid_grid, 
                                   results_grid)
 from gcbench.report.publish import publish
 from gcbench.results.frame import FAILED
-from gcbench.text import plain
+from gcbench.text import md_text, plain
 from gcbench.units import plural
 
 
@@ -50,7 +51,7 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
     cpu_only = (frame["device_kind"] == "cpu").all()
     blocks: list[Block] = [
         Heading("gcbench report" + (" — CPU measurements" if cpu_only else ""), 1),
-        Para(f"{plural(len(frame), 'config')} from {', '.join(f'`{s}`' for s in sources)}; written {now} by gcbench "
+        Para(f"{plural(len(frame), 'config')} from {', '.join(_code(s) for s in sources)}; written {now} by gcbench "
              f"{__version__}. Each device has its own section: numbers from different devices are never compared "
              "or averaged, and `x none` ratios compare a policy with the `none` policy at the same device, model "
              "setup, sequence length and batch size. Memory in binary units (GiB = 2^30 bytes); step time is the "
@@ -88,13 +89,9 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
     return blocks
 
 
-def _md_cell(text: str) -> str:
-    return _md_text(text).replace("|", "\\|")
-
-
-def _md_text(text: str) -> str:
-    # A single ~ is strikethrough in GitHub's Markdown: "~56.7 ... ~1.30x" would strike everything between.
-    return text.replace("~", "\\~")
+def _code(text: str) -> str:
+    """A file name as inline code in a paragraph: a backtick in it would end the code span early."""
+    return "`" + plain(text).replace("`", "'") + "`"
 
 
 def render_markdown(blocks: list[Block]) -> str:
@@ -102,19 +99,19 @@ def render_markdown(blocks: list[Block]) -> str:
     for b in blocks:
         match b:
             case Heading():
-                out.append("#" * b.level + " " + b.text)
+                out.append("#" * b.level + " " + md_text(b.text))
             case Para():
                 out.append(b.text)
             case Grid():
-                lines = [f"**{b.title}**\n"] if b.title else []
-                lines.append("| " + " | ".join(map(_md_cell, b.headers)) + " |")
+                lines = [f"**{md_text(b.title)}**\n"] if b.title else []
+                lines.append("| " + " | ".join(map(md_text, b.headers)) + " |")
                 lines.append("|" + "|".join("---:" if i in b.numeric else "---" for i in range(len(b.headers))) + "|")
-                lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
+                lines += ["| " + " | ".join(md_text(c) for c in row) + " |" for row in b.rows]
                 if b.caption:
-                    lines.append(f"\n*{_md_text(b.caption)}*")
+                    lines.append(f"\n*{md_text(b.caption)}*")
                 out.append("\n".join(lines))
             case Image():
-                out.append(f"![{b.title}]({b.png})\n\n*{b.caption}* ([SVG]({b.svg}))")
+                out.append(f"![{md_text(b.title)}]({quote(b.png)})\n\n*{md_text(b.caption)}* ([SVG]({quote(b.svg)}))")
     return "\n\n".join(out) + "\n"
 
 

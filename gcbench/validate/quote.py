@@ -20,6 +20,7 @@ from typing import Any
 
 from gcbench.results.schema import Status, config_key, config_label, peak_bytes, policy_label
 from gcbench.results.store import read_records
+from gcbench.text import md_text
 from gcbench.units import fmt_bytes
 from gcbench.validate.plan import ROOT
 from gcbench.validate.unpack import RESERVED, SLUG
@@ -64,8 +65,8 @@ class Shape:
     def name(self) -> str:
         first = self.records[0]
         blocks = f" ({first['layers']} blocks)" if first.get("layers") else ""
-        return " · ".join([f"{first['model']}{blocks} · seq {first['seq_len']} · batch {first['batch_size']}",
-                           *self.levers])
+        return md_text(" · ".join([f"{first['model']}{blocks} · seq {first['seq_len']} · batch "
+                                    f"{first['batch_size']}", *self.levers]))
 
 
 def quoted_block(root: Path) -> str:
@@ -86,13 +87,14 @@ def gpu_results_block(folder: Path, shown: str | None = None) -> str:
         return NO_RECORD
     lead = _lead(shapes)
     first = (lead[0] if lead else shapes[0]).records[0]
-    env = {k: v for k, v in (first.get("env") or {}).items() if v is not None}
+    env = {k: md_text(v) for k, v in (first.get("env") or {}).items() if v is not None}  # text of the archive's
     head = (f"Measured on {env.get('gpu_name', 'a GPU')} (torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
             f"driver {env.get('driver', '?')}), gcbench {str(env.get('git_sha', '?'))[:8]}; records in "
             f"`{shown or folder.as_posix()}/`, figures and every record in its report.")
     parts = [_wrap(head)]
     if lead:
-        parts += [_wrap(f"Where the policy changes the peak ({first.get('precision')}, {first.get('optimizer')}, "
+        parts += [_wrap(f"Where the policy changes the peak ({md_text(first.get('precision'))}, "
+                        f"{md_text(first.get('optimizer'))}, "
                         "the whole model):"), _table(lead), _wrap(
             "peak: max_memory_allocated over the whole step; activations: the forward and backward peak above the "
             "weights, gradients and optimizer state; time x none: the step time against none's, timed paired and "
@@ -114,7 +116,9 @@ def _shapes(folder: Path) -> list[Shape]:
     for path in sorted(folder.glob("*.jsonl")):
         groups: dict[str, Shape] = {}
         for r in read_records(path):
-            if r.get("status") == Status.OK and peak_bytes(r) and not r.get("fit_id"):
+            # what ran on a GPU (a CPU or fake-GPU record in a GPU folder is no GPU number to quote)
+            if r.get("status") == Status.OK and peak_bytes(r) and not r.get("fit_id") and \
+                    str(r.get("device")).startswith("cuda") and (r.get("env") or {}).get("gpu_name"):
                 key = config_key(r, ignore=("policy", "policy_options"))
                 groups.setdefault(key, Shape([])).records.append(r)
         for shape in groups.values():
@@ -145,8 +149,9 @@ def _table(shapes: Sequence[Shape]) -> str:
         for i, r in enumerate(sorted(shape.records, key=lambda r: policy_label(r) != "none")):
             act = r.get("activation_peak_bytes")
             ms = _median(r)
-            lines.append(f"| {shape.name() if i == 0 else ''} | {policy_label(r)} | {fmt_bytes(peak_bytes(r))} | "
-                         f"{fmt_bytes(act) if act is not None else '-'} | {f'{ms:.1f} ms' if ms else '-'} | "
+            lines.append(f"| {shape.name() if i == 0 else ''} | {md_text(policy_label(r))} | "
+                         f"{fmt_bytes(peak_bytes(r))} | {fmt_bytes(act) if act is not None else '-'} | "
+                         f"{f'{ms:.1f} ms' if ms else '-'} | "
                          f"{_time_ratio(r, none)} |")
     return "\n".join(lines)
 
@@ -193,7 +198,7 @@ def _overhead_line(path: Path) -> str | None:
     except OSError:
         return None
     line = next((line for line in text.splitlines() if "ratio gcbench / bare" in line), None)
-    return f"Harness overhead: {line.strip()}." if line else None
+    return f"Harness overhead: {md_text(line.strip())}." if line else None
 
 
 def _wrap(text: str) -> str:
