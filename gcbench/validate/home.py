@@ -69,11 +69,27 @@ def import_archive(archive: Path, root: Path = Path(".")) -> Imported:
     staged = stage_archive(archive)
     result = Imported(root / staged.folder, smoke=staged.smoke)
     writes = _planned_writes(staged, root, result)
-    for target, data in writes.items():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _write_bytes(target, data)
+    # What the tree held, for a render that fails on what was merged (a record no table can show, a folder the
+    # report cannot read): the results go back as they were, rather than stay merged without their report.
+    before = {target: target.read_bytes() if target.exists() else None for target in writes}
+    folders = sorted({f for t in writes for f in t.parents if f.is_relative_to(root) and not f.exists()},
+                     key=lambda f: len(f.parts), reverse=True)
+    try:
+        for target, data in writes.items():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_bytes(target, data)
+        result.report, result.quoted = render(root, result.folder, result.smoke)
+    except BaseException:
+        for target, data in before.items():
+            if data is None:
+                target.unlink(missing_ok=True)
+            else:
+                _write_bytes(target, data)
+        for folder in folders:  # deepest first; only those this import made, and only while empty
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
     result.files = len(staged.texts)
-    result.report, result.quoted = render(root, result.folder, result.smoke)
     return result
 
 
@@ -124,6 +140,8 @@ def _check_room(target: Path, root: Path) -> None:
             raise GcbenchError(f"cannot import into {str(folder)!r}: a file stands where a folder must go")
     if target.is_symlink() or (target.exists() and not target.is_file()):
         raise GcbenchError(f"cannot import into {str(target)!r}: not a regular file")
+    if len(f".{target.name}.XXXXXXXX.part".encode()) > os.pathconf(root, "PC_NAME_MAX"):  # _write_bytes's partial
+        raise GcbenchError(f"cannot import {target.name[:60]!r}...: its name is too long for this file system")
 
 
 def _merged(target: Path, old: bytes | None, text: str, incoming: list[tuple[int, dict[str, Any]]]) \
