@@ -58,6 +58,8 @@ def parse_thresholds(text: str | None) -> dict[str, float]:
         if not m or m.group(1) not in METRICS:
             raise GcbenchError(f"--fail {text!r}: expected key:percent pairs like peak:5%,time:10% "
                                f"(keys: {', '.join(METRICS)})")
+        if m.group(1) in out:
+            raise GcbenchError(f"--fail {text!r}: {m.group(1)} given twice")
         out[m.group(1)] = float(m.group(2)) / 100
     return out
 

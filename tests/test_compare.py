@@ -225,6 +225,11 @@ def test_an_unknown_by_is_one_line_and_exit_2(tmp_path):
     assert "--by 'speed': expected one of time, ratio" in result.stderr and "Traceback" not in result.output
 
 
+def test_a_threshold_given_twice_is_refused_not_overwritten(tmp_path):
+    result = invoke(tmp_path, sweep(1), sweep(2), "--fail", "peak:5%,peak:6%")
+    assert result.exit_code == 2 and "--fail 'peak:5%,peak:6%': peak given twice" in result.stderr
+
+
 def test_a_doubled_step_time_of_runs_too_short_for_an_interval_is_a_regression_not_noise(tmp_path):
     # 5 steps: no 95% interval of their median exists (results/stats.py); their range stands in for it.
     old, new = sweep(1, steps=5), sweep(2, steps=5, slower={"full": 2.0})
