@@ -294,6 +294,7 @@ def test_load_is_a_dataframe_with_env_columns(tmp_path):
     ({"tokens_per_s": -1.0}, "tokens_per_s is -1.0, below 0"), ({"plan_mix": "x"}, "not an object of ints"),
     ({"env": {"gcbench": {"a": [1]}}}, "env is"), ({"prediction_method": 5}, "prediction_method is 5, not a string"),
     ({"fit_id": "f", "fit_vary": "seq", "fit_budget_bytes": 10}, "a fit's trial without its fit_vary"),
+    ({"error": "x" * (2**18 + 1)}, "not a string of at most 262,144 characters"),  # a table wrapped it for minutes
 ])
 def test_a_line_that_is_no_record_is_named(tmp_path, change, problem):
     head = {"schema_version": 1, "model": "tiny-llama", "seq_len": 32, "batch_size": 1, "policy": "none",

@@ -50,6 +50,9 @@ def field_problem(name: str, value: Any, schema: type) -> str | None:
 # step longer than that was never measured), a time ratio above 0, rates and spreads from 0. A value past these
 # is no measurement (a crafted or damaged file) and would break a table's scale or a figure's axis.
 MAX_MS = 1e10
+# A text field (a name, an error, a child's last lines of output: kilobytes) past this is no record's: a table would
+# spend minutes wrapping it
+MAX_TEXT = 2**18
 RANGES = {"_bytes": (0, MAX_BYTES), "step_ms": (0, MAX_MS), "wall_ms": (0, MAX_MS), "_ms_median": (0, MAX_MS),
           "_ms_iqr": (0, MAX_MS), "compile_ms": (0, MAX_MS), "config_wall_ms": (0, MAX_MS), "_per_s": (0, math.inf),
           "_rel_iqr": (0, math.inf), "time_ratio": (0, math.inf), "mfu": (0, math.inf)}
@@ -101,7 +104,7 @@ def _check(hint: Any) -> Check:
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
         float: lambda v: isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v),
-        str: lambda v: isinstance(v, str),
+        str: lambda v: isinstance(v, str) and len(v) <= MAX_TEXT,
     }
     return simple.get(hint, _anything)
 
@@ -119,4 +122,5 @@ def _words(hint: Any) -> str:
         return f"a list of {_words(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
     if origin is dict:
         return "an object" + (f" of {_words(args[1]).removeprefix('a ').removeprefix('an ')}s" if args else "")
-    return {bool: "true or false", int: "an int", float: "a finite number", str: "a string"}.get(hint, str(hint))
+    return {bool: "true or false", int: "an int", float: "a finite number",
+            str: f"a string of at most {MAX_TEXT:,} characters"}.get(hint, str(hint))
