@@ -27,6 +27,7 @@ from gcbench.results.schema import Status
 from gcbench.spec import RunSpec
 from gcbench.text import markup, plain
 from gcbench.validate import command as validate_command
+from gcbench.values import option_items
 
 app = typer.Typer(help="Benchmark the memory/compute trade-off of activation checkpointing on transformers models.",
                   pretty_exceptions_enable=False, add_completion=False)
@@ -351,7 +352,7 @@ def estimate(
         grid, _ = parse_options(spec_values, fields=ESTIMATE_FIELDS)
         if "model" not in grid:
             raise GcbenchError("no --model given: which model to estimate (see `gcbench models`)")
-        methods = [m.strip() for m in method.split(",") if m.strip()]
+        methods = option_items("--method", method)
         if not methods or len(set(methods)) < len(methods):
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
         if levers is not None:  # a plan across levers (fits/lever_command.py), with --fit only

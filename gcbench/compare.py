@@ -293,9 +293,12 @@ def verdict(c: Comparison, thresholds: dict[str, float], fail: str | None) -> tu
     checked = {key: int((m["peak_change"].notna() if key == "peak" else
                          timed & m["ratio_change" if c.by == "ratio" else f"{key}_change"].notna()).sum())
                for key in thresholds}
+    # a config that failed in both runs (out of memory twice, as a sweep records it) has nothing to compare
+    failed = int(((m["status_old"] != Status.OK) & (m["status_new"] != Status.OK)).sum())
     parts = [f"{METRICS[key][1]} checked on {k} of {n}" for key, k in checked.items()]
-    complete = all(k == n for k in checked.values()) and not c.only_old
-    line = f"no regression past --fail {fail} in the {n} config(s) of both runs ({', '.join(parts)})"
+    complete = all(k + failed == n for k in checked.values()) and not c.only_old
+    line = (f"no regression past --fail {fail} in the {n} config(s) of both runs ({', '.join(parts)}"
+            + (f"; {failed} failed in both" if failed else "") + ")")
     if c.only_old:
         line += f"; {len(c.only_old)} config(s) only in OLD not checked"
     return line, complete

@@ -264,7 +264,8 @@ RUN_FIELDS: tuple[Field, ...] = (
 # Record columns a spec adds beyond its fields: the policy's options beside its name, and what --memory-cap limits
 # on the record's device ("tracked" on CPU, "reserved" on CUDA, None without a cap; derived from the device).
 POLICY_OPTIONS = "policy_options"
-DERIVED_COLUMNS = (POLICY_OPTIONS, "memory_cap_kind")
+DERIVED_TYPES: dict[str, Any] = {POLICY_OPTIONS: dict[str, str | int | float], "memory_cap_kind": str}
+DERIVED_COLUMNS = tuple(DERIVED_TYPES)
 
 
 def run_field(name: str) -> Field:

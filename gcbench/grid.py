@@ -24,7 +24,7 @@ from gcbench.resolved import PolicyRefused, ResolvedRun, config_fields, distinct
 from gcbench.spec import RunSpec, crossed_out
 from gcbench.timing import MIN_SPAN_S
 from gcbench.units import fmt_bytes
-from gcbench.values import Choice, Int, Kind, Name, Seconds, Switch
+from gcbench.values import Choice, Int, Kind, Name, Seconds, Size, Switch, split_items
 
 DEFAULT_OUT = Path("results/sweep.jsonl")
 DEFAULT_TIMEOUT_S = 600.0  # per config; generous: a 7B model at seq 8192 takes minutes to build, warm up and time
@@ -52,7 +52,7 @@ class Devices(Kind):
     metavar = "GPUS"
 
     def parse(self, value: Any) -> tuple[str, ...]:
-        items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+        items = value if isinstance(value, (list, tuple)) else split_items(str(value))
         items = tuple(str(i).strip() for i in items if str(i).strip())
         if items == ("all",):
             return items
@@ -127,9 +127,9 @@ class SweepSpec:
         timeout, isolation); options override the file. `where` names the options in errors (None: flags)."""
         values: dict[str, tuple] = {}
         run: dict[str, Any] = {}
-        sources = [] if config is None else [(_read_toml(Path(config)), str(config))]
-        for source, source_where in [*sources, (options or {}, where)]:
-            grid_values, run_values = parse_options(source, where=source_where)
+        sources = [] if config is None else [(_read_toml(Path(config)), str(config), True)]
+        for source, source_where, file in [*sources, (options or {}, where, False)]:
+            grid_values, run_values = parse_options(source, where=source_where, file=file)
             values.update(grid_values)
             run.update(run_values)
         return cls(values, **run)
@@ -208,11 +208,13 @@ def _steps_text(get: Callable[[str], Any]) -> str:
         f"{get('max_steps')} steps or {get('max_time_s'):g} s"
 
 
-def parse_options(options: Mapping[str, Any], where: str | None = None,
-                  fields: tuple[str, ...] | None = None) -> tuple[dict[str, tuple], dict[str, Any]]:
+def parse_options(options: Mapping[str, Any], where: str | None = None, fields: tuple[str, ...] | None = None,
+                  file: bool = False) -> tuple[dict[str, tuple], dict[str, Any]]:
     """Options by their CLI names ('memory-cap' or 'memory_cap') -> (RunSpec field -> values, SweepSpec run
     fields). Values are what a TOML file or a Python caller gives (lists, ints) or what the command line gives
-    (comma lists: "512,1024"). `fields` limits which RunSpec fields are accepted (None: all)."""
+    (comma lists: "512,1024"). `fields` limits which RunSpec fields are accepted (None: all). `file`: a TOML
+    file's, where a size is text with its unit (`memory-cap = 80` meant 80 GiB, not 80 bytes, as on the command
+    line); Python's ints stay bytes."""
     by_flag = {f.flag: f for f in RUN_FIELDS if fields is None or f.name in fields}
     known = [*by_flag, *RUN_OPTIONS] if fields is None else list(by_flag)
     values: dict[str, tuple] = {}
@@ -228,6 +230,9 @@ def parse_options(options: Mapping[str, Any], where: str | None = None,
             raise GcbenchError(f"{where + ': ' if where else ''}unknown option {raw_key!r} "
                                f"(known: {', '.join(known)})")
         try:
+            if file and key in by_flag and isinstance(by_flag[key].kind, Size) and any(
+                    type(v) is int for v in (value if isinstance(value, list) else [value])):
+                raise GcbenchError(f"{value!r} has no unit: write the size as text, e.g. \"80GiB\"")
             if key in by_flag:
                 values[by_flag[key].name] = by_flag[key].parse_many(value)
             else:

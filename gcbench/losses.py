@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcbench.errors import GcbenchError
+from gcbench.values import option_items
 
 LOSSES = ("ce", "chunked", "litgpt", "fused-linear")
 DEFAULT_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss default (num_output_chunks = 8)
@@ -72,7 +73,7 @@ def parse_loss(text: str) -> Loss:
                            "litgpt takes len, e.g. litgpt:len=128)")
     option, what = OPTION.get(name), {"chunked": "chunks", "litgpt": "positions per slice"}.get(name)
     values: dict[str, str] = {}
-    for item in filter(None, (o.strip() for o in options.split(","))) if options else ():
+    for item in option_items(f"--loss {name}", options) if options else ():
         key, eq, value = item.partition("=")
         if not eq or option is None or key.strip() != option:
             takes = f"takes one option, {option} ({what})" if option else "takes no options"

@@ -26,7 +26,7 @@ def parse_bytes(text: str, option: str = "") -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
         raise GcbenchError(f"{lead}cannot read {text!r} as a size (examples: 24GiB, 512MiB, 80GB)")
-    if not m.group(2):
+    if not m.group(2) and float(m.group(1)) >= 1:
         number = m.group(1)
         raise GcbenchError(f"{lead}size {text!r} has no unit: write {number}GiB, {number}GB or {number}B (bytes)")
     return checked_bytes(float(m.group(1)) * _UNITS[m.group(2).upper()], text, lead)

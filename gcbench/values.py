@@ -33,6 +33,14 @@ def split_items(text: str) -> list[str]:
     return [s for s in items if s]
 
 
+def option_items(option: str, text: str) -> list[str]:
+    """split_items for an option of its own (--method, --tiers, a lever's options): its error names the option."""
+    try:
+        return split_items(text)
+    except GcbenchError as e:
+        raise GcbenchError(f"{option}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Kind:
     """A kind of value: how one value is read from what the command line, a TOML file or Python gives."""

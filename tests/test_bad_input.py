@@ -168,7 +168,8 @@ def test_a_sweep_that_cannot_fit_at_all_starts_no_child(tmp_path, monkeypatch):
 
 def a_record() -> str:
     """A record as a line of a results file (a config that has not run: the checks of a record pass)."""
-    return json.dumps(new_record(resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu")).as_record()))
+    spec = resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu"))
+    return json.dumps(new_record(spec.as_record()))
 
 
 def test_run_onto_a_torn_last_line_repairs_it_then_appends(tmp_path):
@@ -188,13 +189,13 @@ def test_a_file_whose_last_line_is_no_record_is_refused_never_cut_or_appended_to
     # not a results file, which `--out` by mistake must not cut a line off or write a record after.
     out = tmp_path / "notes.txt"
     out.write_text(text)
-    refused(runner.invoke(app, [*RUN, "--out", str(out)]), "notes.txt:", "corrupt results line")
-    refused(runner.invoke(app, ["report", str(out)]), "notes.txt:", "corrupt results line")
+    refused(runner.invoke(app, [*RUN, "--out", str(out)]), "notes.txt:", "not a results file?")
+    refused(runner.invoke(app, ["report", str(out)]), "notes.txt:", "not a results file?")
     assert out.read_text() == text
     from gcbench.results.store import append_record
 
     if not text.endswith("\n"):  # where the append itself would have cut the line off as a torn record
-        with pytest.raises(GcbenchError, match="its last line is not a gcbench record"):
+        with pytest.raises(GcbenchError, match="not a JSON object .* not a results file"):
             append_record(out, {"schema_version": SCHEMA_VERSION})
         assert out.read_text() == text
 
@@ -205,6 +206,18 @@ def test_an_empty_item_in_a_comma_list_is_refused_not_skipped(tmp_path, option, 
     args = ["sweep", "--model", "tiny-llama", *(x for item in given.items() for x in item), "--device", "cpu",
             "--dry-run", "--out", str(tmp_path / "s.jsonl")]
     refused(runner.invoke(app, args), option, "an empty item", repr(value))
+
+
+@pytest.mark.parametrize("args, option", [
+    (["estimate", "--model", "tiny-llama", "--seq", "32", "--method", "analytic,"], "--method"),
+    (["validate", "--dry-run", "--tiers", "1,,2"], "--tiers"),
+    ([*RUN, "--loss", "chunked:n=8,"], "--loss"),
+    (["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", "--device", "cuda", "--devices", "cuda:0,",
+      "--dry-run"], "--devices"),
+])
+def test_every_comma_list_refuses_an_empty_item(tmp_path, args, option):
+    refused(runner.invoke(app, [*args, *(["--out", str(tmp_path / "r.jsonl")] if args[0] in ("run", "sweep")
+                                         else [])]), option, "an empty item")
 
 
 def test_several_cards_for_gpu_are_refused_as_such():

@@ -225,6 +225,21 @@ def test_an_unknown_by_is_one_line_and_exit_2(tmp_path):
     assert "--by 'speed': expected one of time, ratio" in result.stderr and "Traceback" not in result.output
 
 
+def test_configs_that_failed_in_both_runs_leave_the_verdict_complete(tmp_path):
+    # a sweep records its OOMs: the same OOM in both runs has nothing to compare, and is no gap in what was checked
+    from gcbench.compare import verdict
+
+    old, new = sweep(1), sweep(2)
+    for records in (old, new):
+        for r in records[:2]:
+            r["status"], r["error"] = "oom", "out of memory"
+    c = compare_results(*frames(tmp_path, old, new), {"peak": 0.05})
+    line, complete = verdict(c, {"peak": 0.05}, "peak:5%")
+    assert complete and line.endswith(f"(peak memory checked on {len(old) - 2} of {len(old)}; 2 failed in both)")
+    new[2]["status"] = "oom"  # ok before, out of memory now: a regression, not a config "failed in both"
+    assert compare_results(*frames(tmp_path, old, new), {"peak": 0.05}).regressions
+
+
 def test_a_threshold_given_twice_is_refused_not_overwritten(tmp_path):
     result = invoke(tmp_path, sweep(1), sweep(2), "--fail", "peak:5%,peak:6%")
     assert result.exit_code == 2 and "--fail 'peak:5%,peak:6%': peak given twice" in result.stderr

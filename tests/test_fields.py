@@ -141,3 +141,15 @@ def test_sweep_help_states_the_defaults_a_sweep_applies_itself():
         flag = BY_NAME[name].flag
         # within the option's own help: before the next option's name and metavar
         assert re.search(rf"--{flag} <[^>]+>((?! --[a-z-]+ <).)*\(required, here or in --config\)", text), flag
+
+
+def test_a_size_in_a_toml_file_needs_its_unit_as_in_the_command_line(tmp_path):
+    # `memory-cap = 80` in a file meant 80 GiB as `--memory-cap 80` does: refused, not read as 80 bytes; Python's
+    # ints stay bytes (a record's, the API's)
+    (tmp_path / "grid.toml").write_text('model = "tiny-llama"\nseq = 16\nbatch = 1\nmemory-cap = 80\n')
+    with pytest.raises(GcbenchError, match=r'grid.toml: memory-cap: 80 has no unit: write the size as text'):
+        SweepSpec.load(tmp_path / "grid.toml")
+    (tmp_path / "grid.toml").write_text('model = "tiny-llama"\nseq = 16\nbatch = 1\nmemory-cap = "80MiB"\n')
+    assert SweepSpec.load(tmp_path / "grid.toml").values["memory_cap_bytes"] == (80 * 2**20,)
+    assert SweepSpec.load(None, {"model": "tiny-llama", "seq": 16, "batch": 1, "memory-cap": 1024},
+                          where="sweep()").values["memory_cap_bytes"] == (1024,)

@@ -131,7 +131,7 @@ def test_a_hostile_archive_is_refused_in_one_line_and_nothing_is_written(home, t
 
 @pytest.mark.parametrize("tree, members, words", [
     ({f"{H200}/x": b"a file\n"}, [(f"{H200}/x.jsonl", RECORD), (f"{H200}/x/a.txt", b"a\n")], "where a folder"),
-    ({f"{H200}/x.jsonl": b"not json\nnot json\n"}, [(f"{H200}/x.jsonl", RECORD)], "corrupt results line"),
+    ({f"{H200}/x.jsonl": b"not json\nnot json\n"}, [(f"{H200}/x.jsonl", RECORD)], "not a results file"),
 ])
 def test_an_archive_this_tree_cannot_take_is_refused_and_nothing_is_written(home, tmp_path, tree, members, words):
     """A file here where the archive has a folder; a results file here that does not read (merged, it would be

@@ -19,6 +19,7 @@ from gcbench.measure import LiveTensorTracker, SavedActivations, counting_flops
 from gcbench.timing import Stats
 from gcbench.results.frame import load
 from gcbench.results.store import append_record, check_appendable, read_records
+from gcbench.results.schema import record_problem
 from gcbench.units import parse_bytes
 
 
@@ -236,6 +237,15 @@ def test_a_change_that_rounds_to_nothing_has_no_sign():
                                                                               "-4.6%"]
 
 
+def test_what_gcbench_writes_its_reader_takes():
+    # a rank that did not report a value (it ran out of memory before its optimizer step) is null in the list;
+    # a record of an older gcbench keeps a value today's commands refuse (--warmup 0 was once accepted)
+    head = {"schema_version": 3, "model": "tiny-llama", "seq_len": 32, "batch_size": 1, "policy": "none",
+            "device": "cpu", "status": "oom", "warmup_steps": 0, "rank_optimizer_bytes": [1024, None],
+            "fit_id": "f", "fit_vary": "batch_size", "fit_budget_bytes": 2**20, "policy_options": {}}
+    assert record_problem(head) is None
+
+
 def test_parse_bytes_units():
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9
@@ -282,12 +292,13 @@ def test_load_is_a_dataframe_with_env_columns(tmp_path):
 
 @pytest.mark.parametrize("change,problem", [
     ({"seq_len": "abc"}, "seq_len is 'abc', not an int"), ({"batch_size": None}, "batch_size is None"),
-    ({"status": "weird"}, "unknown status 'weird'"), ({"peak_tracked_bytes": [1]}, "not a number"),
+    ({"status": "weird"}, "unknown status 'weird'"), ({"peak_tracked_bytes": [1]}, "peak_tracked_bytes is [1], not an int"),
     ({"seq_len": True}, "seq_len is True"), ({"policy_options": [1]}, "not an object"),
-    # every field by the schema's own declarations (results/types.py): a run field by its kind, the others by
-    # schema.Record's annotations; measurements within what a measurement can be
-    ({"seed": "zz"}, "seed: 'zz' is not an integer"), ({"threads": "zz"}, "threads: 'zz' is neither"),
-    ({"seq_len": 0}, "seq_len: must be"), ({"step_ms": [1, "a"]}, "step_ms is [1, 'a'], not a list of finite"),
+    # every field by the schema's own declarations (results/types.py): a run field by its kind's type, the others
+    # by schema.Record's annotations; measurements within what a measurement can be
+    ({"seed": "zz"}, "seed is 'zz', not an int"), ({"threads": "zz"}, "threads is 'zz', not an int or 'auto'"),
+    ({"rank_param_bytes": [5, "x"]}, "not a list of ints"), ({"timing_stable": 1}, "not true or false"),
+    ({"step_ms": [1, "a"]}, "step_ms is [1, 'a'], not a list of finite"),
     ({"peak_tracked_bytes": float("nan")}, "peak_tracked_bytes is nan, not an int"),
     ({"step_ms_median": float("inf")}, "not a finite number"), ({"step_ms_median": -3.0}, "outside 0..1e+10"),
     ({"step_ms_median": 1e308}, "outside 0..1e+10"), ({"time_ratio": 0}, "time_ratio is 0, not above 0"),

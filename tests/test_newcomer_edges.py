@@ -121,7 +121,9 @@ def test_the_compile_warning_on_cpu_is_a_whole_sentence():
     (["estimate", "--gpu-memory", "-1"], "--gpu-memory: cannot read '-1' as a size"),
     (["estimate", "--fit", "--gpu-memory", "0B"], "--gpu-memory: size '0B' must be at least 1 byte"),
     (["run", "--batch", "1", "--memory-cap", "0B"], "--memory-cap: size '0B' must be at least 1 byte"),
-    (["run", "--batch", "1", "--memory-cap", "0"], "--memory-cap: size '0' has no unit: write 0GiB, 0GB or 0B (bytes)"),
+    (["run", "--batch", "1", "--memory-cap", "0"], "--memory-cap: size '0' must be at least 1 byte"),
+    (["run", "--batch", "1", "--memory-cap", "12"], "--memory-cap: size '12' has no unit: write 12GiB, 12GB or 12B "
+                                                    "(bytes)"),
 ])
 def test_a_bad_size_names_its_option(tmp_path, args, message):
     """"cannot read '-1' as a size" did not say which option (issue 48)."""

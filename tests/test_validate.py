@@ -281,12 +281,15 @@ def _rehearse(tmp_path: Path, deadline: str) -> tuple[Path, Path, dict]:
 
 @pytest.mark.slow  # about 6 s: keeps the default suite under 5 minutes (CI runs the slow set)
 def test_a_real_gpu_archive_is_merged_once_and_its_numbers_quoted_from_the_records(tmp_path):
-    """An archive of results/gpu/<gpu>/ (here built from this project's CPU records of one config): imported, its
-    records added once (a second import adds nothing), the report rendered into docs/gpu-report/<gpu>/, the README's
-    gpu-results block rewritten from the records, the text around it kept."""
+    """An archive of results/gpu/<gpu>/ (here built from this project's CPU records of one config, given a GPU's
+    device and name: the quote holds GPU records only): imported, its records added once (a second import adds
+    nothing), the report rendered into docs/gpu-report/<gpu>/, the README's gpu-results block rewritten from the
+    records, the text around it kept."""
     _copy_repo(home := tmp_path / "home")
-    lines = [line for line in (REPO_ROOT / "results/cpu/policies-beyond.jsonl").read_text().splitlines()
-             if json.loads(line)["model"] == "tiny-llama"]
+    records = [r for line in (REPO_ROOT / "results/cpu/policies-beyond.jsonl").read_text().splitlines()
+               if (r := json.loads(line))["model"] == "tiny-llama"]
+    lines = [json.dumps({**r, "device": "cuda:0", "env": {**r["env"], "gpu_name": "NVIDIA H100 80GB HBM3"}})
+             for r in records]
     folder = "results/gpu/nvidia-h100-80gb-hbm3"
     archive = tmp_path / "gcbench-gpu-nvidia-h100-80gb-hbm3.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:

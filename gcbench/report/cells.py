@@ -239,7 +239,7 @@ def prediction_grid(part: pd.DataFrame) -> Grid | None:
     ok = part[(part["status"] == "ok") & part["peak_bytes"].notna() & part[columns].notna().any(axis=1)]
     if ok.empty:
         return None
-    asked = {m: ok["predict"].map(lambda v: v is True or v == "on") if m == "simulate" and "predict" in ok
+    asked = {m: ok["predict"].map(lambda v: v is True) if m == "simulate" and "predict" in ok
              else pd.Series(True, index=ok.index) for m in PREDICTION_METHODS}
     asked = {m: a | ok[f"predicted_peak_bytes_{m}"].notna() for m, a in asked.items()}  # records before the field
     methods = [m for m in PREDICTION_METHODS if asked[m].any()]

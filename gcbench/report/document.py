@@ -34,7 +34,7 @@ class Para:
 
 @dataclass
 class Image:
-    png: str  # relative to the report directory
+    png: str | None  # relative to the report directory; None: not drawn (the caption says why)
     svg: str
     title: str
     caption: str
@@ -82,11 +82,14 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
             blocks += [Heading("Prediction error per method", 3), *predictions]
         blocks.append(Heading("Figures", 3))
         for fig in figures.get(dev_label, []):
-            if fig.png is None:
-                blocks.append(Para(f"*{fig.title}*: not drawn — {fig.caption}"))
-            else:
-                blocks.append(Image(fig.png, fig.svg, fig.title, fig.caption))
+            blocks.append(Image(fig.png, fig.svg, fig.title, fig.caption))
     return blocks
+
+
+def _md_caption(text: str) -> str:
+    """A caption as Markdown: its `code` spans kept (as report.html shows them), the rest literal text (md_text)."""
+    return "".join(part if len(part) > 1 and part[0] == part[-1] == "`" else md_text(part)
+                   for part in re.split(r"(`[^`]+`)", plain(text)))
 
 
 def _code(text: str) -> str:
@@ -108,10 +111,13 @@ def render_markdown(blocks: list[Block]) -> str:
                 lines.append("|" + "|".join("---:" if i in b.numeric else "---" for i in range(len(b.headers))) + "|")
                 lines += ["| " + " | ".join(md_text(c) for c in row) + " |" for row in b.rows]
                 if b.caption:
-                    lines.append(f"\n*{md_text(b.caption)}*")
+                    lines.append(f"\n*{_md_caption(b.caption)}*")
                 out.append("\n".join(lines))
+            case Image() if b.png is None:
+                out.append(f"*{md_text(b.title)}*: not drawn — {_md_caption(b.caption)}")
             case Image():
-                out.append(f"![{md_text(b.title)}]({quote(b.png)})\n\n*{md_text(b.caption)}* ([SVG]({quote(b.svg)}))")
+                out.append(f"![{md_text(b.title)}]({quote(b.png)})\n\n*{_md_caption(b.caption)}* "
+                           f"([SVG]({quote(b.svg)}))")
     return "\n\n".join(out) + "\n"
 
 
@@ -170,6 +176,8 @@ def render_html(blocks: list[Block], root: Path) -> str:
                            f"<tbody>{''.join(rows)}</tbody></table></div>")
                 if b.caption:
                     out.append(f"<p class=\"caption\">{_inline_html(b.caption)}</p>")
+            case Image() if b.png is None:
+                out.append(f"<p><i>{html.escape(b.title)}</i>: not drawn — {_inline_html(b.caption)}</p>")
             case Image():
                 data = base64.b64encode((root / b.png).read_bytes()).decode()
                 out.append(f"<figure><img src=\"data:image/png;base64,{data}\" alt=\"{html.escape(b.title)}\">"

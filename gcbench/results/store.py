@@ -223,16 +223,13 @@ def lock_holder(fd: int) -> int | None:
     return None
 
 
-def torn_record(line: str | bytes) -> bool:
-    """Whether an unreadable last line can be a record cut short (a writer killed mid-line: it starts with "{"). Any
-    other ("hello") says the file is not a results file: refused, never cut off or written after."""
+def torn_record(line: str | bytes) -> bool:  # a record cut short by a killed writer starts as one does: "{"
     return line.lstrip()[:1] in ("{", b"{")
 
 
 def drop_torn_tail(fd: int, where: str) -> str | None:
     """Cut the last line off the file when it lacks its newline and is a record cut short (`torn_record`); return
-    it. A whole object without a newline (written by hand) stays: a newline is added after it. Any other last line
-    is a GcbenchError naming `where` (the file): nothing is cut or written."""
+    it. A whole object without its newline (written by hand) gets one; any other line: GcbenchError naming `where`."""
     size = os.fstat(fd).st_size
     if not size or os.pread(fd, 1, size - 1) == b"\n":
         return None
@@ -253,8 +250,8 @@ def drop_torn_tail(fd: int, where: str) -> str | None:
     except (ValueError, RecursionError):
         pass
     if not torn_record(tail):
-        raise GcbenchError(f"{where}: its last line is not a gcbench record ({tail[:40].decode(errors='replace')!r})"
-                           ": not a results file? Nothing was written to it")
+        raise GcbenchError(f"{where}: not a JSON object ({tail[:40].decode(errors='replace')!r}): not a results "
+                           "file? Nothing was written to it")
     os.ftruncate(fd, start)
     return tail.decode(errors="replace")
 
@@ -286,11 +283,12 @@ def read_records(path: Path, checked: bool = False) -> list[dict[str, Any]]:
     """All records of one file. A corrupt last line (a killed run) is warned about and skipped; a corrupt line
     elsewhere, or a record of another schema version, is an error. A record written again under the same
     `record_id` (a sweep adds its paired timing) is read once: its newest version, where the first one stood.
-    `checked`: each line a record that tables and runs can use (schema.record_problem), else a GcbenchError
-    naming the first that is not, before a table reads the file or a run adds to it."""
+    `checked`: each a record tables and runs can use (schema.record_problem), else a GcbenchError naming it."""
     check_regular(path)
     try:
         lines = path.read_bytes().decode().splitlines()
+    except FileNotFoundError:  # gone since it was seen: another command's probe (ensure_writable), no records
+        return []
     except OSError as e:
         raise GcbenchError(f"cannot read results {str(path)!r}: {e.strerror or e}") from None
     except UnicodeDecodeError:
@@ -321,7 +319,9 @@ def parse_records(lines: list[str], where: str) -> list[tuple[int, dict[str, Any
                 warnings.warn(f"{where}:{i}: ignoring a truncated last line (an interrupted run)", stacklevel=3)
                 continue
             raise GcbenchError(f"{where}:{i}: corrupt results line (not a JSON object): mend or delete that line "
-                               "to read this file or add to it") from None
+                               "to read this file or add to it" if records or torn_record(line) else  # none yet:
+                               f"{where}:{i}: not a JSON object ({line.strip()[:40]!r}): not a results file?"
+                               ) from None
         version = record.get("schema_version")
         if version not in READABLE_VERSIONS or isinstance(version, bool):  # true == 1 in Python, not in a schema
             newer = isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION

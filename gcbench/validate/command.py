@@ -15,6 +15,7 @@ from gcbench.cli_options import domain_errors
 from gcbench.errors import GcbenchError
 from gcbench.validate.plan import (CARDS, COMMAND_LIMIT_S, DEVICE_NAMES, PREDICTED, SMOKE_ROOT, results_folder,
                                    tiers as plan_tiers)
+from gcbench.values import option_items
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped at the deadline; the same command goes on
 Opt = typer.Option
@@ -170,7 +171,7 @@ def _tier_numbers(text: str | None) -> set[int] | None:
     known = [tier.number for tier in plan_tiers()]
     words = f"--tiers {text!r}: give tier numbers {known[0]}-{known[-1]}, comma-separated (e.g. 1,2)"
     try:
-        numbers = {int(part) for part in text.split(",") if part.strip()}
+        numbers = {int(part) for part in option_items("--tiers", text)}
     except ValueError:
         raise GcbenchError(words) from None
     if not numbers or not numbers <= set(known):
