@@ -20,8 +20,8 @@ MAX_BYTES = 2**60  # 1 EiB: a size past this is a typo, and past 2**63 no longer
 
 def parse_bytes(text: str, option: str = "") -> int:
     """'2GiB' -> 2147483648, '500MB' -> 500000000, '512B' -> 512 (GiB = 2**30, GB = 10**9). A number without its
-    unit is refused: `--gpu-memory 80` meant 80 GiB or 80 GB, not 80 bytes (an int from a file or the Python API is
-    bytes: `checked_bytes`). `option`: the option it was given to (--memory), named first in the error."""
+    unit is refused: `--gpu-memory 80` meant 80 GiB or 80 GB, not 80 bytes (an int from a record or the Python API
+    is bytes: `checked_bytes`). `option`: the option it was given to (--memory), named first in the error."""
     lead = f"{option}: " if option else ""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:

@@ -183,7 +183,8 @@ class Device(Name):
 
 @dataclass(frozen=True)
 class Size(Kind):
-    """A positive number of bytes: text with its unit (2GiB, 500MB, 512B), or an int (bytes: a file's, the API's)."""
+    """A positive number of bytes: text with its unit (2GiB, 500MB, 512B), or an int (bytes: a record's, the Python
+    API's; a TOML file's size is text, grid.parse_options)."""
 
     metavar = "SIZE"
     python_type = "int"
