@@ -36,7 +36,7 @@ err_console = Console(stderr=True)
 
 DEFAULT_OUT = Path("results/runs.jsonl")
 # What `sweep --help` says of the fields a sweep defaults itself or requires (grid.SweepSpec), not RunSpec's defaults
-SWEEP_SHOWN = {"policy": f"default: {','.join(DEFAULT_POLICIES)}, those the model allows",
+SWEEP_SHOWN = {"policy": f"default: {', '.join(DEFAULT_POLICIES)}: those the model allows",
                **{name: "required, here or in --config" for name in REQUIRED}}
 
 

@@ -135,7 +135,7 @@ def test_sweep_help_states_the_defaults_a_sweep_applies_itself():
 
     text = " ".join(CliRunner().invoke(app, ["sweep", "--help"], env={"COLUMNS": "200"}).output.replace("│", " ")
                     .split())
-    assert f"(default: {','.join(DEFAULT_POLICIES)}, those the model allows)" in text
+    assert f"(default: {', '.join(DEFAULT_POLICIES)}: those the model allows)" in text
     assert "(default: none)" not in text.split("--policy")[1].split("--")[0]
     for name in REQUIRED:
         flag = BY_NAME[name].flag
