@@ -116,7 +116,7 @@ def _shapes(folder: Path) -> list[Shape]:
     for path in sorted(folder.glob("*.jsonl")):
         groups: dict[str, Shape] = {}
         for r in read_records(path):
-            # what ran on a GPU (a CPU or fake-GPU record in a GPU folder is no GPU number to quote)
+            # what ran on a GPU (a CPU record dropped in a GPU folder is no GPU number to quote)
             if r.get("status") == Status.OK and peak_bytes(r) and not r.get("fit_id") and \
                     str(r.get("device")).startswith("cuda") and (r.get("env") or {}).get("gpu_name"):
                 key = config_key(r, ignore=("policy", "policy_options"))
