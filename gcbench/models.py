@@ -25,6 +25,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 
 from gcbench.blocks import (DECODER_LAYERS, block_lists, find_blocks, find_stacks, group_refusal, image_tokens,
                             speech_input, stack_sizes, stack_text, tokens_per_image, total_blocks)
+from gcbench.config_values import check_values, positive_int
 from gcbench.errors import GcbenchError
 from gcbench.modality import (FRAMES, IMAGE_TOKENS, MODALITIES, auto_class, block_config, choose_head,
                               image_classifier, modality_name, seq2seq, speech, vision_language)
@@ -107,9 +108,7 @@ def config_from_dict(data: dict[str, Any], origin: str, check: bool = True) -> t
                            f"has{own_code}")
     cls = transformers.CONFIG_MAPPING[family]
     sizes = {*_SIZES, *(cls.attribute_map[k] for k in _SIZES if k in cls.attribute_map)}  # gpt2: n_embd, ...
-    for key, value in data.items():
-        if key in sizes and value is not None and not _positive_int(value):
-            raise GcbenchError(f"{origin}: {key} must be a positive integer, got {value!r}")
+    check_values(data, sizes, origin)
     try:
         config = cls(**{k: v for k, v in data.items() if k != "auto_map"})
         # a text encoder-decoder is its own text model (T5's text config for a decoder is a copy that drops fields)
@@ -152,7 +151,7 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
         for at, layer in layer_configs(part):  # a config whose layers differ: each layer's (per_layer.py)
             for name in _SIZES:
                 value = getattr(layer, name, None)
-                if value is not None and not _positive_int(value):
+                if value is not None and not positive_int(value):
                     raise GcbenchError(f"{origin}: {where}{at}{name} must be a positive integer, got {value!r}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", *(("vocab_size",) if text else ())):
         if None in layer_values(config, name):
@@ -180,7 +179,7 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
     head = auto_class(config, origin, "lm")  # the head a run chooses is prepare_config's
     pad = getattr(config, "pad_token_id", None)
     vocab = getattr(block_config(config), "vocab_size", None)  # a VLM's: its language model's
-    if text and _positive_int(pad) and pad >= vocab:  # transformers' own words name neither field
+    if text and positive_int(pad) and pad >= vocab:  # transformers' own words name neither field
         raise GcbenchError(f"{origin}: pad_token_id ({pad}) must be below vocab_size ({vocab})")
     try:
         model = _meta_build(head, config)  # no memory, no init: whatever else transformers refuses, say it now
@@ -193,10 +192,6 @@ def _check_config(config: transformers.PretrainedConfig, origin: str) -> None:
         tokens_per_image(config, build_meta_model, origin)
     if speech(config):
         speech_input(config, build_meta_model, origin)  # features its conv stem cannot read: said now
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _one_line(e: BaseException) -> str:

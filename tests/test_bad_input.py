@@ -74,6 +74,9 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num
     ({"rms_norm_eps": "small"}, ["rms_norm_eps", "float"]),
     ({"num_hidden_layers": 0}, ["num_hidden_layers", "positive integer"]),
     ({"hidden_act": "no-such-activation"}, ["cannot build", "no-such-activation"]),
+    ({"attention_dropout": 1.5}, ["attention_dropout", "dropout probability", "0 to 1", "1.5"]),  # torch's, mid-step
+    ({"attention_dropout": "0.1"}, ["attention_dropout", "dropout probability", "'0.1'"]),
+    ({"rms_norm_eps": float("nan")}, ["rms_norm_eps", "NaN"]),  # json.dumps writes NaN; Python's reader takes it
 ])
 def test_config_json_that_transformers_rejects_is_one_line(tmp_path, no_measuring, fields, words):
     config = tmp_path / "config.json"
@@ -82,6 +85,17 @@ def test_config_json_that_transformers_rejects_is_one_line(tmp_path, no_measurin
     refused(runner.invoke(app, ["run", "--model", str(config), *RUN[3:], "--out", str(out)]), "config.json",
             *words)
     assert not out.exists()
+
+
+def test_a_config_keeps_what_its_families_ship_as_dropout_flags_and_infinite_bounds():
+    from gcbench.config_values import check_values
+
+    # ESM's token_dropout is a flag; Mamba-2's time_step_limit is (0, inf), as transformers' defaults hold them
+    check_values({"token_dropout": True, "time_step_limit": [0.0, float("inf")], "dropout": 0}, (), "c")
+    with pytest.raises(GcbenchError, match=r"c: text_config\.resid_pdrop is a dropout probability.*-0\.1"):
+        check_values({"text_config": {"resid_pdrop": -0.1}}, (), "c")
+    with pytest.raises(GcbenchError, match=r"c: layer_types must be a number, got NaN"):
+        check_values({"layer_types": [[1.0, float("nan")]]}, (), "c")
 
 
 @pytest.mark.parametrize("text,words", [("[1, 2]", ["one JSON object", "list"]), ("", ["not a JSON config"]),

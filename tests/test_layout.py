@@ -29,7 +29,7 @@ LAYERS = [
     ("env",),
     ("resolved",),
     ("step", "fsdp", "policies", "compiled", "losses", "liger_model", "models", "blocks", "modality", "presets",
-     "hub", "per_layer"),
+     "hub", "per_layer", "config_values"),
     ("instruments",),
     ("measure", "timing", "nvml"),
     ("host_work",),
