@@ -322,8 +322,9 @@ def estimate(
     method: Annotated[str, typer.Option(help="analytic (per-block formulas, instant) | simulate (the real step "
                                              "on fake tensors, seconds); comma-separated; with --fit: the one used "
                                              "(both: analytic where it knows the policy)")] = "analytic,simulate",
-    device: Annotated[str, typer.Option(help="what to predict for: cuda (torch.cuda.max_memory_allocated; no GPU "
-                                             "needed) | cpu (the live-tensor peak of a CPU run)")] = "cuda",
+    device: Annotated[str, typer.Option(help="what to predict for: cuda (the peak the CUDA allocator reports, "
+                                             "max_memory_allocated; no GPU needed) | cpu (the live-tensor peak of a "
+                                             "CPU run)")] = "cuda",
     gpu_memory: Annotated[str | None, typer.Option(help="memory to fit in, e.g. 80GiB: adds a fits / does not fit "
                                                         "column")] = None,
     output_format: Annotated[str, typer.Option("--format", help="table | json (one JSON object per config and "

@@ -101,7 +101,10 @@ def with_spec_options(*, several: tuple[str, ...] | str = (), fields: tuple[str,
                 help += f" ({shown[name]})"
             elif name not in defaults and opt.default not in (None, "", dataclasses.MISSING):
                 help += f" (default: {opt.kind.show(opt.default)})"  # applied by RunSpec, so that a TOML file can set it
-            metavar = f"<{opt.kind.metavar.lower()}{',...' if many else ''}>"
+            # a list of name[:k=v,...] items shows an item's options as k=v: at 80 columns a wide metavar column
+            # leaves the option names too little (--slurm-array-parallelism was cut short)
+            item = opt.kind.metavar.lower()
+            metavar = f"<{item.replace(',...', '')},...>" if many else f"<{item}>"
             hint = Annotated[str | None, typer.Option(f"--{opt.flag}", help=help, metavar=metavar)]
             default = str(defaults[name]) if name in defaults else None
             added.append(inspect.Parameter(f"spec__{name}", inspect.Parameter.KEYWORD_ONLY, default=default,

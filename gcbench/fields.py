@@ -202,8 +202,9 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("grad_accum", "grad-accum", Int(1, 65_536), "micro-batches of --batch per optimizer step (gradient "
           "accumulation: the memory of one micro-batch, the tokens of all)", 1, role=Role.LEVER, axis=True,
           ascending=True, added=(2, 1), short="accum", words=_accumulation, plan=()),
-    Field("adapter", "adapter", OptionText("an adapter"), "none | lora[:r=16,alpha=32,dropout=0.05,targets=all-linear] "
-          "| dora[:...] | qlora[:...,skip=a+b] (LoRA on a 4-bit NF4 base: every linear layer but the head, as "
+    Field("adapter", "adapter", OptionText("an adapter"), "none | lora (options r=16 alpha=32 dropout=0.05 "
+          "targets=all-linear by default, given as lora:r=8,alpha=16) | dora (lora's options) | qlora (lora's and "
+          "skip=a+b: LoRA on a 4-bit NF4 base: every linear layer but the head, as "
           "transformers quantises it; bitsandbytes): a frozen base with trainable "
           "adapters through peft (docs/levers.md)", "none", role=Role.LEVER, axis=True, added=(4, "none"),
           words=lambda value, record: "" if value in (None, "none") else str(value), plan=("none", "lora", "qlora"),

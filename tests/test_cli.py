@@ -74,6 +74,18 @@ def test_memory_cap_makes_an_oom_record(tmp_path):
     assert record["status"] == "oom" and "memory cap" in record["error"]
 
 
+def test_every_commands_help_reads_whole_at_80_columns():
+    # rich cuts a word that does not fit its column with an ellipsis: an option's name (--slurm-array-parallelism)
+    # or a long token in its help (torch.cuda.max_memory_allocated;)
+    import typer.main
+
+    for name in [*typer.main.get_command(app).commands, None]:
+        result = runner.invoke(app, [name, "--help"] if name else ["--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, name
+        assert "\u2026" not in result.output, (name, [line for line in result.output.splitlines() if "\u2026" in line])
+        assert max(map(len, result.output.splitlines())) <= 80, name
+
+
 def test_models_and_policies_list_the_registries(monkeypatch):
     from rich.console import Console
 
