@@ -52,8 +52,9 @@ class Devices(Kind):
     metavar = "GPUS"
 
     def parse(self, value: Any) -> tuple[str, ...]:
-        items = value if isinstance(value, (list, tuple)) else split_items(str(value))
-        items = tuple(str(i).strip() for i in items if str(i).strip())
+        items = tuple(str(i).strip() for i in (value if isinstance(value, (list, tuple)) else split_items(str(value))))
+        if "" in items:  # a TOML list's "" as a comma list's empty item
+            raise GcbenchError(f"an empty item in {list(value) if isinstance(value, (list, tuple)) else value!r}")
         if items == ("all",):
             return items
         for item in items:

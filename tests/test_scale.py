@@ -152,6 +152,13 @@ def test_jobs_give_each_config_its_slot_cores_as_threads(six_cores, tmp_path):
         Sweep(over)
 
 
+def test_a_toml_list_of_devices_refuses_an_empty_item_as_the_comma_list_does(tmp_path):
+    # ["cuda:0", ""] ran on cuda:0 alone: the empty string was dropped where "cuda:0," is refused
+    with pytest.raises(GcbenchError, match=r"an empty item in \['cuda:0', ''\]"):
+        SweepSpec.load(None, {"model": "tiny-llama", "seq": 32, "batch": 1, "device": "cuda", "devices": ["cuda:0", ""],
+                              "out": tmp_path / "r.jsonl"})
+
+
 @pytest.mark.parametrize("args, message", [
     (["--jobs", "0"], "--jobs: must be an integer from 1"),
     (["--devices", "gpu1"], "--devices: expected all or a list of cuda:N"),
