@@ -232,8 +232,8 @@ def sweep(
                devices=devices, jobs=jobs, executor=executor, slurm_partition=slurm_partition,
                slurm_gpus_per_job=slurm_gpus_per_job, slurm_array_parallelism=slurm_array_parallelism)}
     results = out or DEFAULT_SWEEP_OUT
-    with domain_errors(lambda: f"interrupted; finished configs are in {results}, run the same command again to "
-                               "resume"):
+    with domain_errors(lambda: "interrupted; nothing was run (--dry-run)" if dry_run else
+                       f"interrupted; finished configs are in {results}, run the same command again to resume"):
         grid = SweepSpec.load(config, {k: v for k, v in options.items() if v is not None})
         results = grid.out
         prepare_sweep(grid, dry_run)

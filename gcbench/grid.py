@@ -21,7 +21,7 @@ from gcbench.fields import BY_NAME, RUN_FIELDS
 from gcbench.results.schema import LEVER_FIELDS, lever_text
 from gcbench.results.store import check_regular
 from gcbench.resolved import PolicyRefused, ResolvedRun, config_fields, distinct_runs, resolve
-from gcbench.spec import RunSpec, crossed_out
+from gcbench.spec import RunSpec, check_grid_size, crossed_out
 from gcbench.timing import MIN_SPAN_S
 from gcbench.units import fmt_bytes
 from gcbench.values import Choice, Int, Kind, Name, Seconds, Size, Switch, split_items
@@ -119,6 +119,7 @@ class SweepSpec:
                 every = ", ".join(f"--{BY_NAME[n].flag}" for n in REQUIRED)
                 raise GcbenchError(f"no --{BY_NAME[name].flag} given: a sweep needs at least one value of each of "
                                    f"{every} (or a --config file that sets them)")
+        check_grid_size(values, "split it into several sweeps (they may share one --out)")
         object.__setattr__(self, "values", MappingProxyType(values))
 
     @classmethod

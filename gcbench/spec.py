@@ -11,12 +11,13 @@ Importing this module is cheap (no torch).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gcbench.adapters import parse_adapter
 from gcbench.errors import GcbenchError
-from gcbench.fields import RUN_FIELDS, DeviceKind
+from gcbench.fields import BY_NAME, RUN_FIELDS, DeviceKind
 from gcbench.optimizers import optimizer_kind
 
 
@@ -92,3 +93,19 @@ def crossed_out(fields: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) 
     if varies("precision", "optim_in_backward", "shard") and scaled:
         return True
     return varies("shard", "nproc") and fields.get("shard", "none") == "none" and fields.get("nproc", 1) > 1
+
+
+# The most configurations one grid may hold (a sweep's, an estimate's): past it a grid is a typo or a script's range
+# (every seq from 16 to 215 by every batch from 1 to 200), not a plan, and expanding it hung with no word. A sweep
+# runs each config in a process of its own (seconds to minutes); resolving alone is about 1.4 ms a config (a 5,000
+# config dry run: 7 s on this project's 2-core machine).
+MAX_GRID = 10_000
+
+
+def check_grid_size(values: Mapping[str, Sequence[Any]], split: str = "split it into several commands") -> None:
+    """Refuse a grid (field name -> its values) of more than MAX_GRID combinations, before any is made; `split`
+    says how to run it instead."""
+    n = math.prod(len(v) for v in values.values())
+    if n > MAX_GRID:
+        axes = " x ".join(f"{len(v):,} --{BY_NAME[name].flag}" for name, v in values.items() if len(v) > 1)
+        raise GcbenchError(f"the grid holds {n:,} configs ({axes}): at most {MAX_GRID:,} in one command; {split}")

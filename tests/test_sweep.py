@@ -96,6 +96,32 @@ def test_dry_run_prints_the_grid_and_writes_nothing(tmp_path):
     assert not out.parent.exists()
 
 
+def test_a_dry_run_stopped_by_ctrl_c_says_nothing_was_run(tmp_path, monkeypatch):
+    # it said "finished configs are in r.jsonl, run the same command again to resume"
+    from gcbench.sweeps import Sweep
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Sweep, "plan", interrupted)
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["sweep", "--model", "tiny-llama", "--seq", "32", "--batch", "1", *FAST_ARGS,
+                                 "--out", str(out), "--dry-run"])
+    assert result.exit_code == 130 and "gcbench: interrupted; nothing was run (--dry-run)" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["sweep", "estimate"])
+def test_a_grid_past_its_cap_is_refused_before_any_config_is_made(tmp_path, command):
+    # 200 seq by 60 batch: 12,000 configs, which a sweep's dry run spent a minute expanding in silence
+    out = tmp_path / "r.jsonl"
+    seqs, batches = ",".join(map(str, range(16, 216))), ",".join(map(str, range(1, 61)))
+    args = ["--out", str(out), "--policy", "none"] if command == "sweep" else ["--method", "analytic"]
+    result = runner.invoke(app, [command, "--model", "tiny-llama", "--seq", seqs, "--batch", batches, *args])
+    assert_refused(result, "the grid holds 12,000 configs (200 --seq x 60 --batch): at most 10,000 in one command")
+    assert not out.exists()
+
+
 def _bad(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)

@@ -24,7 +24,7 @@ from gcbench.estimators import analytic, fake_ranks, per_rank, plan, sharing, si
 from gcbench.estimators.caching_allocator import OutOfMemory
 from gcbench.estimators.estimates import Estimate, Progress, Unavailable
 from gcbench.resolved import ResolvedRun, distinct_runs, resolve
-from gcbench.spec import RunSpec, crossed_out
+from gcbench.spec import RunSpec, check_grid_size, crossed_out
 
 __all__ = ["METHODS", "TARGETS", "Estimate", "Unavailable", "estimate", "estimate_grid", "estimate_rows",
            "predict_for_run",
@@ -107,6 +107,7 @@ def estimate_grid(axes: dict[str, Iterable[Any]], methods: Iterable[str], target
         raise GcbenchError(f"unknown device {target!r} to predict for ({', '.join(TARGETS)})")
     axes = {k: list(v) for k, v in axes.items()}
     axes["precision"] = [p or default_precision(target) for p in axes.get("precision", [""])]
+    check_grid_size(axes)
     names = list(axes)
     # device="cpu": the spec must be valid on this machine; the target only tells what to predict
     combos = [dict(zip(names, values)) for values in itertools.product(*axes.values())]
