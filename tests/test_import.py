@@ -310,6 +310,30 @@ def test_an_import_whose_report_fails_leaves_the_tree_as_it_was(home, tmp_path, 
     assert snapshot(home) == before
 
 
+def test_an_import_whose_report_fails_after_the_quotes_were_written_puts_the_pages_back(home, tmp_path, monkeypatch):
+    # render writes the quotes, then publishes the report: a report that fails leaves README.md and docs/gpu.md as
+    # they were, not quoting records that went back out (the README's block here is stale, so the import rewrites it)
+    import gcbench.report.document
+
+    readme = home / "README.md"
+    readme.write_text(readme.read_text().replace(f"{BEGIN}\n", f"{BEGIN}\nstale line\n", 1))
+    written = []
+
+    def broken(*args, **kwargs):
+        written.append(readme.read_text())
+        raise RuntimeError("a figure failed")
+
+    monkeypatch.setattr(gcbench.report.document, "write_report", broken)
+    before = snapshot(home)
+    record = json.loads(RECORD)
+    record["record_id"], record["seed"] = "new-record", 7
+    archive = tar_gz(tmp_path / "a.tar.gz", [(f"{H200}/new.jsonl", json.dumps(record).encode() + b"\n")])
+    with pytest.raises(RuntimeError, match="a figure failed"):
+        import_archive(archive, home)
+    assert written and "stale line" not in written[0]  # the quote had been rewritten when the report failed
+    assert snapshot(home) == before
+
+
 def test_a_member_name_too_long_to_write_is_refused_before_anything_is_written(home, tmp_path):
     before = snapshot(home)
     archive = tar_gz(tmp_path / "a.tar.gz", [(f"{H200}/{'n' * 245}.jsonl", RECORD)])

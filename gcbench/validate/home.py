@@ -70,8 +70,10 @@ def import_archive(archive: Path, root: Path = Path(".")) -> Imported:
     result = Imported(root / staged.folder, smoke=staged.smoke)
     writes = _planned_writes(staged, root, result)
     # What the tree held, for a render that fails on what was merged (a record no table can show, a folder the
-    # report cannot read): the results go back as they were, rather than stay merged without their report.
+    # report cannot read): the results and the quoting pages go back as they were, rather than stay merged without
+    # their report (render publishes the report last, whole or not at all).
     before = {target: target.read_bytes() if target.exists() else None for target in writes}
+    quoting = {page: page.read_bytes() for page in (root / name for name in QUOTED) if page.is_file()}
     folders = sorted({f for t in writes for f in t.parents if f.is_relative_to(root) and not f.exists()},
                      key=lambda f: len(f.parts), reverse=True)
     try:
@@ -85,6 +87,9 @@ def import_archive(archive: Path, root: Path = Path(".")) -> Imported:
                 target.unlink(missing_ok=True)
             else:
                 _write_bytes(target, data)
+        for page, data in quoting.items():
+            if page.read_bytes() != data:
+                _write_bytes(page, data)
         for folder in folders:  # deepest first; only those this import made, and only while empty
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
@@ -95,19 +100,21 @@ def import_archive(archive: Path, root: Path = Path(".")) -> Imported:
 
 def render(root: Path, folder: Path, smoke: bool = False) -> tuple[Path, list[Path]]:
     """`folder`'s report and the quoted blocks (README.md, docs/gpu.md) made again from the records as they stand:
-    after an import, or after records were moved to results/gpu/superseded/. Returns the report's folder and the
-    files whose block changed."""
+    after an import, or after records were moved to results/gpu/superseded/. The quotes are written first, the
+    report published last (report/publish.py: whole or not at all), so that a caller that keeps the pages' old
+    bytes can put everything back when the report fails. Returns the report's folder and the files whose block
+    changed."""
     from gcbench.report.document import write_report
     from gcbench.results.frame import load_results, results_frame
 
     report = folder / "report" if smoke else root / REPORTS / folder.name
     frame, _ = load_results([folder])
     frame["source"] = [os.path.relpath(source, root) for source in frame["source"]]  # named from the checkout
-    write_report(results_frame(frame), report)
     quoted = []
     if not smoke:
         block = quoted_block(root)
         quoted = [root / name for name in QUOTED if update_quote(root / name, block)]
+    write_report(results_frame(frame), report)
     return report, quoted
 
 
