@@ -143,6 +143,7 @@ def report(
     """Tables of many runs grouped by device, model, seq and batch, with `x none` ratios; --out adds figures
     and a report to share."""
     from gcbench.report.document import write_report
+    from gcbench.report.publish import check_folder
     from gcbench.report.tables import terminal_tables
     from gcbench.results.frame import load_results, results_frame
 
@@ -150,6 +151,8 @@ def report(
         if out is not None and not out.strip():
             raise GcbenchError("--out: an empty path; give the directory the report goes to")
         df, notes = load_results(paths)
+        if out is not None:
+            check_folder(Path(out))  # before the tables: a refusal is its one line, not the tables and then it
         print_warnings(notes)
         frame = results_frame(df)
         for item in terminal_tables(frame, console.width):

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def test_report_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, records):
     (out / "report.md").write_text("my own report")
     result = runner.invoke(app, ["report", str(results), "--out", str(out)])
     assert result.exit_code == 2 and "report.md" in result.stderr and "not written by gcbench" in result.stderr
+    assert result.stdout == ""  # refused before the tables, which it printed whole before refusing
     assert snapshot(out) == {"report.md": b"my own report"} and not hidden(out)
     # ...and a report of its own that the user has edited since is theirs too.
     (out / "report.md").unlink()
@@ -213,6 +215,78 @@ def test_the_next_report_cleans_up_after_a_killed_one(tmp_path):
     pub.publish(out, maker(NEW))
     assert not stale.exists() and (stranger / "todo.txt").read_text() == "mine"
     assert (out / ".gcbench-report-mine" / "keep.txt").read_text() == "mine"
+
+
+def staged(out: Path, journal: object, old: dict[str, str] | None = None) -> Path:
+    """A staging folder as a kill would leave it, with `journal` (JSON) and old files: what anyone handing over a
+    report folder can write."""
+    stage = out / ".gcbench-report-0badc0de"
+    (stage / "old").mkdir(parents=True)
+    for rel, text in (old or {}).items():
+        (stage / "old" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stage / "old" / rel).write_text(text)
+    (stage / "journal.json").write_text(json.dumps(journal))
+    return stage
+
+
+def test_names_a_manifest_or_journal_gives_outside_the_report_are_never_acted_on(tmp_path):
+    # The manifest and a staging folder's journal are files in DIR: a name in them outside a report's own (an
+    # absolute path, ../) deleted the file it named (an empty file's SHA-256 is public), or with no hash at all
+    out, _ = report_dir(tmp_path)
+    victims = [tmp_path / "victim" / name for name in ("empty.py", "a.txt", "b.txt")]
+    victims[0].parent.mkdir()
+    victims[0].write_text("")
+    for victim in victims[1:]:
+        victim.write_text("mine")
+    manifest = json.loads((out / pub.MANIFEST).read_text())
+    manifest["files"][str(victims[0])] = pub.hashlib.sha256(b"").hexdigest()
+    manifest["files"]["../victim/a.txt"] = pub.hashlib.sha256(b"mine").hexdigest()
+    (out / pub.MANIFEST).write_text(json.dumps(manifest))
+    stage = staged(out, {"id": "zzz", "files": [str(victims[2])], "had": [], "new": {}, "obsolete": {}})
+    pub.publish(out, maker(NEW))
+    assert all(victim.exists() for victim in victims) and (out / "report.md").read_text() == "new md"
+    assert stage.is_dir()  # not a folder this module made: left as it is
+
+
+def test_a_link_in_a_report_folder_never_carries_a_write_out_of_it(tmp_path):
+    out, _ = report_dir(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "report.md").write_text("mine")
+    (elsewhere / "target.txt").write_text("original")
+    # a journal putting back "old" files through a link in DIR, or from an "old" folder that is a link
+    (out / "d").symlink_to(elsewhere)
+    stage = staged(out, {"id": "nope", "files": ["d/target.txt"], "had": ["d/target.txt"], "new": {}},
+                   {"d/target.txt": "attacker content"})
+    pub.publish(out, maker(NEW))
+    assert (elsewhere / "target.txt").read_text() == "original" and stage.is_dir()
+    shutil.rmtree(stage)
+    stage = staged(out, {"id": "nope", "files": ["report.md"], "had": ["report.md"], "new": {}, "obsolete": {}})
+    (stage / "old").rmdir()
+    (stage / "old").symlink_to(elsewhere)
+    pub.publish(out, maker(OLD))
+    assert (elsewhere / "report.md").read_text() == "mine" and (out / "report.md").read_text() == "old md"
+    # figures/ a link: every figure would be written, replaced and removed where it points
+    shutil.rmtree(out / "figures")
+    (out / "figures").symlink_to(elsewhere)
+    before = snapshot(elsewhere)
+    with pytest.raises(GcbenchError, match="holds figures as a link, not a folder"):
+        pub.publish(out, maker(NEW))
+    assert snapshot(elsewhere) == before
+
+
+@pytest.mark.parametrize("journal", ["[1, 2]", '{"id": 3}', '"text"', '{"id": "x", "files": "report.md"}'])
+def test_a_journal_that_is_not_one_leaves_its_folder_and_the_report_is_written(tmp_path, journal):
+    out, _ = report_dir(tmp_path)
+    stage = staged(out, None)
+    (stage / "journal.json").write_text(journal)
+    pub.publish(out, maker(NEW))  # a traceback (TypeError) before
+    assert stage.is_dir() and (out / "report.md").read_text() == "new md"
+
+
+def test_a_report_folder_whose_name_is_too_long_is_one_line(tmp_path):
+    with pytest.raises(GcbenchError, match="cannot write the report to .*: File name too long"):
+        pub.publish(tmp_path / ("x" * 300), maker(NEW))
 
 
 def test_a_users_folder_beside_the_directory_is_never_removed(tmp_path):

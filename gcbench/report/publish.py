@@ -34,6 +34,13 @@ MANIFEST = ".gcbench-report.json"
 STAGING = ".gcbench-report-"
 STAGING_NAME = re.compile(r"\.gcbench-report-[0-9a-f]{8}")
 FIGURE_NAME = re.compile(r"figures/[1-9]-[a-z0-9-]+\.(png|svg)")  # what write_figures names its files
+
+
+def _own(rel: object) -> bool:
+    """A name this module writes in DIR: a page, the manifest, a figure. The manifest and a staging folder's journal
+    are files in DIR, which anyone who hands over the folder wrote: a name in them that is not one of these (an
+    absolute path, ../, a folder that is a link) is never moved, replaced or removed."""
+    return isinstance(rel, str) and (rel in PAGES or rel == MANIFEST or FIGURE_NAME.fullmatch(rel) is not None)
 PAGES = ("report.md", "report.html")  # moved last: a reader opens these
 
 
@@ -41,8 +48,7 @@ def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
     """Make the report with `make(folder)` (report.md, report.html, figures/ under `folder`) and put it into `out`;
     the report's files as written, pages first. GcbenchError, with `out` as it was, where that cannot be done."""
     where = repr(plain(out))
-    if out.exists() and not out.is_dir():
-        raise GcbenchError(f"--out {where} is a file, not a directory")
+    check_folder(out)
     created = missing_folders(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -76,13 +82,26 @@ def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
     return sorted(written, key=lambda p: (p.name not in PAGES, str(p)))
 
 
+def check_folder(out: Path) -> None:
+    """GcbenchError where a report cannot go into `out` as it stands (a file, figures as a link, a page there that
+    is not gcbench's): said before a command prints its tables, and again by publish, under its lock."""
+    where = repr(plain(out))
+    try:
+        if out.exists() and not out.is_dir():
+            raise GcbenchError(f"{where} is a file, not a directory")
+        if (out / "figures").is_symlink():  # its figures would be written, replaced and removed where it points
+            raise GcbenchError(f"{where} holds figures as a link, not a folder: it is left as it is; move it away or "
+                               "write the report elsewhere")
+        if out.is_dir():
+            _refuse_theirs(out, PAGES)
+    except OSError as e:  # a name too long for the file system, a folder on the way that cannot be read
+        raise GcbenchError(f"cannot write the report to {where}: {e.strerror or e}") from None
+
+
 def recover(out: Path, stage: Path) -> None:
     """Finish or undo the write that left `stage` behind (killed): committed (the manifest is its own) -> remove
     what it replaced; not committed -> put every old file back and remove the new ones it had moved in."""
-    try:
-        journal = json.loads((stage / "journal.json").read_text())
-    except (OSError, ValueError):
-        journal = None  # killed before its journal: it had moved nothing
+    journal = _journal(stage)  # None: killed before or while writing its journal, which precedes every move
     if journal is not None:
         if _manifest(out).get("id") == journal["id"]:
             _remove_ours(out, journal["obsolete"])
@@ -94,11 +113,30 @@ def recover(out: Path, stage: Path) -> None:
 def _settled(out: Path, stage: Path) -> bool:
     """Nothing in `stage` is needed any more: its write committed, or it has no old file left to put back (one that
     could not be put back stays, for the next run's `recover`)."""
-    try:
-        journal = json.loads((stage / "journal.json").read_text())
-    except (OSError, ValueError):
+    journal = _journal(stage)
+    if journal is None:
         return True
     return _manifest(out).get("id") == journal["id"] or not any(p.is_file() for p in (stage / "old").rglob("*"))
+
+
+def _journal(stage: Path) -> dict | None:
+    """`stage`'s journal, None where it has none that reads (a write killed before or while writing it)."""
+    try:
+        return json.loads((stage / "journal.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _is_journal(journal: object) -> bool:
+    """A journal as _swap writes it, naming only files of a report (_own)."""
+    if not isinstance(journal, dict) or not isinstance(journal.get("id"), str) or \
+            not isinstance(journal.get("figures_made", False), bool):
+        return False
+    lists = [journal.get(k) for k in ("files", "had")]
+    maps = [journal.get(k) for k in ("new", "obsolete")]
+    return all(isinstance(names, list) and all(map(_own, names)) for names in lists) and \
+        all(isinstance(shas, dict) and all(_own(rel) and isinstance(sha, str) for rel, sha in shas.items())
+            for shas in maps)
 
 
 def _swap(out: Path, stage: Path) -> list[str]:
@@ -137,12 +175,12 @@ def _refuse_theirs(out: Path, files: list[str] | tuple[str, ...]) -> dict[str, s
     """The report now in `out` (as `_ours`); GcbenchError where one of `files` is there but is not its own."""
     ours = _ours(out)
     theirs = [rel for rel in files if _exists(out / rel) and ours.get(rel) != _sha(out / rel)]
-    if _exists(out / "figures") and not (out / "figures").is_dir():
+    if _exists(out / "figures") and (not (out / "figures").is_dir() or (out / "figures").is_symlink()):
         theirs.insert(0, "figures")
     if theirs:
-        raise GcbenchError(f"--out {plain(out)!r} already has {', '.join(map(plain, theirs[:3]))}"
+        raise GcbenchError(f"{plain(out)!r} already has {', '.join(map(plain, theirs[:3]))}"
                            f"{' ...' if len(theirs) > 3 else ''}, not written by gcbench (or changed since): it is "
-                           "left as it is; move it away or choose another directory")
+                           "left as it is; move it away (or write the report elsewhere)")
     return ours
 
 
@@ -197,18 +235,29 @@ def _remove_ours(out: Path, files: dict[str, str]) -> None:
 
 
 def _manifest(out: Path) -> dict:
+    """The manifest in `out`: its id and the report's files (name -> SHA-256), names not a report's left out
+    (_own); {} where there is none that reads."""
     try:
         manifest = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
-    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return {}
+    return {"id": manifest.get("id"),
+            "files": {rel: sha for rel, sha in manifest["files"].items() if _own(rel) and isinstance(sha, str)}}
 
 
 def _is_staging(folder: Path) -> bool:
     """A staging folder this module made (its name, its contents): only such a folder is finished and removed."""
     if not STAGING_NAME.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
         return False
-    return {p.name for p in folder.iterdir()} <= {"new", "old", "journal.json"}
+    if not {p.name for p in folder.iterdir()} <= {"new", "old", "journal.json"}:
+        return False
+    for top, dirs, files in os.walk(folder):  # a link in it would move or replace files where it points
+        if any(os.path.islink(os.path.join(top, name)) for name in dirs + files):
+            return False
+    journal = _journal(folder)
+    return journal is None or _is_journal(journal)
 
 
 def _keep(path: Path, kept: Path) -> None:
