@@ -16,6 +16,7 @@ which os._exit skips)."""
 
 import atexit
 import codecs
+import errno
 import gc
 import os
 import signal
@@ -29,6 +30,9 @@ ASCII_STAND_INS = {"·": "-", "×": "x", "≤": "<=", "≥": ">=", "…": "...",
                    "→": "->", "←": "<-", "−": "-", "µ": "u", "≈": "~", "√": "sqrt", "°": " deg", "²": "^2",
                    "‘": "'", "’": "'", "“": '"', "”": '"', "•": "*", "─": "-", "│": "|", "━": "-", "█": "#"}
 ERRORS = "gcbench-stand-in"
+# A write the machine refused that reached the top, the output's (> /dev/full, a full disk, | head): one line and
+# exit 1, not a traceback. gcbench's own files turn their write errors into messages where they are written.
+WRITE_FAILED = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 def _stand_in(error: UnicodeError) -> tuple[str, int]:
@@ -67,10 +71,35 @@ def main() -> None:
         gc.freeze()
         _end_now(done.code)
         raise
+    except OSError as e:
+        if e.errno not in WRITE_FAILED:
+            raise
+        _drop_output()
+        if e.errno != errno.EPIPE:  # a reader that stopped reading (| head) needs no word
+            _say(f"gcbench: error: cannot write: {e.strerror} (the output, or a file it writes)")
+        sys.exit(1)
     finally:
         # Nothing the command made is garbage-collected again at exit: the interpreter's last collection walks the
         # whole heap (torch, transformers, a simulation's fakes), ~1 s on 2 cores, after every record is written.
         gc.freeze()
+
+
+def _drop_output() -> None:
+    """stdout pointed at /dev/null, so that the exit's own flush of what is still buffered for a full disk or a
+    closed pipe does not fail again, with a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no stdout to point anywhere
+        pass
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr)
+    except (OSError, ValueError):  # stderr lost too: the exit code says it
+        pass
 
 
 def _end_now(code: object) -> None:

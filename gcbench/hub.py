@@ -31,6 +31,9 @@ def hub_config_file(model_id: str) -> Path:
         pass
     except errors.HFValidationError as e:
         raise GcbenchError(f"--model {model_id!r} is not a Hub id: {e}") from None
+    except OSError as e:  # a cache or token path that cannot be read (HOME=/dev/null, HF_HOME a file)
+        raise GcbenchError(f"{model_id}: the Hugging Face cache cannot be read ({e.strerror or e}: "
+                           f"{str(e.filename)[:200]!r}); set HF_HOME to a folder, {LOCAL_HINT}") from None
     if constants.HF_HUB_OFFLINE:
         raise GcbenchError(f"{model_id}: its config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
                            f"fetch it once online, {LOCAL_HINT}")

@@ -257,3 +257,15 @@ def test_a_command_whose_output_was_closed_at_its_start_still_ends_cleanly():
     done = subprocess.run([sys.executable, "-m", "gcbench", "models"], stderr=subprocess.PIPE, text=True,
                           timeout=120, preexec_fn=lambda: os.close(1))
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv", [["models"], ["--version"]])
+def test_output_to_a_full_disk_is_one_line_and_exit_1(argv):
+    # `gcbench models > /dev/full` was a traceback ending in OSError: [Errno 28]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "gcbench", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr == ("gcbench: error: cannot write: No space left on device (the "
+                                                    "output, or a file it writes)\n"), done.stderr
+

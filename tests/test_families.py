@@ -327,6 +327,21 @@ def test_a_hub_id_offline_and_not_cached_is_one_line(hub_cache):
     assert "not in the Hugging Face cache" in line and "local config.json" in line
 
 
+def test_a_hub_cache_that_cannot_be_read_is_one_line(hub_cache, monkeypatch):
+    # HOME=/dev/null: the client's token path is under a file (a traceback, NotADirectoryError, before)
+    import huggingface_hub
+
+    def unreadable(*args, **kwargs):
+        raise NotADirectoryError(20, "Not a directory", "/dev/null/.cache/huggingface/token")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreadable)
+    result = runner.invoke(app, ["estimate", "--model", "acme/tiny-qwen3", "--method", "analytic"])
+    assert result.exit_code == 2 and result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    assert "the Hugging Face cache cannot be read (Not a directory: '/dev/null/.cache/huggingface/token')" in line
+    assert "set HF_HOME to a folder" in line
+
+
 def test_a_hub_id_without_a_network_is_one_line_and_quick(hub_cache, monkeypatch):
     from huggingface_hub import constants
 

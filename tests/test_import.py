@@ -166,6 +166,14 @@ def test_an_import_outside_a_checkout_is_refused_and_creates_nothing(tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.parametrize("name,words", [("missing.tar.gz", "No such file or directory"),
+                                        ("y" * 300, "File name too long")])  # a traceback (OSError) before
+def test_an_archive_path_that_cannot_be_read_is_one_line(home, tmp_path, name, words):
+    before = snapshot(home)
+    refused(tmp_path / name, home, words)
+    assert snapshot(home) == before
+
+
 def test_an_import_from_a_subfolder_lands_in_its_checkout(home, tmp_path):
     """Found as git finds its repository: the nearest folder above with gcbench's pyproject.toml."""
     with pytest.raises(GcbenchError, match="not a gcbench checkout"):

@@ -140,6 +140,10 @@ def _summary(validation, outcome, gpu_name: str) -> str:
 def _import(archive: Path, console: Console) -> int:
     from gcbench.validate.home import checkout_root, import_archive
 
+    try:
+        archive.stat()
+    except OSError as e:  # no such file, a name too long, a folder on the way that is not one
+        raise GcbenchError(f"--import {str(archive)[:200]!r}: {e.strerror or e}") from None
     if not archive.is_file():
         raise GcbenchError(f"--import {str(archive)[:200]!r}: not a file")
     result = import_archive(archive, checkout_root(Path.cwd()))
