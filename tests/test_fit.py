@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 
@@ -21,8 +22,10 @@ from gcbench.fits.fit import Fit, FitSpec, recommend
 from gcbench.fits.search import Search, Trial, extrapolate
 from gcbench.gpus import for_device, peak_flops
 from gcbench.policies import parse_policy
+from gcbench.report.fit_tables import recommendation_lines
 from gcbench.results.frame import fit_summary, load, results_frame
 from gcbench.results.schema import fit_policy
+from gcbench.results.stats import Stats, clearly_faster
 from gcbench.results.store import append_record, read_records
 from gcbench.runner import run
 from tests.helpers import assert_gradients_equal_none, assert_refused, tiny_spec
@@ -184,6 +187,61 @@ def test_the_recommendation_is_the_best_tokens_per_s_paired_when_all_were_paired
     assert recommend([], lambda r: "cmd") is None
 
 
+def winner(policy: str, batch: int, steps: list[float], paired: list[float] | None = None) -> dict:
+    """A fit winner's record as the speed ranking reads it (seq 10)."""
+    stats = Stats.of(steps)
+    record = {"policy": policy, "policy_options": {}, "batch_size": batch, "seq_len": 10, "grad_accum": 1,
+              "step_ms": steps, "step_ms_median": stats.median, "step_ms_ci": list(stats.ci) if stats.ci else None,
+              "tokens_per_s": batch * 10 / (stats.median / 1e3), "peak_tracked_bytes": 1 << 20}
+    if paired is not None:
+        record |= {"paired_step_ms": paired,
+                   "paired_tokens_per_s": batch * 10 / (statistics.median(paired) / 1e3)}
+    return record
+
+
+def test_a_recommendation_names_the_winners_it_cannot_be_told_apart_from():
+    rng = random.Random(7)
+    noisy = lambda level: [level * (1 + rng.gauss(0, 0.05)) for _ in range(40)]  # noqa: E731
+    # paired: per-round ratios; none (batch 2, 20 ms) and full (batch 4, 40.4 ms) 1% apart in rounds that move
+    # together (each round's drift is shared), sqrtn 20% slower
+    drift = [1 + rng.gauss(0, 0.05) for _ in range(40)]
+    none = winner("none", 2, noisy(20), [20 * d * (1 + rng.gauss(0, 0.002)) for d in drift])
+    full = winner("full", 4, noisy(40.4), [40.4 * d * (1 + rng.gauss(0, 0.002)) for d in drift])
+    sqrtn = winner("sqrtn", 4, noisy(48), [48 * d * (1 + rng.gauss(0, 0.002)) for d in drift])
+    rec = recommend([full, sqrtn, none], lambda r: "cmd")
+    assert rec.record is none and rec.paired and rec.tied == []  # 1% apart, told apart by their shared rounds
+    assert clearly_faster(none, full, True) and not clearly_faster(full, none, True)  # one way only
+    # the same levels timed in separate runs, each +-5%: 1% is inside their noise, 20% is not
+    rec = recommend([winner("none", 2, noisy(20)), full := winner("full", 4, noisy(40.4)),
+                     winner("sqrtn", 4, noisy(48))], lambda r: "cmd")
+    assert not rec.paired and rec.record["policy"] == "none" and rec.tied == [full]
+    [line] = [x for x in recommendation_lines(rec, "batch_size") if "not told apart" in x]
+    assert f"not told apart from full at seq 10 x batch 4 ({full['tokens_per_s']:,.0f} tokens/s)" in line
+    # no interval (too few steps): nothing says they differ
+    assert recommend([winner("none", 2, [20.0] * 3), two := winner("full", 2, [30.0] * 3)], lambda r: "c").tied \
+        == [two]
+
+
+def test_a_fit_table_marks_a_winner_whose_own_timing_is_not_trusted():
+    from rich.console import Console
+
+    from gcbench.fits.fit import PolicyFit
+    from gcbench.report.fit_tables import fit_table
+
+    fits = []
+    for policy, stable in (("none", False), ("full", True)):
+        search = Search(1, 4, 100)
+        search.add(Trial(2, True))
+        search.add(Trial(3, False))
+        best = {**winner(policy, 2, [20.0] * 8), "status": "ok", "timing_stable": stable}
+        fits.append(PolicyFit(policy, search, None, [best, {"batch_size": 3, "status": "oom"}]))
+    console = Console(width=80, record=True)
+    console.print(fit_table(fits, "batch_size", 1 << 20, "t"))
+    text = console.export_text()
+    assert " none            2    ~1,000 " in text and " full            2     1,000 " in text, text
+    assert "~tokens/s = the run's own timing not trusted" in text
+
+
 @pytest.mark.slow  # a fit of three policies with paired timing, in children
 def test_fit_command_prints_the_table_and_the_command(tmp_path):
     out = tmp_path / "f.jsonl"
@@ -307,6 +365,34 @@ def test_the_fit_summary_keeps_each_search_latest_max_next_and_best(fit_file):
     # two searches at 16 MiB: their paired timings are not one ranking, so each run's own tokens/s decides
     assert rows[16, "none"]["best"] and not rows[16, "full"]["rate_paired"] and rows[16, "full"]["rate"] == 100.0
     assert rows[32, "plan"]["maximum"] == 4 and rows[32, "plan"]["best"]  # alone at its budget
+
+
+@pytest.mark.parametrize("full_ms,tied", [(49.5, True), (40.0, False)])
+def test_the_fit_summary_marks_a_winner_not_told_apart_from_the_best(tmp_path, fit_records, full_ms, tied,
+                                                                       monkeypatch):
+    # 8 MiB: none at batch 2 and full at batch 5, timed in the same paired rounds; full's tokens/s 2.5x its step
+    rng = random.Random(3)
+    drift = [1 + rng.gauss(0, 0.05) for _ in range(30)]
+    rounds = {"none": [20 * d * (1 + rng.gauss(0, 0.03)) for d in drift],
+              "full": [full_ms * d * (1 + rng.gauss(0, 0.03)) for d in drift]}
+    path = tmp_path / "fit.jsonl"
+    for r in fit_records:
+        if r.get("fit_id", "").endswith("bbbb") and r["status"] == "ok" and r["policy"] in rounds:
+            steps = rounds[r["policy"]]
+            r = {**r, "paired_step_ms": steps,
+                 "paired_tokens_per_s": r["batch_size"] * r["seq_len"] / (statistics.median(steps) / 1e3)}
+        append_record(path, r)
+    rows = {(r["budget_bytes"] // 2**20, r["policy"]): r for r in fit_summary(results_frame(load(path))).to_dict(
+        "records")}
+    assert rows[8, "full"]["best"] and not rows[8, "full"]["tied"]  # 5 x 32 / 49.5 ms beats 2 x 32 / 20 ms by 1%
+    assert rows[8, "none"]["tied"] is tied  # 1% in 30 rounds of 3% noise each: not told apart; 25%: told apart
+    from rich.console import Console
+
+    from gcbench import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=250))
+    text = runner.invoke(app, ["report", str(path)]).output
+    assert ("none (tied)" in text and "(tied) = not told apart from the best" in text) is tied
 
 
 def test_fit_policy_keeps_a_plan_memory_given_apart_from_the_budget():

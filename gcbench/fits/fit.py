@@ -35,6 +35,7 @@ from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
 from gcbench.results.schema import SHAPE_FIELDS, Status, config_key, config_label, fastest, peak_bytes, policy_label
 from gcbench.results.rewrite import open_for_writing
+from gcbench.results.stats import clearly_faster
 from gcbench.results.store import append_record, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
@@ -102,6 +103,9 @@ class Recommendation:
     tokens_per_s: float
     paired: bool  # ranked by paired timing (all winners timed interleaved) rather than separate runs
     command: str
+    # the other winners whose speed cannot be told apart from this one's (results.stats.clearly_faster): a rerun
+    # may order them the other way
+    tied: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Fit:
@@ -278,11 +282,13 @@ class Fit:
 
 
 def recommend(best: list[dict[str, Any]], command) -> Recommendation | None:
-    """The fastest of the policies' largest configs (results.schema.fastest), with the command that runs it."""
+    """The fastest of the policies' largest configs (results.schema.fastest), with the command that runs it and the
+    others it cannot be told apart from."""
     if (top := fastest(best)) is None:
         return None
     record, tokens_per_s, paired = top
-    return Recommendation(record, tokens_per_s, paired, command(record))
+    tied = [r for r in best if r is not record and not clearly_faster(record, r, paired)]
+    return Recommendation(record, tokens_per_s, paired, command(record), tied)
 
 
 def canonical_policy(policy: str, cap: int | None) -> str:

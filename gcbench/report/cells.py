@@ -195,9 +195,11 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
             nxt = f"{as_int(r['next_value'])}: {FAILED.get(r['next_status'], r['next_status'])}" \
                 if given(r["next_value"]) else "range top"
             first = i == 0 or records[i - 1]["budget_key"] != r["budget_key"]  # each budget named once
-            rows.append([fmt_bytes(r["budget_bytes"]) if first else "", r["policy"] + (" (best)" if r["best"] else ""),
+            rank = " (best)" if r["best"] else " (tied)" if r["tied"] else ""
+            shaky = "~" if given(r["timing_trusted"]) and not r["timing_trusted"] else ""
+            rows.append([fmt_bytes(r["budget_bytes"]) if first else "", r["policy"] + rank,
                          str(as_int(r["maximum"])) if fits else "stopped" if r["stopped"] else "none fit",
-                         f"{r['tokens_per_s']:,.0f}" if fits else "-",
+                         f"{shaky}{r['tokens_per_s']:,.0f}" if fits else "-",
                          *([f"{r['paired_tokens_per_s']:,.0f}" if given(r["paired_tokens_per_s"]) else "-"]
                            if paired else []),
                          f"{r['peak_bytes'] / scale:,.2f}" if fits and given(r["peak_bytes"]) else "-",
@@ -215,6 +217,12 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
                    + ("paired tokens/s (the winners timed interleaved in one process)" if ranked.all()
                       else "paired tokens/s where one search timed all of a budget's winners together, else each "
                       "run's own tokens/s" if ranked.any() else "each run's own tokens/s") + ".")
+        if g["tied"].any():
+            caption += (" (tied) = not told apart from the best: the 95% interval of the best's tokens/s over this "
+                        "one's, round by round (paired), or from their own intervals, does not lie above 1; a rerun "
+                        "may order them the other way.")
+        if any(given(v) and not v for v in g["timing_trusted"]):
+            caption += " ~tokens/s = the run's own timing not trusted (its record's timing_notes say why)."
         if g["stopped"].any():
             caption += (" stopped = the search ended on a trial that neither ran nor ran out of memory (next says "
                         "which; the record's error says why): it has no answer.")

@@ -217,3 +217,16 @@ def coincident(groups: list, x: str, y: str, within: str | None = None, from_zer
                       for policy, p in sorted(part.groupby("policy_label"), key=lambda kv: policy_rank(kv[0]))}
             same.panel(series, from_zero)
     return same
+
+
+UNTRUSTED_LABEL = "pale: timing not trusted"
+
+
+def pale(color: str) -> tuple[float, float, float, float]:
+    """A policy's colour, faded: the fill of a point whose timing is not trusted (its edge keeps the colour)."""
+    return mpl.colors.to_rgba(color, 0.3)
+
+
+def pale_handle() -> Line2D:
+    return Line2D([], [], ls="", marker="o", markersize=7, markerfacecolor=pale("#404040"),
+                  markeredgecolor="#404040")

@@ -18,9 +18,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from gcbench.report.analysis import pareto_front
-from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, Drawn, coincident, figure_legend, largest_panels,
-                                          log2_axis, oom_handle, panel_figure, panel_title, policy_colors,
-                                          policy_ticks)
+from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, UNTRUSTED_LABEL, Drawn, coincident,
+                                          figure_legend, largest_panels, log2_axis, oom_handle, pale, pale_handle,
+                                          panel_figure, panel_title, policy_colors, policy_ticks)
 from gcbench.report.fit_figures import fit_frontier
 from gcbench.report.prediction_figure import predicted_vs_measured, predicted_vs_measured_time
 from gcbench.results.frame import given, policy_rank, without_fit_trials
@@ -136,7 +136,7 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
             ax.scatter([], [], label=policy, **legend_mark)  # the legend's mark: solid, or as the ring
             ax.scatter(p["peak_bytes"] / scale, p["step_ms_median"], **({"s": 46, "zorder": 4, "linewidths": 1.2}
                                                                         | on),
-                       facecolors=[("none" if on else colors[policy]) if t else _pale(colors[policy])
+                       facecolors=[("none" if on else colors[policy]) if t else pale(colors[policy])
                                    for t in trusted],
                        edgecolors=["black" if f else colors[policy] if not t or on else "none"
                                    for f, t in zip(on_front, trusted)])
@@ -145,24 +145,10 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_ylabel("step time, median (ms)")
         ax.margins(0.15)
     untrusted = not all(g["timing_trusted"].all() for _, g in groups)
-    figure_legend(fig, axes, [(_pale_handle(), UNTRUSTED_LABEL)] if untrusted else [], colors, same.notes())
+    figure_legend(fig, axes, [(pale_handle(), UNTRUSTED_LABEL)] if untrusted else [], colors, same.notes())
     return fig, ("One point per policy; points ringed in black are on the Pareto frontier (lower-left is better)."
                  + (" A pale point's step time is not trusted (noisy steps or a busy machine)." if untrusted
                     else "") + note + same.caption())
-
-
-UNTRUSTED_LABEL = "pale: timing not trusted"
-
-
-
-def _pale(color: str) -> tuple[float, float, float, float]:
-    """A policy's colour, faded: the fill of a point whose timing is not trusted (its edge keeps the colour)."""
-    return mpl.colors.to_rgba(color, 0.3)
-
-
-def _pale_handle() -> Line2D:
-    return Line2D([], [], ls="", marker="o", markersize=7, markerfacecolor=_pale("#404040"),
-                  markeredgecolor="#404040")
 
 
 def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
@@ -322,7 +308,7 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 if policy not in same.same:  # a hollow mark has no inside to fade
                     ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], facecolors="white", edgecolors="none",
                                zorder=5, **mark)  # the line's own marker shows through faded
-                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], facecolors=_pale(colors[policy]),
+                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], facecolors=pale(colors[policy]),
                            edgecolors=colors[policy], zorder=style.get("zorder", 5) + 1, **mark)
             oom = p[p["status"] == "oom"]
             if len(oom):
@@ -336,7 +322,7 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_xlabel("batch size (samples per step)")
         ax.set_ylabel("throughput (tokens/s)")
     extra = [(oom_handle(), "OOM: did not fit (drawn at 0)")] if oom_seen else []
-    extra += [(_pale_handle(), UNTRUSTED_LABEL)] if untrusted else []
+    extra += [(pale_handle(), UNTRUSTED_LABEL)] if untrusted else []
     figure_legend(fig, axes, extra, colors, same.notes())
     skipped = f" Not drawn, nothing ran: {', '.join(nothing_ran)}." if nothing_ran else ""
     return fig, ("Tokens per second = batch x seq / median step time; higher is better." + note + skipped

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.axes import Axes
 
-from gcbench.report.figure_layout import (MAX_PANELS, OOM_MARK, Coincident, Drawn, figure_legend, oom_handle,
-                                          panel_figure, panel_title)
-from gcbench.results.frame import SIZE_WORDS, as_int, fit_summary, policy_rank
+from gcbench.report.figure_layout import (MAX_PANELS, OOM_MARK, UNTRUSTED_LABEL, Coincident, Drawn, figure_legend,
+                                          oom_handle, pale, pale_handle, panel_figure, panel_title)
+from gcbench.results.frame import SIZE_WORDS, as_int, fit_summary, given, policy_rank
 from gcbench.units import byte_unit
 
 
@@ -22,7 +22,7 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     scale, unit = byte_unit(summary["budget_bytes"].max())
     fig, axes = panel_figure(len(groups), "Throughput at the largest size that fits, vs memory budget",
                              dev["device_label"].iloc[0])
-    none_fit = paired_any = False
+    none_fit = paired_any = shaky = tied = False
     same = Coincident()
     for _, g in groups:
         fits = g[g["maximum"].notna()]
@@ -40,9 +40,19 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
             labels += [(r["budget_bytes"] / scale, float(r["rate"]),
                         (f"{policy}: " if one_budget else "") + f"{as_int(r['maximum'])}", colors[policy])
                        for _, r in fits.iterrows()]
-            best = fits[fits["best"]]
+            faded = fits[[_shaky(r) for _, r in fits.iterrows()]]
+            if len(faded):  # the line's own marker, faded as every figure fades a timing not trusted
+                shaky = True
+                ax.scatter(faded["budget_bytes"] / scale, faded["rate"].astype(float), facecolors="white",
+                           edgecolors="none", zorder=4, s=40)
+                ax.scatter(faded["budget_bytes"] / scale, faded["rate"].astype(float), facecolors=pale(colors[policy]),
+                           edgecolors=colors[policy], zorder=4, s=40)
+            best, even = fits[fits["best"]], fits[fits["tied"]]
             ax.scatter(best["budget_bytes"] / scale, best["rate"].astype(float), s=130, facecolors="none",
                        edgecolors="black", linewidths=1.2, zorder=5, label="fastest at its budget")
+            ax.scatter(even["budget_bytes"] / scale, even["rate"].astype(float), s=130, facecolors="none",
+                       edgecolors="black", linewidths=1.0, linestyles="--", zorder=5)
+            tied |= len(even) > 0
             nothing = p[p["maximum"].isna() & ~p["stopped"]]  # a stopped search has no answer to draw
             if len(nothing):
                 none_fit = True
@@ -59,12 +69,22 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
         ax.set_xlabel(f"memory budget ({unit})")
         ax.set_ylabel("throughput (tokens/s)")
     extra = [(oom_handle(), "nothing fit (drawn at 0)")] if none_fit else []
+    extra += [(pale_handle(), UNTRUSTED_LABEL)] if shaky else []
+    extra += [(axes[0].scatter([], [], s=130, facecolors="none", edgecolors="black", linewidths=1.0, linestyles="--"),
+               "not told apart from the fastest")] if tied else []
     figure_legend(fig, axes, extra, colors, same.notes())
     how = ("paired tokens/s where one search timed all of a budget's winners interleaved, else each run's own"
            if paired_any else "each run's own tokens/s")
     return fig, (f"One point per policy and budget, at the largest size that ran (the number beside it; the "
                  f"fit table gives the size above it and what it did); y = {how}; ringed = the fastest at its "
-                 f"budget. Higher is better." + note + same.caption())
+                 f"budget" + ("; dashed ring = not told apart from it (a rerun may order them the other way)"
+                              if tied else "") + ("; a pale point's own timing is not trusted" if shaky else "")
+                 + ". Higher is better." + note + same.caption())
+
+
+def _shaky(row: pd.Series) -> bool:
+    """A point whose y is its run's own tokens/s, a timing not trusted."""
+    return not row["rate_paired"] and given(row["timing_trusted"]) and not row["timing_trusted"]
 
 
 def _placed_labels(ax: Axes, labels: list[tuple[float, float, str, str]]) -> None:

@@ -45,8 +45,9 @@ def fit_table(fits: Sequence[Any], vary: str, budget: int, title: str) -> Table:
         if best is not None and best.get("plan_mix"):
             note += f"; mix {mix_text(best['plan_mix'])}"
         mark = f"({notes.setdefault(note, len(notes) + 1)})"
+        shaky = "~" if best is not None and best.get("timing_stable") is False else ""
         rows.append([f.policy if not f.policy.startswith("plan:") else "plan", str(f.search.maximum) if best else "-",
-                     f"{best['tokens_per_s']:,.0f}" if best else "-",
+                     f"{shaky}{best['tokens_per_s']:,.0f}" if best else "-",
                      *([f"{best['paired_tokens_per_s']:,.0f}" if best and best.get("paired_tokens_per_s") else "-"]
                        if paired else []),
                      fmt_bytes(peak_bytes(best)) if best else "-",
@@ -55,6 +56,8 @@ def fit_table(fits: Sequence[Any], vary: str, budget: int, title: str) -> Table:
                f"each max ran and the next {word} ran out of memory, both in the results file"]
     if paired:
         caption.append("paired: tokens/s of the winners timed interleaved in one process (drift-free ranking)")
+    if any(f.best is not None and f.best.get("timing_stable") is False for f in fits):
+        caption.append("~tokens/s = the run's own timing not trusted (its record's timing_notes say why)")
     plan = next((f.policy for f in fits if f.policy.startswith("plan:")), None)
     if plan:
         caption.append(f"plan = {plan}")
@@ -96,6 +99,11 @@ def recommendation_lines(rec: Any, vary: str) -> list[str]:
     record = rec.record
     how = "paired" if rec.paired else "each run's own timing"
     label = policy_label(record)
+    key = "paired_tokens_per_s" if rec.paired else "tokens_per_s"
+    tied = [f"{policy_label(r)} at seq {r['seq_len']} x batch {r['batch_size']} ({r[key]:,.0f} tokens/s)"
+            for r in rec.tied]
     return [f"recommended: {label} at seq {record['seq_len']} x batch {record['batch_size']}: "
             f"{rec.tokens_per_s:,.0f} tokens/s ({how}), peak {fmt_bytes(peak_bytes(record))}",
+            *([f"  not told apart from {'; '.join(tied)}: the 95% interval of their speeds' ratio does not lie "
+               "above 1; a rerun may order them the other way"] if tied else []),
             f"  {rec.command}"]

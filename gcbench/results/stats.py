@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gcbench.results.schema import half_width
 
@@ -178,3 +179,26 @@ def clearly_different(old: float, old_interval: Sequence[float], new: float, new
     a = old_interval[1] - old if up else old - old_interval[0]
     b = new - new_interval[0] if up else new_interval[1] - new
     return abs(new - old) > math.hypot(a, b)
+
+
+def tokens_per_step(record: Mapping[str, Any]) -> int:
+    return record["batch_size"] * record["seq_len"] * (record.get("grad_accum") or 1)
+
+
+def clearly_faster(a: Mapping[str, Any], b: Mapping[str, Any], paired: bool) -> bool:
+    """Whether record a's speed (tokens/s; a fit's winners differ in size) is above b's past their noise. `paired`
+    (both timed in the same interleaved rounds, as results.schema.fastest ranks them): the 95% interval of their
+    per-round tokens/s ratio lies above 1 (the median of per-round ratios can disagree with the ratio of the
+    medians, which ranks them: then a is not clearly faster); else their own intervals of the time per token are
+    clearly_different, a's the lower. False where an interval is missing: nothing says a is faster."""
+    if paired:
+        xs, ys = a.get("paired_step_ms") or [], b.get("paired_step_ms") or []
+        if not xs or len(xs) != len(ys):
+            return False
+        ci = Stats.of([(tokens_per_step(a) / x) / (tokens_per_step(b) / y) for x, y in zip(xs, ys)]).ci
+        return ci is not None and ci[0] > 1
+    if not a.get("step_ms_ci") or not b.get("step_ms_ci"):
+        return False
+    per_token = [(r["step_ms_median"] / tokens_per_step(r), [v / tokens_per_step(r) for v in r["step_ms_ci"]])
+                 for r in (a, b)]
+    return per_token[0][0] < per_token[1][0] and clearly_different(*per_token[0], *per_token[1])
