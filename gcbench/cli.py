@@ -18,7 +18,8 @@ from rich.table import Table
 from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption, LeversOption,
                                  PredictionBar, RunFormatOption, SlurmGpusOption, SlurmParallelismOption,
                                  SlurmPartitionOption, check_format, check_jobs, domain_errors, prepare_sweep,
-                                 print_warnings, step_progress, warm_children, with_bare_switches, with_spec_options)
+                                 print_version, print_warnings, refuse_unused, step_progress, warm_children,
+                                 with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
 from gcbench.gpus import gpu as gpu_entry, memory_to_fit
@@ -36,33 +37,16 @@ err_console = Console(stderr=True)
 
 DEFAULT_OUT = Path("results/runs.jsonl")
 # What `sweep --help` says of the fields a sweep defaults itself or requires (grid.SweepSpec), not RunSpec's defaults
+ESTIMATE_SIZES = {"seq_len": 2048, "batch_size": 1}  # estimate's, where none is given (--fit searches one of them)
+ESTIMATE_SHOWN = {name: f"default: {value}" for name, value in ESTIMATE_SIZES.items()}
 SWEEP_SHOWN = {"policy": f"default: {', '.join(DEFAULT_POLICIES)}: those the model allows",
                **{name: "required, here or in --config" for name in REQUIRED}}
-
-
-def _print_version(value: bool) -> None:
-    if not value:
-        return
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    from gcbench import __version__
-
-    def installed(name: str) -> str:  # read from the package metadata: importing torch would take seconds
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    typer.echo(f"gcbench {__version__} (torch {installed('torch')}, transformers {installed('transformers')}, "
-               f"python {platform.python_version()})")
-    raise typer.Exit(0)
 
 
 @app.callback(invoke_without_command=True)
 def _root(ctx: typer.Context, _version: Annotated[
         bool, typer.Option("--version", help="print the versions of gcbench, torch and transformers and exit",
-                           callback=_print_version, is_eager=True)] = False) -> None:
+                           callback=print_version, is_eager=True)] = False) -> None:
     # Help for a bare `gcbench` (instead of no_args_is_help, whose help-as-error would be squeezed into one line).
     if ctx.invoked_subcommand is None:
         typer.echo(ctx.get_help())
@@ -293,6 +277,9 @@ def fit(
     if levers is not None:  # a plan across levers (fits/lever_command.py), its winner verified
         from gcbench.fits.lever_command import fit_levers
         with domain_errors(lambda: f"interrupted; nothing of the plan is kept but the records in {out}"):
+            refuse_unused("with --levers: a plan searches the micro-batch at --seq and ranks by predicted time",
+                          {"--vary": vary != "batch", "--range": range_ is not None, "--multiple-of": multiple_of != 1,
+                           "--no-paired": no_paired})
             return fit_levers(spec_values, levers, memory, headroom, out, timeout, isolation, console,
                               PredictionBar(err_console, "predicting"))
     if isolation == "process" and "model" in spec_values:
@@ -319,7 +306,7 @@ def fit(
 
 
 @app.command()
-@with_spec_options(several=ESTIMATE_AXES, fields=ESTIMATE_FIELDS, defaults={"seq_len": 2048, "batch_size": 1})
+@with_spec_options(several=ESTIMATE_AXES, fields=ESTIMATE_FIELDS, shown=ESTIMATE_SHOWN)
 def estimate(
     spec_values: dict[str, Any],
     method: Annotated[str, typer.Option(help="analytic (per-block formulas, instant) | simulate (the real step "
@@ -361,10 +348,13 @@ def estimate(
             raise GcbenchError(f"--method {method!r}: give each of analytic, simulate at most once, comma-separated")
         if levers is not None:  # a plan across levers (fits/lever_command.py), with --fit only
             from gcbench.fits.lever_command import estimate_levers
-            return estimate_levers(grid, levers, memory, gpu, headroom, device, console,
-                                   PredictionBar(err_console, "predicting"), fit_)
+            refuse_unused("with --levers: a plan searches the micro-batch at --seq", {"--vary": vary != "batch"})
+            return estimate_levers({"seq_len": (ESTIMATE_SIZES["seq_len"],), **grid}, levers, memory, gpu, headroom,
+                                   device, console, PredictionBar(err_console, "predicting"), fit_)
         if fit_:
             return _estimate_fit(grid, memory, gpu, vary, headroom, device, output_format, methods)
+        refuse_unused("without --fit", {"--vary": vary != "batch", "--headroom": headroom != "0%"})
+        grid = {**{name: (value,) for name, value in ESTIMATE_SIZES.items()}, **grid}
         memory = memory_to_fit(gpu, memory)  # --gpu NAME: a fits column against what that card leaves usable
         one = one_value_each({k: v for k, v in grid.items() if k not in ESTIMATE_AXES}, "")
         with PredictionBar(err_console, "estimating") as bar:  # a card named: its workspaces in reserved

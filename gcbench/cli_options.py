@@ -214,3 +214,31 @@ LeversOption = Annotated[str | None, typer.Option(help="plan across levers: auto
                                                       "step, loss, compile, accumulation to --batch) or some of "
                                                       "them, comma-separated: the configs predicted to fit, ranked "
                                                       "by predicted tokens/s", metavar="<auto|levers>")]
+
+
+def print_version(value: bool) -> None:
+    """--version: gcbench's, torch's and transformers' versions, then exit."""
+    if not value:
+        return
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from gcbench import __version__
+
+    def installed(name: str) -> str:  # read from the package metadata: importing torch would take seconds
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    typer.echo(f"gcbench {__version__} (torch {installed('torch')}, transformers {installed('transformers')}, "
+               f"python {platform.python_version()})")
+    raise typer.Exit(0)
+
+
+def refuse_unused(why: str, options: dict[str, bool]) -> None:
+    """One line naming the options given (`options`: flag -> whether it was given) that `why` leaves unused: an
+    option silently ignored is an answer to another question."""
+    given = [flag for flag, was_given in options.items() if was_given]
+    if given:
+        raise GcbenchError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply {why}")

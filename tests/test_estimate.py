@@ -276,6 +276,14 @@ def test_cli_table_says_fits_or_not():
     (["--model", "tiny-llama", "--format", "xml"], "unknown --format"),
     (["--model", "tiny-llama", "--gpu-memory", "lots"], "cannot read 'lots'"),
     (["--model", "tiny-llama", "--device", "tpu"], "unknown device"),
+    # options that were silently left unused
+    (["--model", "tiny-llama", "--vary", "seq"], "--vary does not apply without --fit"),
+    (["--model", "tiny-llama", "--headroom", "5%"], "--headroom does not apply without --fit"),
+    (["--model", "tiny-llama", "--fit", "--gpu", "h100-80gb", "--batch", "4"], "--batch is what --vary batch searches"),
+    (["--model", "tiny-llama", "--fit", "--gpu", "h100-80gb", "--vary", "seq", "--seq", "32"],
+     "--seq is what --vary seq searches"),
+    (["--model", "tiny-llama", "--fit", "--gpu", "h100-80gb", "--levers", "policy", "--vary", "seq"],
+     "--vary does not apply with --levers"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = runner.invoke(app, ["estimate", *args])

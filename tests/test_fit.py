@@ -275,6 +275,17 @@ def test_fit_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert not out.exists()
 
 
+def test_estimate_fit_says_when_the_top_of_its_range_fits():
+    # tiny-llama's 4096 x 32 tokens take 2.2 GiB of an H100: "largest batch predicted to fit 4096" was the search's
+    # ceiling, not an answer
+    args = ["estimate", "--model", "tiny-llama", "--seq", "32", "--fit", "--gpu", "h100-80gb", "--method",
+            "analytic", "--policy", "none"]
+    [row] = map(json.loads, runner.invoke(app, [*args, "--format", "json"]).stdout.splitlines())
+    assert row["value"] == 4096 and row["range_top"] is True
+    text = runner.invoke(app, args, env={"COLUMNS": "120"}).stdout
+    assert "4096 (top)" in text and "batch (top) = the top of the range searched fits" in text
+
+
 @pytest.mark.slow  # moved out of the default suite to keep it under 5 minutes; CI runs it
 def test_estimate_fit_predicts_per_policy_for_a_named_gpu():
     result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu-memory",

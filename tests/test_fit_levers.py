@@ -230,6 +230,10 @@ def test_fit_levers_on_cpu_prints_a_ranked_plan_and_verifies_the_winner(tmp_path
     (["--levers", "auto"], "give --memory"),
     (["--levers", "policy", "--batch", "8", "--memory", "12MiB"], "add grad_accum to --levers"),
     (["--levers", "auto", "--grad-accum", "2", "--memory", "12MiB", "--batch", "8"], "give one of them"),
+    # a plan searches the micro-batch: these ran their winner outside the range given, in silence
+    (["--levers", "auto", "--memory", "12MiB", "--range", "1..4", "--no-paired"],
+     "--range, --no-paired do not apply with --levers"),
+    (["--levers", "auto", "--memory", "12MiB", "--vary", "seq"], "--vary does not apply with --levers"),
 ])
 def test_bad_levers_input_is_one_line_and_exit_2(tmp_path, args, message):
     out = tmp_path / "f.jsonl"

@@ -128,9 +128,11 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     usable = card.usable_bytes if card is not None else memory
     cap = math.floor(usable * (1 - parse_fraction(headroom, "--headroom")))
     field_name = VARY[vary]
+    if field_name in grid:
+        whole = "batch 1..4096" if vary == "batch" else "seq 16..the model's longest"
+        raise GcbenchError(f"--{run_field(field_name).flag} is what --vary {vary} searches (its whole range: {whole})")
     policies = grid.pop("policy", None)
-    fields = one_value_each({k: v for k, v in grid.items() if k != field_name},
-                            "--fit predicts one setup; the policies take several values")
+    fields = one_value_each(grid, "--fit predicts one setup; the policies take several values")
     policies, refused = _policies(policies, fields)  # the defaults left out are named in the caption
     policies = [canonical_policy(p, cap) for p in policies]
     fields.setdefault("seq_len", 2048)
@@ -148,6 +150,7 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
                      "predictions": found.predictions, "flops": found.flops, "budget_bytes": cap,
+                     "range_top": found.value == hi,  # the search's top fits: a larger size may fit too
                      # the allocator replayed (--method simulate): its reserved peak, and the allocated peak's answer
                      **({"reserved": max_memory_reserved(found.reserved, card) if found.reserved else None,
                          "allocated_only": found.allocated_only}
@@ -167,6 +170,8 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         if len(timed_rows) > 1:  # the fastest is named below: how far such an order holds
             caption.append(order_note(card.name, order_error(card.name), ["within"]))  # one setup: one class
     caption += refused
+    if any(r["range_top"] for r in rows):
+        caption.append(f"{vary} (top) = the top of the range searched fits: the largest {vary} that fits may be larger")
     if device == "cuda" and method != "simulate":
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
                        "replays it on the card, size by size (seconds to minutes per policy)")

@@ -87,7 +87,8 @@ def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, c
         fits = r["value"] is not None
         beside = r.get("reserved") if replayed else r["next_peak"]
         table.add_row(r["policy"] if not r["policy"].startswith("plan:") else "plan",
-                      str(r["value"]) if fits else "-", fmt_bytes(r["peak"]) if fits else "-",
+                      f"{r['value']}{' (top)' if r.get('range_top') else ''}" if fits else "-",
+                      fmt_bytes(r["peak"]) if fits else "-",
                       fmt_bytes(beside) if beside else "-",
                       f"{r['step_s']:.2f}" if r.get("step_s") else "-",
                       f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-", r["method"])
