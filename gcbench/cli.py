@@ -21,7 +21,7 @@ from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption,
                                  print_version, print_warnings, refuse_unused, step_progress, warm_children,
                                  with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
-from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS
+from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS, ESTIMATE_SIZES
 from gcbench.gpus import gpu as gpu_entry, memory_to_fit
 from gcbench.grid import DEFAULT_POLICIES, REQUIRED, one_value_each
 from gcbench.results.schema import Status
@@ -37,7 +37,6 @@ err_console = Console(stderr=True)
 
 DEFAULT_OUT = Path("results/runs.jsonl")
 # What `sweep --help` says of the fields a sweep defaults itself or requires (grid.SweepSpec), not RunSpec's defaults
-ESTIMATE_SIZES = {"seq_len": 2048, "batch_size": 1}  # estimate's, where none is given (--fit searches one of them)
 ESTIMATE_SHOWN = {name: f"default: {value}" for name, value in ESTIMATE_SIZES.items()}
 SWEEP_SHOWN = {"policy": f"default: {', '.join(DEFAULT_POLICIES)}: those the model allows",
                **{name: "required, here or in --config" for name in REQUIRED}}

@@ -277,6 +277,8 @@ def run_field(name: str) -> Field:
 BY_NAME: dict[str, Field] = {f.name: f for f in RUN_FIELDS}
 ESTIMATE_AXES = tuple(f.name for f in RUN_FIELDS if f.axis)  # `gcbench estimate` takes several values of these
 ESTIMATE_FIELDS = tuple(f.name for f in RUN_FIELDS if f.axis or f.estimate)  # and one value of these
+# `gcbench estimate`'s sizes where none is given (a run and a sweep ask for them; --fit searches one of them)
+ESTIMATE_SIZES = {"seq_len": 2048, "batch_size": 1}
 BY_FLAG: dict[str, Field] = {f.flag: f for f in RUN_FIELDS}
 
 
