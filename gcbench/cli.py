@@ -296,8 +296,7 @@ def fit(
     title = f"{fields['model']} · largest {vary} per policy · " + (
         f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
     console.print(fit_table(fits, field_name, job.cap, markup(title)))
-    for line in recommendation_lines(rec, field_name) if rec else ["no policy fits the budget at the range's "
-                                                                    "smallest size"]:
+    for line in recommendation_lines(rec, field_name, fits):
         console.print(plain(line), markup=False, highlight=False, soft_wrap=True)
     console.print(f"[dim]records in {markup(out)} (fit {job.fit_id})[/]")
     if any(f.error for f in fits):

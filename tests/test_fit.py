@@ -275,6 +275,20 @@ def test_fit_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert not out.exists()
 
 
+def test_no_recommendation_says_whether_nothing_fit_or_a_search_stopped():
+    # a trial that timed out read "no policy fits the budget", under "the next batch ran out of memory"
+    from types import SimpleNamespace
+
+    from gcbench.report.fit_tables import recommendation_lines
+
+    stopped = [SimpleNamespace(error="tiny-llama seq 32 batch 2 none: timeout"), SimpleNamespace(error=None)]
+    assert recommendation_lines(None, "batch_size", stopped) == [
+        "no recommendation: 1 of 2 searches stopped on a trial that neither ran nor ran out of memory (the notes "
+        "say which), and no other fits"]
+    assert recommendation_lines(None, "seq_len", stopped[1:]) == ["no policy fits the budget at the range's "
+                                                                   "smallest seq"]
+
+
 def test_estimate_fit_says_when_the_top_of_its_range_fits():
     # tiny-llama's 4096 x 32 tokens take 2.2 GiB of an H100: "largest batch predicted to fit 4096" was the search's
     # ceiling, not an answer

@@ -52,8 +52,9 @@ def fit_table(fits: Sequence[Any], vary: str, budget: int, title: str) -> Table:
                        if paired else []),
                      fmt_bytes(peak_bytes(best)) if best else "-",
                      f"{len(f.records)}/{f.search.bound}", mark])
-    caption = [f"budget {fmt_bytes(budget)} per trial; trials: run / the search's bound (ceil(log2 sizes) + 2); "
-               f"each max ran and the next {word} ran out of memory, both in the results file"]
+    caption = [f"budget {fmt_bytes(budget)} per trial; trials: run / the search's bound (ceil(log2 sizes) + 2)"
+               + (f"; each max ran and the next {word} ran out of memory, both in the results file"
+                  if any(f.best is not None for f in fits) else "")]
     if paired:
         caption.append("paired: tokens/s of the winners timed interleaved in one process (drift-free ranking)")
     if any(f.best is not None and f.best.get("timing_stable") is False for f in fits):
@@ -95,8 +96,14 @@ def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, c
     return table
 
 
-def recommendation_lines(rec: Any, vary: str) -> list[str]:
-    """The recommended policy and size, and the command that measures it again."""
+def recommendation_lines(rec: Any, vary: str, fits: Sequence[Any] = ()) -> list[str]:
+    """The recommended policy and size, and the command that measures it again; without one (`rec` None), why:
+    nothing fit, or a search stopped on a trial that neither ran nor ran out of memory (fits: fit.PolicyFit)."""
+    if rec is None:
+        if any(f.error is not None for f in fits):
+            return [f"no recommendation: {sum(f.error is not None for f in fits)} of {len(fits)} searches stopped on "
+                    "a trial that neither ran nor ran out of memory (the notes say which), and no other fits"]
+        return [f"no policy fits the budget at the range's smallest {SIZE_WORDS[vary]}"]
     record = rec.record
     how = "paired" if rec.paired else "each run's own timing"
     label = policy_label(record)

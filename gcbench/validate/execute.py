@@ -303,7 +303,7 @@ class Validation:
         view = Console(file=text, width=100, color_system=None)
         view.print(fit_table(fits, "batch_size", job.cap, f"{fields['model']} · largest batch per policy · "
                                                           f"seq {fields['seq_len']}"))
-        for line in recommendation_lines(rec, "batch_size") if rec else ["no policy fits"]:
+        for line in recommendation_lines(rec, "batch_size", fits):
             view.print(line, markup=False, highlight=False, soft_wrap=True)
         self.folder.joinpath(f"fit-{step.name}.txt").write_text(text.getvalue())
         self.console.print(text.getvalue(), markup=False, highlight=False)
