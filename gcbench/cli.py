@@ -165,7 +165,7 @@ def compare(
     from gcbench.results.frame import load_results, results_frame
 
     with domain_errors():
-        thresholds = parse_thresholds(fail)
+        thresholds = parse_thresholds(fail, strict)
         frames = []
         for path in (old, new):
             df, notes = load_results([path])

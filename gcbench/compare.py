@@ -48,9 +48,14 @@ SIDES = {"old": "OLD", "new": "NEW"}
 NOT_COMPARED, NOISE = "?", "~"  # how a step-time change is marked in the tables
 
 
-def parse_thresholds(text: str | None) -> dict[str, float]:
-    """'peak:5%,time:10%' -> {'peak': 0.05, 'time': 0.10}: the largest tolerated worsening, as a fraction."""
+def parse_thresholds(text: str | None, strict: bool = False) -> dict[str, float]:
+    """'peak:5%,time:10%' -> {'peak': 0.05, 'time': 0.10}: the largest tolerated worsening, as a fraction. An
+    empty --fail, or --strict without one, is refused: a check that checks nothing would pass."""
+    if text is not None and not text.strip():
+        raise GcbenchError("--fail: empty; give thresholds such as peak:5%,time:10%")
     if not text:
+        if strict:
+            raise GcbenchError("--strict goes with --fail: it fails changes inside the noise too")
         return {}
     out = {}
     for part in text.split(","):
@@ -109,8 +114,9 @@ def compare_results(old: pd.DataFrame, new: pd.DataFrame, thresholds: dict[str, 
     if matched.empty:
         raise GcbenchError(_nothing_in_common(old, new))
     both_ok = (matched["status_old"] == Status.OK) & (matched["status_new"] == Status.OK)
-    for key, (col, _, _) in METRICS.items():
-        matched[f"{key}_change"] = (matched[f"{col}_new"] / matched[f"{col}_old"] - 1).where(both_ok)
+    for key, (col, _, _) in METRICS.items():  # a change from 0 is no relative change (+inf%): not compared
+        matched[f"{key}_change"] = (matched[f"{col}_new"] / matched[f"{col}_old"] - 1).where(
+            both_ok & (matched[f"{col}_old"] > 0))
     # The baseline's own ratio is 1 by definition: nothing to compare by ratio.
     matched["ratio_change"] = (matched["time_x_new"] / matched["time_x_old"] - 1).where(
         both_ok & (matched["policy_label"] != matched["time_x_vs_new"]))
@@ -240,7 +246,8 @@ def _nothing_in_common(old: pd.DataFrame, new: pd.DataFrame) -> str:
     """Why two results share no config: when they would match but for their CPU thread counts, say so."""
     strip = lambda f: f.assign(device_label=f["device_label"].str.replace(THREADS, "", regex=True))  # noqa: E731
     if not strip(old)[SPEC_KEYS].merge(strip(new)[SPEC_KEYS], on=SPEC_KEYS).empty:
-        threads = lambda f: ", ".join(sorted({m.group(1) for m in map(THREADS.search, f["device_label"]) if m}))  # noqa: E731
+        threads = lambda f: ", ".join(  # noqa: E731
+            sorted({m.group(1) for m in map(THREADS.search, f["device_label"]) if m}))
         return (f"the two results differ in torch threads (OLD {threads(old)}, NEW {threads(new)}): CPU step times "
                 "at different thread counts measure different things, so nothing is compared; measure both with the "
                 "same --threads")
@@ -351,20 +358,24 @@ def _caption(part: pd.DataFrame, tokens: bool, by: str) -> str:
 def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: dict[str, float],
                       tokens: bool, by: str = "time") -> Table:
     scale, unit = byte_unit(part[["peak_bytes_old", "peak_bytes_new"]].max().max())
-    table = Table(title=markup(f"{setup} — {device}"), header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
-                  padding=0, collapse_padding=True, caption=_caption(part, tokens, by), caption_justify="left")
+    # the device on a line of its own: rich cut a letter where one long title wrapped at the table's full width
+    table = Table(title=f"{markup(setup)}\n{markup(device)}", header_style="bold", box=box.SIMPLE_HEAD,
+                  pad_edge=False, padding=0, collapse_padding=True, caption=_caption(part, tokens, by),
+                  caption_justify="left")
     columns = ["seq", "batch", "policy", "status", f"peak {unit}", "Δ peak"]
     columns += ["time ratio", "Δ ratio"] if by == "ratio" else ["step ms", "Δ time"]
     columns += ["tokens/s", "Δ tokens/s"] if tokens else []
-    widest_policy = max(len(plain(p)) for p in part["policy_label"])
+    # a long policy label (plan:memory=24GiB,allow_offload=false) takes a line per option: its column leaves the
+    # numbers their room at 80 columns
+    widest_policy = max(len(line) for p in part["policy_label"] for line in _policy_lines(plain(p)).splitlines())
     for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "status") else "right", no_wrap=col != "status",
-                         min_width=widest_policy if col == "policy" else None)
+                         min_width={"policy": widest_policy, "status": len("status")}.get(col))
     for r in part.to_dict("records"):
         status = r["status_new"] if r["status_old"] == r["status_new"] else \
             f"{r['status_old']} -> {r['status_new']}"
         cells = [
-            str(r["seq_len"]), str(r["batch_size"]), Text(plain(r["policy_label"])),  # Text: no markup read
+            str(r["seq_len"]), str(r["batch_size"]), Text(_policy_lines(plain(r["policy_label"]))),  # no markup read
             Text(plain(status), style="bold red" if r["status_new"] != Status.OK else ""),
             _pair(r["peak_bytes_old"] / scale, r["peak_bytes_new"] / scale, "{:,.2f}"),
             _change(r["peak_change"], +1, thresholds.get("peak")),
@@ -380,6 +391,12 @@ def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: d
                       _change(r["tokens_change"], -1, thresholds.get("tokens"), r["time_mark"])]
         table.add_row(*cells)
     return table
+
+
+def _policy_lines(label: str) -> str:
+    """A policy label as a table cell: past 20 characters, a line per option (`plan:memory=24GiB,` then
+    `allow_offload=false`), so that its column leaves the numbers room at 80 columns."""
+    return label if len(label) <= 20 else label.replace(",", ",\n")
 
 
 def _pair(old: float, new: float, fmt: str) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from typer.testing import CliRunner
 
 import gcbench
@@ -245,8 +247,44 @@ def test_a_threshold_given_twice_is_refused_not_overwritten(tmp_path):
     assert result.exit_code == 2 and "--fail 'peak:5%,peak:6%': peak given twice" in result.stderr
 
 
+@pytest.mark.parametrize("options, words", [(["--fail", ""], "--fail: empty"),
+                                             (["--strict"], "--strict goes with --fail")])
+def test_a_gate_that_checks_nothing_is_refused(tmp_path, options, words):
+    # both passed, exit 0: a CI job believed it was gating
+    result = invoke(tmp_path, sweep(1), sweep(2), *options)
+    assert result.exit_code == 2 and words in result.stderr and result.stdout == ""
+
+
+def test_a_measurement_of_0_in_old_is_no_relative_change(tmp_path):
+    # 0.00 -> 4.89 printed +inf% and failed --fail peak:5%
+    old, new = sweep(1), sweep(1)
+    old[0]["peak_tracked_bytes"] = 0
+    c = compare_results(*frames(tmp_path, old, new), {"peak": 0.05})
+    assert not c.regressions and c.matched["peak_change"].isna().sum() == 1
+
+
 def test_a_doubled_step_time_of_runs_too_short_for_an_interval_is_a_regression_not_noise(tmp_path):
     # 5 steps: no 95% interval of their median exists (results/stats.py); their range stands in for it.
     old, new = sweep(1, steps=5), sweep(2, steps=5, slower={"full": 2.0})
     lines = compare_results(*frames(tmp_path, old, new), {"time": 0.10}).regressions
     assert len(lines) == 4 and all(" · full · " in line for line in lines)
+
+
+def test_a_long_policy_label_leaves_the_numbers_whole_at_80_columns(tmp_path, monkeypatch):
+    # a fit's plan:memory=...,allow_offload=false took 40 columns and cut every number after it with an ellipsis
+    from rich.console import Console
+
+    from gcbench import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=80, record=True))
+    records = sweep(seed=1)
+    for r in records:
+        if r["policy"] == "sqrtn":
+            r.update(policy="plan", policy_options={"memory": "1024TiB", "allow_offload": "false"})
+    result = invoke(tmp_path, records, records)
+    assert result.exit_code == 0, result.output
+    text = cli.console.export_text()
+    table = text.split("change = new / old - 1")[0]
+    assert "\u2026" not in text and max(map(len, text.splitlines())) <= 80
+    assert "plan:memory=1024TiB," in table and "allow_offload=false" in table  # a line per option
+    assert "1 torch thread" in table  # the device on its own title line, whole
