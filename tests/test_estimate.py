@@ -275,6 +275,7 @@ def test_cli_table_says_fits_or_not():
     (["--model", "tiny-llama", "--policy", "budget", "--method", "simulate"], "nothing in this grid can be predicted"),
     (["--model", "tiny-llama", "--format", "xml"], "unknown --format"),
     (["--model", "tiny-llama", "--gpu-memory", "lots"], "cannot read 'lots'"),
+    (["--model", "tiny-llama", "--gpu-memory", "2EiB"], "beyond any memory (at most 1.00 EiB)"),  # EiB was unread
     (["--model", "tiny-llama", "--device", "tpu"], "unknown device"),
     # options that were silently left unused
     (["--model", "tiny-llama", "--vary", "seq"], "--vary does not apply without --fit"),

@@ -263,6 +263,9 @@ FIT_BAD = [
     (["--memory", "12MiB", "--headroom", "150%"], "below 100%"),
     ([], "on CPU give --memory"),
     (["--memory", "12MiB", "--policy", "bogus"], "unknown policy"),
+    # messages that named the wrong thing
+    (["--memory", "12MiB", "--headroom", "5"], "a number without % is a fraction; for 5 percent write 5%"),
+    (["--memory", "12MiB", "--range", "1..99999999999999999999999"], "--range '1..99999999999999999999999': --batch"),
 ]
 
 

@@ -34,7 +34,9 @@ def parse_fraction(text: str, what: str) -> float:
     except ValueError:
         raise GcbenchError(f"{what} {text!r}: give a percentage such as 5% (or a fraction such as 0.05)") from None
     if not 0 <= value < 1:
-        raise GcbenchError(f"{what} {text!r} must be at least 0% and below 100%")
+        hint = f": a number without % is a fraction; for {raw} percent write {raw}%" if 1 <= value < 100 and \
+            not raw.endswith("%") else ""
+        raise GcbenchError(f"{what} {text!r} must be at least 0% and below 100%{hint}")
     return value
 
 
@@ -53,6 +55,10 @@ def fit_range(text: str | None, vary: str, values: dict[str, Any]) -> tuple[int,
         raise GcbenchError(f"--range {text!r}: give LO..HI, two integers such as 1..256") from None
     if not sep or lo_value < 1 or hi_value < lo_value:
         raise GcbenchError(f"--range {text!r} is empty: LO..HI with 1 <= LO <= HI")
+    try:
+        run_field(vary).parse(hi_value)  # the size's own bounds (a batch below 2**31)
+    except GcbenchError as e:
+        raise GcbenchError(f"--range {text!r}: {e}") from None
     return lo_value, hi_value
 
 
@@ -90,9 +96,14 @@ def fit_job(values: dict[str, tuple], vary: str, range_: str | None, multiple_of
     lo, hi = fit_range(range_, field_name, fields)
     if -(-lo // multiple_of) * multiple_of > hi:
         raise GcbenchError(f"--range {lo}..{hi} holds no multiple of {multiple_of}")
-    job = Fit(FitSpec(fields, tuple(policies), field_name, lo, hi, multiple_of,
-                      parse_bytes(memory, "--memory") if memory is not None else None,
-                      parse_fraction(headroom, "--headroom"), out, timeout, isolation, paired), console=console)
+    spec = FitSpec(fields, tuple(policies), field_name, lo, hi, multiple_of,
+                   parse_bytes(memory, "--memory") if memory is not None else None,
+                   parse_fraction(headroom, "--headroom"), out, timeout, isolation, paired)
+    try:
+        job = Fit(spec, console=console)
+    except GcbenchError as e:  # each policy at both ends of the range is checked first: name the range
+        given = f"--range {range_}" if range_ is not None else f"the default range {lo}..{hi}"
+        raise GcbenchError(f"{e} ({given})" if f"--{run_field(field_name).flag} " in str(e) else str(e)) from None
     return job, fields
 
 
