@@ -181,8 +181,9 @@ def _prediction_line(shapes: list[Shape]) -> str | None:
               if r.get("predicted_peak_bytes")]
     if not errors:
         return None
-    return (f"Peaks predicted before the window vs measured (max_memory_allocated): median error "
-            f"{statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} records.")
+    return (f"Peaks predicted before the window vs measured (max_memory_allocated), over the {len(errors)} of this "
+            f"GPU's records that carry their run's own prediction (--predict on): median error "
+            f"{statistics.median(errors):.1%}, worst {max(errors):.1%}.")
 
 
 def _median(record: dict[str, Any]) -> float | None:
