@@ -206,8 +206,10 @@ class SweepSpec:
 def _steps_text(get: Callable[[str], Any]) -> str:
     if get("measure_steps") != "auto":
         return f"{get('measure_steps')} timed steps"
-    return f"timed steps over {min(MIN_SPAN_S, get('max_time_s')):g} s, then until +-2% (+-1% CUDA), at most " \
-        f"{get('max_steps')} steps or {get('max_time_s'):g} s"
+    span, most = min(MIN_SPAN_S, get("max_time_s")), get("max_time_s")
+    if most <= span:  # the default: the interval's target cannot end it sooner
+        return f"timed steps for {most:g} s (at most {get('max_steps')} steps)"
+    return f"timed steps over {span:g} s, then until +-2% (+-1% CUDA), at most {get('max_steps')} steps or {most:g} s"
 
 
 def parse_options(options: Mapping[str, Any], where: str | None = None, fields: tuple[str, ...] | None = None,

@@ -182,7 +182,9 @@ def _phase_text(record: dict[str, Any]) -> str:
     return f"{peaks}{stepped}; {PHASE_ADVICE[record['peak_phase']]}"
 
 
-STOPS = {"max-steps": "--max-steps reached", "max-time": "--max-time reached"}  # "ci" and "fixed" need no words
+# why measuring stopped, where it was a limit ("ci" and "fixed" need no words); the default --max-time is the rule,
+# not a warning
+STOPS = {"max-steps": "stopped at --max-steps", "max-time": "measured for --max-time"}
 
 
 def _step_time_text(record: dict[str, Any]) -> str:
@@ -196,7 +198,8 @@ def _step_time_text(record: dict[str, Any]) -> str:
     if half is not None:
         text += f"; median +-{half:.1%} (95%)"
     if record.get("steps_stop") in STOPS:
-        text += f"; {STOPS[record['steps_stop']]}"
+        most = record.get("max_time_s") if record["steps_stop"] == "max-time" else None
+        text += f"; {STOPS[record['steps_stop']]}" + (f" ({most:g} s)" if most else "")
     return text
 
 
