@@ -361,6 +361,13 @@ def test_ranks_merge_into_one_record_with_each_rank_and_the_slowest_step():
     assert merged["step_ms"] == [6.0, 9.0, 7.5] and merged["step_ms_median"] == 7.5
     assert merged["tokens_per_s"] == pytest.approx(2 * 2 * 64 / 7.5e-3)  # every rank's tokens
     assert merged["timing_stable"] is False and "gloo" in merged["timing_notes"][-1]  # CPU ranks: never trusted
+    # each rank's own notes under its rank: three spreads without one read as the run's own, disagreeing
+    spread = {"timing_notes": ["step times spread 24% of the median (IQR), above 10%"], "timing_stable": False,
+              "timing_note_kinds": ["spread"]}
+    noted = merge_ranks(spec, [_rank(0, 100, 10, [5.0, 9.0, 7.0], **spread), _rank(1, 120, 11, [6.0, 8.0, 7.5],
+                                                                                   **spread)])
+    assert noted["timing_notes"][:2] == [f"rank {k}: step times spread 24% of the median (IQR), above 10%"
+                                         for k in (0, 1)]
     oom = merge_ranks(spec, [_rank(0, 100, 10, []), _rank(1, 130, 10, [], "oom", error="live tensors need ...")])
     assert oom["status"] == "oom" and oom["error"] == "rank 1: live tensors need ..."
     assert "step_ms_median" not in oom and "tokens_per_s" not in oom  # rank 0's alone: not the run's

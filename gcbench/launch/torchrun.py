@@ -85,7 +85,9 @@ def merge_ranks(spec, ranks: list[dict[str, Any]], tail: str = "") -> dict[str, 
     merged.update(step_time_fields(step_ms, ranks[0]["steps_stop"]))
     tokens = spec.nproc * spec.batch_size * spec.grad_accum * spec.seq_len
     merged["tokens_per_s"] = tokens / (merged["step_ms_median"] / 1e3)
-    notes = list(dict.fromkeys(n for r in ranks for n in timing_notes_of(r)))  # each text once
+    # each rank's notes under its rank (the table's IQR is the run's: each step's slowest rank), each text once
+    notes = list(dict.fromkeys(TimingNote(n.kind, f"rank {r['rank']}: {n.text}") for r in ranks
+                               for n in timing_notes_of(r)))
     if spec.device_kind is not DeviceKind.CUDA:
         notes.append(TimingNote(NoteKind.CPU_RANKS, CPU_NOTE))
     merged.update(timing_note_fields(notes))
