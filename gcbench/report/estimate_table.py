@@ -21,7 +21,7 @@ LEVERS = {name: run_field(name).heading for name in LEVER_FIELDS}  # lever -> it
 # Left out first when the table is too wide: derivable from the others (B/p, grads ~ params), then the least asked
 # (the method shortened to a letter instead where the rows have several).
 # The step time's band goes first: a note then gives its range over the rows.
-SPARE = ("ms err", "B/p", "tok/s", "in", "grads", "method", "err")
+SPARE = ("ms err", "B/p", "tok/s", "grads", "err", "in", "method")  # err leaves its range in a note; "in" none
 
 
 @dataclass
