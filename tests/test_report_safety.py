@@ -381,6 +381,23 @@ def test_report_headers_and_numbers_stay_whole_at_80_columns_and_piped(tmp_path,
                 assert cell in out  # e.g. "~121,152.6" and "1.83x", never cropped
 
 
+def test_a_long_policy_label_takes_a_line_per_option_rather_than_split_the_table(tmp_path, records, monkeypatch):
+    # plan:memory=12MiB,allow_offload=false took 37 columns: the results table split in two at 80
+    from rich.console import Console
+
+    from gcbench import cli
+
+    plan = [{**copy.deepcopy(r), "policy": "plan", "policy_options": {"memory": "12MiB", "allow_offload": "false"}}
+            for r in records if r["policy"] == "full"]
+    path = write(tmp_path / "plan.jsonl", [*records, *plan])
+    monkeypatch.setattr(cli, "console", Console(width=80, record=True))
+    result = runner.invoke(app, ["report", str(path)])
+    assert result.exit_code == 0, result.output
+    text = cli.console.export_text()
+    assert " of 2)" not in text and max(map(len, text.splitlines())) <= 80
+    assert re.search(r"plan:memory=12MiB, +.*\n +allow_offload=false", text)
+
+
 def test_a_table_too_wide_for_its_essential_columns_is_split_not_cropped(tmp_path, records):
     from rich.console import Console
 
