@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -290,6 +291,22 @@ def test_no_recommendation_says_whether_nothing_fit_or_a_search_stopped():
         "say which), and no other fits"]
     assert recommendation_lines(None, "seq_len", stopped[1:]) == ["no policy fits the budget at the range's "
                                                                    "smallest seq"]
+
+
+def test_estimate_fit_shows_no_next_peak_where_nothing_fits_and_says_the_smallest_s():
+    # "none  -  -  32.78 GiB" read as the peak of a batch + 1 beside no batch
+    from rich.console import Console
+
+    from gcbench.report.fit_tables import predicted_fit_table
+
+    rows = [{"policy": p, "value": v, "peak": peak, "next_peak": nxt, "step_s": None, "tokens_per_s": None,
+             "method": "analytic"} for p, v, peak, nxt in (("none", None, None, 32 * 2**30), ("full", 3, 2**30, 2**31))]
+    console = Console(width=100, record=True)
+    console.print(predicted_fit_table(rows, "batch_size", "t", ["budget 24 GiB", "PREDICTED"]))
+    text = console.export_text()
+    assert re.search(r"none +- +- +- ", text) and "2.00 GiB" in text
+    assert text.index("budget 24 GiB") < text.index("none: the smallest batch does not fit (32.00 GiB)") < \
+        text.index("PREDICTED")
 
 
 def test_estimate_fit_says_when_the_top_of_its_range_fits():

@@ -82,11 +82,14 @@ def predicted_fit_table(rows: Sequence[dict[str, Any]], vary: str, title: str, c
                    f"{word} + 1 runs out there" + (f" (by the allocated peak alone: {', '.join(changed)})"
                                                    if changed else "") + f"; its segments make that not monotone "
                    f"in the {word}: a smaller one can run out too (docs/methodology.md)"]
+    # nothing fits: its next peak is the smallest size's, not a "+ 1"'s
+    caption = [*caption[:1], *(f"{r['policy']}: the smallest {word} does not fit ({fmt_bytes(r['next_peak'])})"
+                               for r in rows if r["value"] is None and r.get("next_peak")), *caption[1:]]
     table = _table(title, caption, ["policy", f"max {word}", "peak", "reserved" if replayed else f"{word} + 1",
                                     "step s", "tokens/s", "by"])
     for r in rows:
         fits = r["value"] is not None
-        beside = r.get("reserved") if replayed else r["next_peak"]
+        beside = (r.get("reserved") if replayed else r["next_peak"]) if fits else None
         table.add_row(r["policy"] if not r["policy"].startswith("plan:") else "plan",
                       f"{r['value']}{' (top)' if r.get('range_top') else ''}" if fits else "-",
                       fmt_bytes(r["peak"]) if fits else "-",
