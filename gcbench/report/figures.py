@@ -141,7 +141,7 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                        edgecolors=["black" if f else colors[policy] if not t or on else "none"
                                    for f, t in zip(on_front, trusted)])
         panel_title(ax, setup, f"seq {seq} x batch {batch}")
-        ax.set_xlabel(f"peak memory ({unit}) — {dev['peak_label'].iloc[0]}")
+        ax.set_xlabel(f"peak memory ({unit})\n{dev['peak_label'].iloc[0]}")  # one line ran past a third panel
         ax.set_ylabel("step time, median (ms)")
         ax.margins(0.15)
     untrusted = not all(g["timing_trusted"].all() for _, g in groups)
