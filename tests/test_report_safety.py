@@ -1,6 +1,7 @@
 """`gcbench report --out DIR` loses nothing (only its own files are replaced; a failure or a kill at any step leaves
 the old report or the new one), and text from a results file reaches the terminal as text (issue 30)."""
 
+import contextlib
 import copy
 import fcntl
 import io
@@ -189,6 +190,9 @@ def test_a_kill_at_any_step_leaves_the_old_report_or_the_new_one(tmp_path, k):
         assert now[page].decode() in (OLD[page], NEW[page])
     stages = list(out.glob(".gcbench-report-*"))
     assert len(stages) == 1
+    # What `report --out` asks before its tables refuses nothing a killed write left (a new page, an old manifest):
+    # finishing or undoing that is publish's, under its lock
+    pub.check_folder(out)
     # The next report into the directory first finishes or undoes the killed one: here, as recover() does it.
     pub.recover(out, stages[0])
     after = snapshot(out)
@@ -603,3 +607,19 @@ def test_html_links_and_cells_from_a_results_file_stay_text_in_report_md(tmp_pat
     assert not re.search(r"(?<!\\)<script", md) and not re.search(r"(?<!\\)\]\(javascript", md)
     assert "evil\\<script\\>alert(1)\\</script\\>\\|x\\|" in md
     assert "|x|" not in md.replace("\\|", "")  # no new cells: every | of the name is escaped
+
+
+def test_a_link_or_fifo_named_like_a_report_file_is_the_users(tmp_path):
+    # a journal's "new": {} matched a link's hash (None == None) and removed it; a FIFO page or manifest hung
+    out, _ = report_dir(tmp_path)
+    (out / "figures" / "9-my-notes.png").symlink_to(tmp_path)
+    staged(out, {"id": "x", "files": ["figures/9-my-notes.png"], "had": [], "new": {}, "obsolete": {}})
+    pub.publish(out, maker(NEW))
+    assert (out / "figures" / "9-my-notes.png").is_symlink()
+    for name in ("report.html", pub.MANIFEST):
+        fifo = tmp_path / f"fifo-{name}"
+        fifo.mkdir()
+        os.mkfifo(fifo / name)
+        with pytest.raises(GcbenchError, match="not written by gcbench") if name == "report.html" else \
+                contextlib.nullcontext():
+            pub.publish(fifo, maker(NEW))  # returns: nothing read from the FIFO

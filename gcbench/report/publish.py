@@ -48,7 +48,7 @@ def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
     """Make the report with `make(folder)` (report.md, report.html, figures/ under `folder`) and put it into `out`;
     the report's files as written, pages first. GcbenchError, with `out` as it was, where that cannot be done."""
     where = repr(plain(out))
-    check_folder(out)
+    check_folder(out, pages=False)  # the pages once a killed write is recovered, under the lock (below)
     created = missing_folders(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -82,9 +82,10 @@ def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
     return sorted(written, key=lambda p: (p.name not in PAGES, str(p)))
 
 
-def check_folder(out: Path) -> None:
-    """GcbenchError where a report cannot go into `out` as it stands (a file, figures as a link, a page there that
-    is not gcbench's): said before a command prints its tables, and again by publish, under its lock."""
+def check_folder(out: Path, pages: bool = True) -> None:
+    """GcbenchError where a report cannot go into `out` as it stands (a file, figures as a link, and with `pages` a
+    page there that is not gcbench's): said before a command prints its tables, and again by publish, under its
+    lock. A killed write's staging folder leaves the pages to publish, which finishes or undoes it first."""
     where = repr(plain(out))
     try:
         if out.exists() and not out.is_dir():
@@ -92,7 +93,7 @@ def check_folder(out: Path) -> None:
         if (out / "figures").is_symlink():  # its figures would be written, replaced and removed where it points
             raise GcbenchError(f"{where} holds figures as a link, not a folder: it is left as it is; move it away or "
                                "write the report elsewhere")
-        if out.is_dir():
+        if pages and out.is_dir() and not any(_is_staging(old) for old in out.glob(STAGING + "*")):
             _refuse_theirs(out, PAGES)
     except OSError as e:  # a name too long for the file system, a folder on the way that cannot be read
         raise GcbenchError(f"cannot write the report to {where}: {e.strerror or e}") from None
@@ -121,6 +122,8 @@ def _settled(out: Path, stage: Path) -> bool:
 
 def _journal(stage: Path) -> dict | None:
     """`stage`'s journal, None where it has none that reads (a write killed before or while writing it)."""
+    if (stage / "journal.json").is_symlink() or not (stage / "journal.json").is_file():  # a FIFO would block
+        return None
     try:
         return json.loads((stage / "journal.json").read_text())
     except (OSError, ValueError, RecursionError):
@@ -174,7 +177,7 @@ def _swap(out: Path, stage: Path) -> list[str]:
 def _refuse_theirs(out: Path, files: list[str] | tuple[str, ...]) -> dict[str, str]:
     """The report now in `out` (as `_ours`); GcbenchError where one of `files` is there but is not its own."""
     ours = _ours(out)
-    theirs = [rel for rel in files if _exists(out / rel) and ours.get(rel) != _sha(out / rel)]
+    theirs = [rel for rel in files if _exists(out / rel) and ((sha := _sha(out / rel)) is None or ours.get(rel) != sha)]
     if _exists(out / "figures") and (not (out / "figures").is_dir() or (out / "figures").is_symlink()):
         theirs.insert(0, "figures")
     if theirs:
@@ -193,7 +196,7 @@ def _undo(out: Path, stage: Path, journal: dict) -> None:
             kept.unlink()  # not replaced yet (rename between two links of one file would do nothing)
         elif kept.exists():
             os.replace(kept, out / rel)
-        elif rel not in journal["had"] and _exists(out / rel) and _sha(out / rel) == journal["new"].get(rel):
+        elif rel not in journal["had"] and (sha := _sha(out / rel)) is not None and sha == journal["new"].get(rel):
             (out / rel).unlink()
     if journal.get("figures_made"):
         remove_empty([out / "figures"])
@@ -208,9 +211,11 @@ def _ours(out: Path) -> dict[str, str]:
     heads = {"report.md": "# gcbench report", "report.html": "<title>gcbench report"}
     found = {}
     for page, mark in heads.items():
+        if (out / page).is_symlink() or not (out / page).is_file():  # a FIFO would block the read
+            continue
         try:
             with open(out / page, "rb") as f:
-                if mark.encode() in f.read(400) and not (out / page).is_symlink():
+                if mark.encode() in f.read(400):
                     found[page] = _sha(out / page)
         except OSError:
             continue
@@ -237,6 +242,8 @@ def _remove_ours(out: Path, files: dict[str, str]) -> None:
 def _manifest(out: Path) -> dict:
     """The manifest in `out`: its id and the report's files (name -> SHA-256), names not a report's left out
     (_own); {} where there is none that reads."""
+    if _sha(out / MANIFEST) is None:  # not a regular file: a FIFO would block the read
+        return {}
     try:
         manifest = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError, RecursionError):
