@@ -329,15 +329,22 @@ def _print_label(console: Console, label: str, indent: str) -> None:
 def comparison_tables(c: Comparison, thresholds: dict[str, float], width: int | None = None) -> list[Table]:
     """One rich table per device and setup: old -> new and the relative change of each metric. Given a terminal
     `width` too narrow for all of them, the tokens/s columns are left out (tokens/s is batch x seq over the step
-    time: its change mirrors the step time's)."""
+    time: its change mirrors the step time's), then policy labels take a line per part, then peaks and times are
+    two tables: every number whole."""
     tables = []
     frame = c.matched.assign(_rank=c.matched["policy_label"].map(policy_rank))
     frame = frame.sort_values(["device_label", "setup", "seq_len", "batch_size", "_rank"])
+    time = "ratio" if c.by == "ratio" else "time"
     for (device, setup), part in frame.groupby(["device_label", "setup"], sort=False):
-        table = _comparison_table(device, setup, part, thresholds, tokens=c.by == "time", by=c.by)
-        if c.by == "time" and not fits(table, width):
-            table = _comparison_table(device, setup, part, thresholds, tokens=False, by=c.by)
-        tables.append(table)
+        make = lambda metrics, narrow=False: _comparison_table(  # noqa: E731
+            device, setup, part, thresholds, metrics, c.by, narrow)
+        for tried in ([make(("peak", time, "tokens"))] if c.by == "time" else [],
+                      [make(("peak", time))], [make(("peak", time), narrow=True)]):
+            if tried and fits(tried[0], width):
+                tables += tried
+                break
+        else:
+            tables += [make(("peak",), narrow=True), make((time,), narrow=True)]
     return tables
 
 
@@ -356,46 +363,51 @@ def _caption(part: pd.DataFrame, tokens: bool, by: str) -> str:
 
 
 def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: dict[str, float],
-                      tokens: bool, by: str = "time") -> Table:
+                      metrics: tuple[str, ...], by: str = "time", narrow: bool = False) -> Table:
+    """The table of `metrics` (peak, time, ratio, tokens: old -> new and the change of each) beside the columns
+    that name a config; `narrow`: policy labels a line per part."""
     scale, unit = byte_unit(part[["peak_bytes_old", "peak_bytes_new"]].max().max())
+    tokens = "tokens" in metrics
     # the device on a line of its own: rich cut a letter where one long title wrapped at the table's full width
     table = Table(title=f"{markup(setup)}\n{markup(device)}", header_style="bold", box=box.SIMPLE_HEAD,
-                  pad_edge=False, padding=0, collapse_padding=True, caption=_caption(part, tokens, by),
+                  pad_edge=False, padding=0, collapse_padding=True,
+                  caption=_caption(part, tokens, by) if by in metrics or "time" in metrics else None,
                   caption_justify="left")
-    columns = ["seq", "batch", "policy", "status", f"peak {unit}", "Δ peak"]
-    columns += ["time ratio", "Δ ratio"] if by == "ratio" else ["step ms", "Δ time"]
-    columns += ["tokens/s", "Δ tokens/s"] if tokens else []
+    names = {"peak": [f"peak {unit}", "Δ peak"], "ratio": ["time ratio", "Δ ratio"], "time": ["step ms", "Δ time"],
+             "tokens": ["tokens/s", "Δ tokens/s"]}
+    columns = ["seq", "batch", "policy", "status", *(name for m in metrics for name in names[m])]
     # a long policy label (plan:memory=24GiB,allow_offload=false) takes a line per option: its column leaves the
     # numbers their room at 80 columns
-    widest_policy = max(len(line) for p in part["policy_label"] for line in _policy_lines(plain(p)).splitlines())
+    widest_policy = max(len(line) for p in part["policy_label"]
+                        for line in _policy_lines(plain(p), narrow).splitlines())
     for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "status") else "right", no_wrap=col != "status",
                          min_width={"policy": widest_policy, "status": len("status")}.get(col))
     for r in part.to_dict("records"):
         status = r["status_new"] if r["status_old"] == r["status_new"] else \
             f"{r['status_old']} -> {r['status_new']}"
-        cells = [
-            str(r["seq_len"]), str(r["batch_size"]), Text(_policy_lines(plain(r["policy_label"]))),  # no markup read
-            Text(plain(status), style="bold red" if r["status_new"] != Status.OK else ""),
-            _pair(r["peak_bytes_old"] / scale, r["peak_bytes_new"] / scale, "{:,.2f}"),
-            _change(r["peak_change"], +1, thresholds.get("peak")),
-        ]
-        if by == "ratio":
-            cells += [_pair(r["time_x_old"], r["time_x_new"], "{:,.2f}x"),
-                      _change(r["ratio_change"], +1, thresholds.get("time"), r["time_mark"])]
-        else:
-            cells += [_pair(r["step_ms_median_old"], r["step_ms_median_new"], "{:,.1f}"),
-                      _change(r["time_change"], +1, thresholds.get("time"), r["time_mark"])]
-        if tokens:
-            cells += [_pair(r["tokens_per_s_old"], r["tokens_per_s_new"], "{:,.0f}"),
-                      _change(r["tokens_change"], -1, thresholds.get("tokens"), r["time_mark"])]
+        cells = [str(r["seq_len"]), str(r["batch_size"]), Text(_policy_lines(plain(r["policy_label"]), narrow)),
+                 Text(plain(status), style="bold red" if r["status_new"] != Status.OK else "")]  # Text: as is
+        for metric in metrics:
+            cells += {"peak": lambda: [_pair(r["peak_bytes_old"] / scale, r["peak_bytes_new"] / scale, "{:,.2f}"),
+                                       _change(r["peak_change"], +1, thresholds.get("peak"))],
+                      "ratio": lambda: [_pair(r["time_x_old"], r["time_x_new"], "{:,.2f}x"),
+                                        _change(r["ratio_change"], +1, thresholds.get("time"), r["time_mark"])],
+                      "time": lambda: [_pair(r["step_ms_median_old"], r["step_ms_median_new"], "{:,.1f}"),
+                                       _change(r["time_change"], +1, thresholds.get("time"), r["time_mark"])],
+                      "tokens": lambda: [_pair(r["tokens_per_s_old"], r["tokens_per_s_new"], "{:,.0f}"),
+                                         _change(r["tokens_change"], -1, thresholds.get("tokens"), r["time_mark"])],
+                      }[metric]()
         table.add_row(*cells)
     return table
 
 
-def _policy_lines(label: str) -> str:
+def _policy_lines(label: str, narrow: bool = False) -> str:
     """A policy label as a table cell: past 20 characters, a line per option (`plan:memory=24GiB,` then
-    `allow_offload=false`), so that its column leaves the numbers room at 80 columns."""
+    `allow_offload=false`), so that its column leaves the numbers room at 80 columns; `narrow`: past 8, a line per
+    part (`offload:`, `what=inputs,`, `k=1`)."""
+    if narrow and len(label) > 8:
+        return re.sub(r"([:,])", "\\1\n", label)
     return label if len(label) <= 20 else label.replace(",", ",\n")
 
 

@@ -277,14 +277,24 @@ def test_a_long_policy_label_leaves_the_numbers_whole_at_80_columns(tmp_path, mo
     from gcbench import cli
 
     monkeypatch.setattr(cli, "console", Console(width=80, record=True))
-    records = sweep(seed=1)
-    for r in records:
-        if r["policy"] == "sqrtn":
-            r.update(policy="plan", policy_options={"memory": "1024TiB", "allow_offload": "false"})
-    result = invoke(tmp_path, records, records)
+    from gcbench.units import fmt_change
+
+    def labelled(records):
+        for r in records:
+            if r["policy"] == "sqrtn":
+                r.update(policy="plan", policy_options={"memory": "1024TiB", "allow_offload": "false"})
+            if r["policy"] == "every-k":  # a label of three parts, past 20 characters
+                r.update(policy="offload", policy_options={"what": "inputs", "k": 1})
+        return records
+
+    old, new = labelled(sweep(seed=1)), labelled(sweep(seed=2, load=25.0))  # +2,400%: the widest change cells
+    result = invoke(tmp_path, old, new)
     assert result.exit_code == 0, result.output
     text = cli.console.export_text()
     table = text.split("change = new / old - 1")[0]
     assert "\u2026" not in text and max(map(len, text.splitlines())) <= 80
-    assert "plan:memory=1024TiB," in table and "allow_offload=false" in table  # a line per option
+    assert "allow_offload=false" in table and "what=inputs," in table  # a line per option
     assert "1 torch thread" in table  # the device on its own title line, whole
+    c = compare_results(*frames(tmp_path, old, new), {})
+    for change in c.matched["time_change"]:  # every change whole (rich cropped lines past 80 without an ellipsis)
+        assert fmt_change(change) in table, fmt_change(change)
