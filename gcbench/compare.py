@@ -40,6 +40,9 @@ METRICS = {
     "time": ("step_ms_median", "step time", +1),
     "tokens": ("tokens_per_s", "tokens/s", -1),
 }
+# a table's metric: (column, its format, its --fail key, +1 when a rise is worse); its change is <metric>_change
+CELLS = {"peak": ("peak_bytes", "{:,.2f}", "peak", +1), "time": ("step_ms_median", "{:,.1f}", "time", +1),
+         "ratio": ("time_x", "{:,.2f}x", "time", +1), "tokens": ("tokens_per_s", "{:,.0f}", "tokens", -1)}
 SPEC_KEYS = [*GROUP_KEYS, "policy_label"]
 BY = ("time", "ratio")  # --by: each config's own step time, or its time relative to its results' baseline policy
 # Notes that make a step time another kind of number than a sequential run's (each record says so): never compared.
@@ -275,16 +278,12 @@ def print_comparison(console: Console, c: Comparison, thresholds: dict[str, floa
                 label = f"seq {r['seq_len']} · batch {r['batch_size']} · {r['policy_label']}" if one_table \
                     else spec_label(r)
                 _print_label(console, label, "    ")
-    if c.within_noise:
-        console.print(f"[yellow]{len(c.within_noise)} change(s) past --fail {markup(fail)} but inside the noise of a "
-                      "run (not failed; --strict fails them):[/]")
-        for line in c.within_noise:
-            console.print(f"  {markup(line)}")
-    if c.regressions:
-        console.print(f"[bold red]{len(c.regressions)} regression(s) past --fail {markup(fail)}:[/]")
-        for line in c.regressions:
-            console.print(f"  {markup(line)}")
-    elif thresholds:
+    for lines, head in ((c.within_noise, f"[yellow]{len(c.within_noise)} change(s) past --fail {markup(fail)} but "
+                                          "inside the noise of a run (not failed; --strict fails them):[/]"),
+                        (c.regressions, f"[bold red]{len(c.regressions)} regression(s) past --fail {markup(fail)}:[/]")):
+        for line in [head, *(f"  {markup(line)}" for line in lines)] if lines else []:
+            console.print(line)
+    if thresholds and not c.regressions:
         line, complete = verdict(c, thresholds, fail)
         console.print(f"[{'green' if complete else 'yellow'}]{markup(line)}[/]")
 
@@ -373,9 +372,8 @@ def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: d
                   pad_edge=False, padding=0, collapse_padding=True,
                   caption=_caption(part, tokens, by) if by in metrics or "time" in metrics else None,
                   caption_justify="left")
-    names = {"peak": [f"peak {unit}", "Δ peak"], "ratio": ["time ratio", "Δ ratio"], "time": ["step ms", "Δ time"],
-             "tokens": ["tokens/s", "Δ tokens/s"]}
-    columns = ["seq", "batch", "policy", "status", *(name for m in metrics for name in names[m])]
+    names = {"peak": f"peak {unit}", "ratio": "time ratio", "time": "step ms", "tokens": "tokens/s"}
+    columns = ["seq", "batch", "policy", "status", *(h for m in metrics for h in (names[m], f"Δ {m}"))]
     # a long policy label (plan:memory=24GiB,allow_offload=false) takes a line per option: its column leaves the
     # numbers their room at 80 columns
     widest_policy = max(len(line) for p in part["policy_label"]
@@ -389,15 +387,11 @@ def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: d
         cells = [str(r["seq_len"]), str(r["batch_size"]), Text(_policy_lines(plain(r["policy_label"]), narrow)),
                  Text(plain(status), style="bold red" if r["status_new"] != Status.OK else "")]  # Text: as is
         for metric in metrics:
-            cells += {"peak": lambda: [_pair(r["peak_bytes_old"] / scale, r["peak_bytes_new"] / scale, "{:,.2f}"),
-                                       _change(r["peak_change"], +1, thresholds.get("peak"))],
-                      "ratio": lambda: [_pair(r["time_x_old"], r["time_x_new"], "{:,.2f}x"),
-                                        _change(r["ratio_change"], +1, thresholds.get("time"), r["time_mark"])],
-                      "time": lambda: [_pair(r["step_ms_median_old"], r["step_ms_median_new"], "{:,.1f}"),
-                                       _change(r["time_change"], +1, thresholds.get("time"), r["time_mark"])],
-                      "tokens": lambda: [_pair(r["tokens_per_s_old"], r["tokens_per_s_new"], "{:,.0f}"),
-                                         _change(r["tokens_change"], -1, thresholds.get("tokens"), r["time_mark"])],
-                      }[metric]()
+            col, fmt, limit, sign = CELLS[metric]
+            unit_of = scale if metric == "peak" else 1
+            cells += [_pair(r[f"{col}_old"] / unit_of, r[f"{col}_new"] / unit_of, fmt),
+                      _change(r[f"{metric}_change"], sign, thresholds.get(limit), r["time_mark"] if limit != "peak"
+                              else "")]
         table.add_row(*cells)
     return table
 
