@@ -1,5 +1,6 @@
 """The values of a config.json that transformers keeps but a training step cannot use, refused before anything is
-built (models.config_from_dict): sizes that are not positive integers, NaN, dropout probabilities outside 0..1. Each is one GcbenchError naming the file, the field and the rule."""
+built (models.config_from_dict): sizes that are not positive integers, NaN, dropout probabilities outside 0..1.
+Each is one GcbenchError naming the file, the field and the rule."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from typing import Any
 from gcbench.errors import GcbenchError
 
 # A dropout probability by its name in transformers' configs (attention_dropout, hidden_dropout_prob, resid_pdrop,
-# dropout_rate, encoder_layerdrop, fusion_droppath, drop_path_rate, ...): torch's dropout refuses a p outside 0..1
-# ("dropout probability has to be between 0 and 1", torch/nn/functional.py: dropout) in the middle of the step, and
-# stochastic depth and layerdrop draw against it. Names holding "prob" alone are not always one (top_prob_values).
-_PROBABILITY = re.compile(r"dropout|pdrop|layerdrop|droppath|^drop_(\w+_)?rate$|^mask_(time|feature)_prob$")
+# dropout_rate, encoder_layerdrop, fusion_droppath, drop_path_rate, attn_drop_rate, ...): torch's dropout refuses a p
+# outside 0..1 ("dropout probability has to be between 0 and 1", torch/nn/functional.py: dropout) in the middle of
+# the step, and stochastic depth and layerdrop draw against it. Names holding "prob" alone are not always one (top_prob_values).
+_PROBABILITY = re.compile(r"dropout|pdrop|layerdrop|droppath|(^|_)drop_(\w+_)?rate$|^mask_(time|feature)_prob$")
 
 
 def positive_int(value: object) -> bool:

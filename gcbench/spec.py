@@ -108,4 +108,5 @@ def check_grid_size(values: Mapping[str, Sequence[Any]], split: str = "split it 
     n = math.prod(len(v) for v in values.values())
     if n > MAX_GRID:
         axes = " x ".join(f"{len(v):,} --{BY_NAME[name].flag}" for name, v in values.items() if len(v) > 1)
-        raise GcbenchError(f"the grid holds {n:,} configs ({axes}): at most {MAX_GRID:,} in one command; {split}")
+        raise GcbenchError(f"the grid holds {n:,} combinations ({axes}): at most {MAX_GRID:,} in one command; "
+                           f"{split}")

@@ -94,6 +94,8 @@ def test_a_config_keeps_what_its_families_ship_as_dropout_flags_and_infinite_bou
     check_values({"token_dropout": True, "time_step_limit": [0.0, float("inf")], "dropout": 0}, (), "c")
     with pytest.raises(GcbenchError, match=r"c: text_config\.resid_pdrop is a dropout probability.*-0\.1"):
         check_values({"text_config": {"resid_pdrop": -0.1}}, (), "c")
+    with pytest.raises(GcbenchError, match=r"c: attn_drop_rate is a dropout probability"):  # MGP-STR's name
+        check_values({"attn_drop_rate": 2.0}, (), "c")
     with pytest.raises(GcbenchError, match=r"c: layer_types must be a number, got NaN"):
         check_values({"layer_types": [[1.0, float("nan")]]}, (), "c")
 

@@ -118,7 +118,7 @@ def test_a_grid_past_its_cap_is_refused_before_any_config_is_made(tmp_path, comm
     seqs, batches = ",".join(map(str, range(16, 216))), ",".join(map(str, range(1, 61)))
     args = ["--out", str(out), "--policy", "none"] if command == "sweep" else ["--method", "analytic"]
     result = runner.invoke(app, [command, "--model", "tiny-llama", "--seq", seqs, "--batch", batches, *args])
-    assert_refused(result, "the grid holds 12,000 configs (200 --seq x 60 --batch): at most 10,000 in one command")
+    assert_refused(result, "the grid holds 12,000 combinations (200 --seq x 60 --batch): at most 10,000 in one command")
     assert not out.exists()
 
 

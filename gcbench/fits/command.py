@@ -18,7 +18,7 @@ from gcbench.estimators.estimates import Progress
 from gcbench.fits.predict import predict_each, spec_at
 from gcbench.gpus import gpu, max_memory_reserved
 from gcbench.grid import RUN_OPTIONS, one_value_each
-from gcbench.fields import RUN_FIELDS, default_precision, run_field
+from gcbench.fields import ESTIMATE_SIZES, RUN_FIELDS, default_precision, run_field
 from gcbench.resolved import ResolvedRun, resolve, runnable_defaults
 from gcbench.results.band_words import order_note, time_band_note
 from gcbench.spec import RunSpec
@@ -140,14 +140,14 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     cap = math.floor(usable * (1 - parse_fraction(headroom, "--headroom")))
     field_name = VARY[vary]
     if field_name in grid:
-        whole = "batch 1..4096" if vary == "batch" else "seq 16..the model's longest"
+        whole = "batch {}..{}".format(*DEFAULT_BATCH_RANGE) if vary == "batch" else \
+            f"seq {DEFAULT_SEQ_LO}..the model's longest"
         raise GcbenchError(f"--{run_field(field_name).flag} is what --vary {vary} searches (its whole range: {whole})")
     policies = grid.pop("policy", None)
     fields = one_value_each(grid, "--fit predicts one setup; the policies take several values")
     policies, refused = _policies(policies, fields)  # the defaults left out are named in the caption
     policies = [canonical_policy(p, cap) for p in policies]
-    fields.setdefault("seq_len", 2048)
-    fields.setdefault("batch_size", 1)
+    fields = {**ESTIMATE_SIZES, **fields}
     fixed = {k: v for k, v in fields.items() if k != field_name}  # what every prediction shares
     lo, hi = fit_range(None, field_name, fixed)
     rows = []
@@ -181,8 +181,9 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         if len(timed_rows) > 1:  # the fastest is named below: how far such an order holds
             caption.append(order_note(card.name, order_error(card.name), ["within"]))  # one setup: one class
     caption += refused
-    if any(r["range_top"] for r in rows):
-        caption.append(f"{vary} (top) = the top of the range searched fits: the largest {vary} that fits may be larger")
+    if any(r["range_top"] for r in rows):  # seq's top is the model's longest: nothing longer runs
+        caption.append(f"{vary} (top) = " + ("the top of the range searched fits: the largest batch that fits may be "
+                                             "larger" if vary == "batch" else "the model's longest sequence fits"))
     if device == "cuda" and method != "simulate":
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
                        "replays it on the card, size by size (seconds to minutes per policy)")
