@@ -30,8 +30,8 @@ ASCII_STAND_INS = {"·": "-", "×": "x", "≤": "<=", "≥": ">=", "…": "...",
                    "→": "->", "←": "<-", "−": "-", "µ": "u", "≈": "~", "√": "sqrt", "°": " deg", "²": "^2",
                    "‘": "'", "’": "'", "“": '"', "”": '"', "•": "*", "─": "-", "│": "|", "━": "-", "█": "#"}
 ERRORS = "gcbench-stand-in"
-# A write the machine refused that reached the top, the output's (> /dev/full, a full disk, | head): one line and
-# exit 1, not a traceback. gcbench's own files turn their write errors into messages where they are written.
+# A write to stdout or stderr the machine refused (> /dev/full, a full disk, | head): one line and exit 1, not a
+# traceback. gcbench's own files turn their write errors into messages where they are written.
 WRITE_FAILED = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
@@ -72,16 +72,33 @@ def main() -> None:
         _end_now(done.code)
         raise
     except OSError as e:
-        if e.errno not in WRITE_FAILED:
+        if e.errno not in WRITE_FAILED or not _writing_output(e):
             raise
         _drop_output()
         if e.errno != errno.EPIPE:  # a reader that stopped reading (| head) needs no word
-            _say(f"gcbench: error: cannot write: {e.strerror} (the output, or a file it writes)")
+            _say(f"gcbench: error: cannot write the output: {e.strerror}")
         sys.exit(1)
     finally:
         # Nothing the command made is garbage-collected again at exit: the interpreter's last collection walks the
         # whole heap (torch, transformers, a simulation's fakes), ~1 s on 2 cores, after every record is written.
         gc.freeze()
+
+
+def _writing_output(error: OSError) -> bool:
+    """Whether `error` was raised writing stdout or stderr: a frame on its way holds one of them (click's echo its
+    `file`, rich's Console its `.file`), not a read or another file's write that no handler caught."""
+    streams = [s for s in (sys.stdout, sys.stderr) if s is not None]
+    streams += [s.buffer for s in streams if hasattr(s, "buffer")]
+    tb = error.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            try:
+                if any(value is s or getattr(value, "file", None) is s for s in streams):
+                    return True
+            except Exception:  # noqa: BLE001 - an object whose attribute lookup fails holds no stream
+                continue
+        tb = tb.tb_next
+    return False
 
 
 def _drop_output() -> None:
