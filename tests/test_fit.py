@@ -212,6 +212,9 @@ def test_a_recommendation_names_the_winners_it_cannot_be_told_apart_from():
     rec = recommend([full, sqrtn, none], lambda r: "cmd")
     assert rec.record is none and rec.paired and rec.tied == []  # 1% apart, told apart by their shared rounds
     assert clearly_faster(none, full, True) and not clearly_faster(full, none, True)  # one way only
+    # a resumed fit's earlier winner was timed in another interleaving: rounds of two pairings are not paired
+    earlier, later = {**none, "fit_paired_id": "aaaa"}, {**full, "fit_paired_id": "bbbb"}
+    assert not recommend([earlier, later], lambda r: "cmd").paired and not clearly_faster(earlier, later, True)
     # the same levels timed in separate runs, each +-5%: 1% is inside their noise, 20% is not
     rec = recommend([winner("none", 2, noisy(20)), full := winner("full", 4, noisy(40.4)),
                      winner("sqrtn", 4, noisy(48))], lambda r: "cmd")

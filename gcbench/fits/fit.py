@@ -255,6 +255,7 @@ class Fit:
             return
         view.pairing([s for s, _ in winners])
         result = runner.paired([s for s, _ in winners], choose_baseline([r for _, r in winners]), view.phase)
+        pairing = secrets.token_hex(4)  # the records timed in these rounds (not a resumed fit's earlier winner)
         for spec, record in winners:
             if not any(record is p for p in pending):
                 continue
@@ -263,6 +264,7 @@ class Fit:
                 continue
             # Its own step times only: a time ratio compares one seq and batch, and the winners differ in size.
             record["paired_step_ms"] = result[policy_label(record)]["paired_step_ms"]
+            record["fit_paired_id"] = pairing
             tokens = spec.batch_size * spec.seq_len * spec.grad_accum
             record["paired_tokens_per_s"] = tokens / (statistics.median(record["paired_step_ms"]) / 1e3)
 

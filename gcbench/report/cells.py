@@ -218,9 +218,9 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
                       else "paired tokens/s where one search timed all of a budget's winners together, else each "
                       "run's own tokens/s" if ranked.any() else "each run's own tokens/s") + ".")
         if g["tied"].any():
-            caption += (" (tied) = not told apart from the best: the 95% interval of the best's tokens/s over this "
-                        "one's, round by round (paired), or from their own intervals, does not lie above 1; a rerun "
-                        "may order them the other way.")
+            caption += (" (tied) = not told apart from the best: their timings do not show the best clearly faster "
+                        "(paired rounds, else each run's own interval; too few steps show nothing), so a rerun may "
+                        "order them the other way.")
         if any(given(v) and not v for v in g["timing_trusted"]):
             caption += " ~tokens/s = the run's own timing not trusted (its record's timing_notes say why)."
         if g["stopped"].any():

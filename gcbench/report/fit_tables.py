@@ -115,6 +115,7 @@ def recommendation_lines(rec: Any, vary: str, fits: Sequence[Any] = ()) -> list[
             for r in rec.tied]
     return [f"recommended: {label} at seq {record['seq_len']} x batch {record['batch_size']}: "
             f"{rec.tokens_per_s:,.0f} tokens/s ({how}), peak {fmt_bytes(peak_bytes(record))}",
-            *([f"  not told apart from {'; '.join(tied)}: the 95% interval of their speeds' ratio does not lie "
-               "above 1; a rerun may order them the other way"] if tied else []),
+            *([f"  not told apart from {'; '.join(tied)}: their timings do not show it clearly faster (paired "
+               "rounds, else each run's own interval; too few steps show nothing), so a rerun may order them the "
+               "other way"] if tied else []),
             f"  {rec.command}"]

@@ -216,6 +216,7 @@ class Record(TypedDict, total=False):
     fit_budget_bytes: int
     fit_trial: int
     paired_tokens_per_s: float  # a fit's winners timed interleaved
+    fit_paired_id: str  # the winners timed in one interleaving share it (a resumed fit's earlier winner has another)
 
 
 # Spec fields added since version 1, with what an older record measured (fields.Field.added: one unsharded process,
@@ -274,7 +275,8 @@ def fastest(best: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], float
     paired tokens/s when every one was timed paired (drift-free), else by each run's own tokens/s."""
     if not best:
         return None
-    paired = all(r.get("paired_tokens_per_s") for r in best)
+    # paired only within one interleaving (older records carry no id: theirs is taken for one)
+    paired = all(r.get("paired_tokens_per_s") for r in best) and len({r.get("fit_paired_id") for r in best}) == 1
     key = "paired_tokens_per_s" if paired else "tokens_per_s"
     top = max(best, key=lambda r: r[key])
     return top, top[key], paired
