@@ -278,9 +278,10 @@ def print_comparison(console: Console, c: Comparison, thresholds: dict[str, floa
                 label = f"seq {r['seq_len']} · batch {r['batch_size']} · {r['policy_label']}" if one_table \
                     else spec_label(r)
                 _print_label(console, label, "    ")
-    for lines, head in ((c.within_noise, f"[yellow]{len(c.within_noise)} change(s) past --fail {markup(fail)} but "
-                                          "inside the noise of a run (not failed; --strict fails them):[/]"),
-                        (c.regressions, f"[bold red]{len(c.regressions)} regression(s) past --fail {markup(fail)}:[/]")):
+    noisy = f"[yellow]{len(c.within_noise)} change(s) past --fail {markup(fail)} but inside the noise of a run (not " \
+        "failed; --strict fails them):[/]"
+    worse = f"[bold red]{len(c.regressions)} regression(s) past --fail {markup(fail)}:[/]"
+    for lines, head in ((c.within_noise, noisy), (c.regressions, worse)):
         for line in [head, *(f"  {markup(line)}" for line in lines)] if lines else []:
             console.print(line)
     if thresholds and not c.regressions:
@@ -376,8 +377,7 @@ def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: d
     columns = ["seq", "batch", "policy", "status", *(h for m in metrics for h in (names[m], f"Δ {m}"))]
     # a long policy label (plan:memory=24GiB,allow_offload=false) takes a line per option: its column leaves the
     # numbers their room at 80 columns
-    widest_policy = max(len(line) for p in part["policy_label"]
-                        for line in _policy_lines(plain(p), narrow).splitlines())
+    widest_policy = max(len(x) for p in part["policy_label"] for x in _policy_lines(plain(p), narrow).splitlines())
     for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "status") else "right", no_wrap=col != "status",
                          min_width={"policy": widest_policy, "status": len("status")}.get(col))

@@ -14,7 +14,8 @@ from gcbench.errors import GcbenchError
 # A dropout probability by its name in transformers' configs (attention_dropout, hidden_dropout_prob, resid_pdrop,
 # dropout_rate, encoder_layerdrop, fusion_droppath, drop_path_rate, attn_drop_rate, ...): torch's dropout refuses a p
 # outside 0..1 ("dropout probability has to be between 0 and 1", torch/nn/functional.py: dropout) in the middle of
-# the step, and stochastic depth and layerdrop draw against it. Names holding "prob" alone are not always one (top_prob_values).
+# the step, and stochastic depth and layerdrop draw against it. Names holding "prob" alone are not always one
+# (top_prob_values).
 _PROBABILITY = re.compile(r"dropout|pdrop|layerdrop|droppath|(^|_)drop_(\w+_)?rate$|^mask_(time|feature)_prob$")
 
 

@@ -34,6 +34,7 @@ MANIFEST = ".gcbench-report.json"
 STAGING = ".gcbench-report-"
 STAGING_NAME = re.compile(r"\.gcbench-report-[0-9a-f]{8}")
 FIGURE_NAME = re.compile(r"figures/[1-9]-[a-z0-9-]+\.(png|svg)")  # what write_figures names its files
+PAGES = ("report.md", "report.html")  # moved last: a reader opens these
 
 
 def _own(rel: object) -> bool:
@@ -41,7 +42,6 @@ def _own(rel: object) -> bool:
     are files in DIR, which anyone who hands over the folder wrote: a name in them that is not one of these (an
     absolute path, ../, a folder that is a link) is never moved, replaced or removed."""
     return isinstance(rel, str) and (rel in PAGES or rel == MANIFEST or FIGURE_NAME.fullmatch(rel) is not None)
-PAGES = ("report.md", "report.html")  # moved last: a reader opens these
 
 
 def publish(out: Path, make: Callable[[Path], None]) -> list[Path]:
