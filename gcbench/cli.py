@@ -37,9 +37,9 @@ err_console = Console(stderr=True)
 
 DEFAULT_OUT = Path("results/runs.jsonl")
 # What `sweep --help` says of the fields a sweep defaults itself or requires (grid.SweepSpec), not RunSpec's defaults
-ESTIMATE_SHOWN = {name: f"default: {value}" for name, value in ESTIMATE_SIZES.items()}
 SWEEP_SHOWN = {"policy": f"default: {', '.join(DEFAULT_POLICIES)}: those the model allows",
                **{name: "required, here or in --config" for name in REQUIRED}}
+ESTIMATE_SHOWN = {name: f"default: {value}" for name, value in ESTIMATE_SIZES.items()}  # applied by estimate itself
 
 
 @app.callback(invoke_without_command=True)
