@@ -335,7 +335,7 @@ def test_a_hub_cache_that_cannot_be_read_is_one_line(hub_cache, monkeypatch):
         raise NotADirectoryError(20, "Not a directory", "/dev/null/.cache/huggingface/token")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreadable)
-    result = runner.invoke(app, ["estimate", "--model", "acme/tiny-qwen3", "--method", "analytic"])
+    result = runner.invoke(app, ["estimate", "--model", "acme/never-cached", "--method", "analytic"])
     assert result.exit_code == 2 and result.stdout == ""
     [line] = result.stderr.strip().splitlines()
     assert "the Hugging Face cache cannot be read (Not a directory: '/dev/null/.cache/huggingface/token')" in line
