@@ -191,7 +191,7 @@ def test_the_record_and_the_host_lines_name_the_cpu_model(record, monkeypatch):
     assert ["CPU model", "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz"] in environment_grid(frame).rows
     # a record from before the name was kept still reads, and says only "CPU"
     older = {**record, "env": {k: v for k, v in env.items() if k != "cpu_model"}}
-    assert "· CPU (1 thread)" in " ".join(text_of(run_table(older)).split())
+    assert "fp32 CPU (1 thread)" in " ".join(text_of(run_table(older)).split())  # the device its own title line
     assert "Xeon" not in str(terminal_tables(results_frame(_load([older])))[0])
 
 

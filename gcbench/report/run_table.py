@@ -34,7 +34,7 @@ def run_table(record: dict[str, Any]) -> Table:
     target = f" · target {record['target_len']}" if record.get("target_len") else ""  # an encoder-decoder's
     target += f" · {plural(record['images'], 'image')}" if record.get("images") else ""  # a vision-language model's
     title = (f"{markup(record['model'])}{f' ({markup(shape)})' if shape else ''} · seq {record['seq_len']}{target} · "
-             f"batch {record['batch_size']} · {markup(policy_label(record))} · {markup(levers)} · {where}")
+             f"batch {record['batch_size']} · {markup(policy_label(record))} · {markup(levers)}\n{where}")  # a line
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
