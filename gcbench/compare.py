@@ -31,7 +31,7 @@ from gcbench.errors import GcbenchError
 from gcbench.results.frame import FAILED, GROUP_KEYS, given, latest_per_group, policy_rank
 from gcbench.results.schema import NoteKind, Status, note_kinds, timing_notes_of
 from gcbench.results.stats import Stats, clearly_different
-from gcbench.text import fits, markup, plain
+from gcbench.text import fits, markup, option_lines, plain
 from gcbench.units import byte_unit, fmt_change
 
 # --fail key: (column, what it is, +1 when a rise is a regression, -1 when a fall is)
@@ -398,11 +398,8 @@ def _comparison_table(device: str, setup: str, part: pd.DataFrame, thresholds: d
 
 def _policy_lines(label: str, narrow: bool = False) -> str:
     """A policy label as a table cell: past 20 characters, a line per option (`plan:memory=24GiB,` then
-    `allow_offload=false`), so that its column leaves the numbers room at 80 columns; `narrow`: past 8, a line per
-    part (`offload:`, `what=inputs,`, `k=1`)."""
-    if narrow and len(label) > 8:
-        return re.sub(r"([:,])", "\\1\n", label)
-    return label if len(label) <= 20 else label.replace(",", ",\n")
+    `allow_offload=false`); `narrow`: past 8, a line per part (`offload:`, `what=inputs,`, `k=1`)."""
+    return option_lines(label, 8, ":,") if narrow else option_lines(label, 20)
 
 
 def _pair(old: float, new: float, fmt: str) -> str:

@@ -48,3 +48,11 @@ def fits(renderable: object, width: int | None) -> bool:
     from rich.console import Console
 
     return width is None or Console(width=100_000).measure(renderable).maximum <= width
+
+
+def option_lines(label: str, longer_than: int, at: str = ",") -> str:
+    """Each word of `label` longer than `longer_than` characters broken into lines after each of `at`'s characters
+    (plan:memory=12MiB,allow_offload=false: a line per option): a table's narrowest column is then the longest
+    part, not the whole word, which at 80 columns split tables or cropped their numbers."""
+    return " ".join(re.sub(f"([{re.escape(at)}])", "\\1\n", word) if len(word) > longer_than else word
+                    for word in label.split(" "))

@@ -230,3 +230,11 @@ def pale(color: str) -> tuple[float, float, float, float]:
 def pale_handle() -> Line2D:
     return Line2D([], [], ls="", marker="o", markersize=7, markerfacecolor=pale("#404040"),
                   markeredgecolor="#404040")
+
+
+def fade(ax: Axes, xs, ys, color: str, hollow: bool = False, zorder: float = 5, **mark) -> None:
+    """Points whose timing is not trusted drawn over their line's own markers, faded: a white underlay (none for a
+    `hollow` mark, which has no inside to fade), then the colour's pale fill with its edge."""
+    if not hollow:
+        ax.scatter(xs, ys, facecolors="white", edgecolors="none", zorder=zorder, **mark)
+    ax.scatter(xs, ys, facecolors=pale(color), edgecolors=color, zorder=zorder, **mark)

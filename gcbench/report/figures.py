@@ -18,7 +18,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from gcbench.report.analysis import pareto_front
-from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, UNTRUSTED_LABEL, Drawn, coincident,
+from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, UNTRUSTED_LABEL, Drawn, coincident, fade,
                                           figure_legend, largest_panels, log2_axis, oom_handle, pale, pale_handle,
                                           panel_figure, panel_title, policy_colors, policy_ticks)
 from gcbench.report.fit_figures import fit_frontier
@@ -304,12 +304,8 @@ def throughput_vs_batch(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
             shaky = ok[~ok["timing_trusted"]]
             if len(shaky):
                 untrusted = True
-                mark = {"marker": style["marker"], "s": max(30, style["ms"] ** 2)}
-                if policy not in same.same:  # a hollow mark has no inside to fade
-                    ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], facecolors="white", edgecolors="none",
-                               zorder=5, **mark)  # the line's own marker shows through faded
-                ax.scatter(shaky["batch_size"], shaky["tokens_per_s"], facecolors=pale(colors[policy]),
-                           edgecolors=colors[policy], zorder=style.get("zorder", 5) + 1, **mark)
+                fade(ax, shaky["batch_size"], shaky["tokens_per_s"], colors[policy], hollow=policy in same.same,
+                     zorder=style.get("zorder", 5) + 1, marker=style["marker"], s=max(30, style["ms"] ** 2))
             oom = p[p["status"] == "oom"]
             if len(oom):
                 oom_seen = True

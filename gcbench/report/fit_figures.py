@@ -7,7 +7,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 
 from gcbench.report.figure_layout import (MAX_PANELS, OOM_MARK, UNTRUSTED_LABEL, Coincident, Drawn, figure_legend,
-                                          oom_handle, pale, pale_handle, panel_figure, panel_title)
+                                          fade, oom_handle, pale_handle, panel_figure, panel_title)
 from gcbench.results.frame import SIZE_WORDS, as_int, fit_summary, given, policy_rank
 from gcbench.units import byte_unit
 
@@ -43,10 +43,7 @@ def fit_frontier(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
             faded = fits[[_shaky(r) for _, r in fits.iterrows()]]
             if len(faded):  # the line's own marker, faded as every figure fades a timing not trusted
                 shaky = True
-                ax.scatter(faded["budget_bytes"] / scale, faded["rate"].astype(float), facecolors="white",
-                           edgecolors="none", zorder=4, s=40)
-                ax.scatter(faded["budget_bytes"] / scale, faded["rate"].astype(float), facecolors=pale(colors[policy]),
-                           edgecolors=colors[policy], zorder=4, s=40)
+                fade(ax, faded["budget_bytes"] / scale, faded["rate"].astype(float), colors[policy], zorder=4, s=40)
             best, even = fits[fits["best"]], fits[fits["tied"]]
             ax.scatter(best["budget_bytes"] / scale, best["rate"].astype(float), s=130, facecolors="none",
                        edgecolors="black", linewidths=1.2, zorder=5, label="fastest at its budget")

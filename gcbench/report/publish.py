@@ -122,7 +122,7 @@ def _settled(out: Path, stage: Path) -> bool:
 
 def _journal(stage: Path) -> dict | None:
     """`stage`'s journal, None where it has none that reads (a write killed before or while writing it)."""
-    if (stage / "journal.json").is_symlink() or not (stage / "journal.json").is_file():  # a FIFO would block
+    if not _regular(stage / "journal.json"):
         return None
     try:
         return json.loads((stage / "journal.json").read_text())
@@ -211,7 +211,7 @@ def _ours(out: Path) -> dict[str, str]:
     heads = {"report.md": "# gcbench report", "report.html": "<title>gcbench report"}
     found = {}
     for page, mark in heads.items():
-        if (out / page).is_symlink() or not (out / page).is_file():  # a FIFO would block the read
+        if not _regular(out / page):
             continue
         try:
             with open(out / page, "rb") as f:
@@ -242,7 +242,7 @@ def _remove_ours(out: Path, files: dict[str, str]) -> None:
 def _manifest(out: Path) -> dict:
     """The manifest in `out`: its id and the report's files (name -> SHA-256), names not a report's left out
     (_own); {} where there is none that reads."""
-    if _sha(out / MANIFEST) is None:  # not a regular file: a FIFO would block the read
+    if not _regular(out / MANIFEST):
         return {}
     try:
         manifest = json.loads((out / MANIFEST).read_text())
@@ -285,8 +285,13 @@ def _exists(path: Path) -> bool:
     return path.exists() or path.is_symlink()
 
 
+def _regular(path: Path) -> bool:
+    """A regular file, not a link: only such a file is read (a FIFO would block the read) or counted as ours."""
+    return not path.is_symlink() and path.is_file()
+
+
 def _sha(path: Path) -> str | None:
-    if path.is_symlink() or not path.is_file():
+    if not _regular(path):
         return None
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

@@ -14,7 +14,7 @@ from rich.text import Text
 from gcbench.report.cells import Grid, fit_grids, largest_fit_grid, prediction_grid, results_grid
 from gcbench.results.frame import FAILED, given
 from gcbench.report.run_table import cpu_name
-from gcbench.text import fits, markup, plain
+from gcbench.text import fits, markup, option_lines, plain
 from gcbench.units import plural
 
 if TYPE_CHECKING:
@@ -86,16 +86,10 @@ def _rich_table(grid: Grid, shown: list[int], compact: bool = False, title: str 
         table.add_column(markup(header, lines=True), justify="right" if numeric else "left", no_wrap=numeric,
                          overflow="fold", min_width=None if numeric or widest > 16 else max(widest, longest_word))
     for i, row in enumerate(grid.rows):
-        cells = [Text(_lines(plain(row[j])) if j not in grid.numeric else plain(row[j]),
+        cells = [Text(option_lines(plain(row[j]), 16) if j not in grid.numeric else plain(row[j]),
                       style="bold red" if row[j].rstrip("*") in FAILED.values() else "") for j in shown]
         table.add_row(*cells, end_section=i in grid.section_ends and i != len(grid.rows) - 1)
     return table
-
-
-def _lines(label: str) -> str:
-    """A long word of a label (plan:memory=12MiB,allow_offload=false) as a line per option: its column's narrowest
-    is then its longest option, not the whole word, which split whole tables at 80 columns."""
-    return " ".join(word.replace(",", ",\n") if len(word) > 16 else word for word in label.split(" "))
 
 
 def terminal_tables(frame: pd.DataFrame, width: int | None = None) -> list[Table | Group | str]:
