@@ -463,13 +463,31 @@ def test_the_report_shows_the_fit_table_and_the_frontier_figure(tmp_path, fit_fi
         assert im.size[0] > 400
     assert "Throughput at the largest fit vs memory budget" in md
     # a fit's trials are not a grid: the grid figures leave them out (here: nothing else, so not drawn)
-    assert "Largest config that fit" in md  # the sweep's record; the fit trials are not in that table
+    # the sweep's one record ran out of nothing, and the fit trials are not in that table: no "largest" to tell
+    assert "Largest config that fit" not in md
     assert "5 fits of 15 trials" in md
     narrow = subprocess.run([sys.executable, "-m", "gcbench", "report", str(fit_file)], capture_output=True,
                             text=True, env={**os.environ, "COLUMNS": "80"})
     assert narrow.returncode == 0, narrow.stderr
     table = narrow.stdout[narrow.stdout.index("largest batch that fits"):]
     assert "full (best)" in table and max(map(len, narrow.stdout.splitlines())) <= 80
+
+
+def test_a_fit_trial_and_a_run_of_one_config_are_each_their_own_none_baseline(tmp_path, fit_records):
+    # a fit, then its --levers winner (the same config, no fit_id, here 1.2x slower) in one file: neither `none`
+    # row is a ratio to the other, and the report tells them apart
+    path = tmp_path / "fit.jsonl"
+    for r in fit_records:
+        append_record(path, r if "fit_id" in r else {**r, "step_ms_median": r["step_ms_median"] * 1.2})
+    frame = results_frame(load(path))
+    nones = frame[(frame["policy"] == "none") & (frame["batch_size"] == 2)]
+    assert len(nones) == 2 and list(nones["time_x"]) == [1.0, 1.0] and list(nones["peak_x_none"]) == [1.0, 1.0]
+    result = runner.invoke(app, ["report", str(path), "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    md = (tmp_path / "report" / "report.md").read_text()
+    # marked where a table mixes the two (the 8 MiB one), not in the 16 MiB one of trials only
+    assert "| 32 | 2 | none (fit) | ok |" in md and "| 32 | 2 | none | ok |" in md and "| 32 | 4 | none | ok |" in md
+    assert "(fit) = a trial of a `gcbench fit` search" in md
 
 
 def test_a_report_without_fits_has_no_fit_table_or_figure(tmp_path):

@@ -380,6 +380,14 @@ def test_narrow_terminal_keeps_the_essential_columns_whole(tmp_path, records, mo
         assert needed in result.stdout
 
 
+def test_each_key_of_the_results_tables_is_said_once_per_device_in_a_terminal(tmp_path, results):
+    # two setups (the OOM ran under a memory cap): the terminal defines the columns once, the report under each
+    out = runner.invoke(app, ["report", str(results), "--out", str(tmp_path / "report")]).output
+    key = "peak = tracked live-tensor peak (CPU); peak in = the phase"
+    assert out.count(key) == 1 and out.count("Other keys as under the tables above.") == 1
+    assert (tmp_path / "report" / "report.md").read_text().count(key) == 2
+
+
 def test_terminal_tables_come_without_matplotlib():
     """`gcbench run` and `gcbench sweep` print tables; only a written report draws figures. (Which modules the
     readers may import at all: tests/test_layout.py.)"""

@@ -37,6 +37,7 @@ class Grid:
     optional: list[int] = field(default_factory=list)  # columns a narrow terminal leaves out, least useful first
     spare: list[int] = field(default_factory=list)  # then left out of the compact table, before it is split
     keys: int = 1  # leading columns that name a row: each part of a table split for a narrow terminal repeats them
+    notes: list[str] = field(default_factory=list)  # the caption's keys, where a terminal says each once per device
 
 
 def results_grid(part: pd.DataFrame) -> Grid:
@@ -67,12 +68,13 @@ def results_grid(part: pd.DataFrame) -> Grid:
         return time_ratio_text(r["time_x"], r["time_x_vs"], r["ratio_trusted"],
                                unpaired=mixed and not r["time_x_paired"])
 
+    labels, marked = policy_labels(part)
     rows, ends = [], set()
     records = part.to_dict("records")
     for i, r in enumerate(records):
         ok = r["status"] == "ok"
         status = FAILED.get(r["status"], r["status"]) + ("*" if r.get("oom_predicted") is True else "")
-        row = [str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], status,
+        row = [str(r["seq_len"]), str(r["batch_size"]), labels.iloc[i], status,
                size(r["peak_bytes"]), PHASE_SHORT.get(r["peak_phase"], "-") if ok else "-",
                ratio(r["peak_x_none"], r), size(r["activation_peak_bytes"]),
                (("" if r["timing_trusted"] else "~") + f"{r['step_ms_median']:,.1f}")
@@ -89,29 +91,43 @@ def results_grid(part: pd.DataFrame) -> Grid:
         nxt = records[i + 1] if i + 1 < len(records) else None
         if nxt is None or (nxt["seq_len"], nxt["batch_size"]) != (r["seq_len"], r["batch_size"]):
             ends.add(i)
-    caption = (f"peak = {part['peak_label'].iloc[0]}; peak in = the phase that reached it (fwd, bwd, opt: "
-               f"the optimizer step, which checkpointing cannot lower); act. = activations, the fwd+bwd peak above "
-               f"model state; "
-               f"step ms = median step time; IQR = spread of the measured step times; "
-               f"x none = ratio to the `none` policy at the same seq and batch; FLOPs include recompute. "
-               + time_caption(part))
+    notes = [f"peak = {part['peak_label'].iloc[0]}; peak in = the phase that reached it (fwd, bwd, opt: the "
+             "optimizer step, which checkpointing cannot lower); act. = activations, the fwd+bwd peak above model "
+             "state; step ms = median step time; IQR = spread of the measured step times; x none = ratio to the "
+             "`none` policy at the same seq and batch; FLOPs include recompute.", *time_notes(part)]
     if ((part["status"] == "ok") & ~part["has_baseline"]).any():
-        caption += (" n/a: no successful `none` run at that seq and batch, so the ratio is unavailable "
-                    "(absolute numbers shown).")
+        notes.append("n/a: no successful `none` run at that seq and batch, so the ratio is unavailable (absolute "
+                     "numbers shown).")
     if predicted:
-        caption += " prediction error = predicted / measured peak - 1."
+        notes.append("prediction error = predicted / measured peak - 1.")
     if "oom_predicted" in part and (part["oom_predicted"] == True).any():  # noqa: E712 - NaN where absent
-        caption += (" OOM* = not run: its model state or predicted peak was past the memory (the record's `error` "
-                    "says which).")
+        notes.append("OOM* = not run: its model state or predicted peak was past the memory (the record's `error` "
+                     "says which).")
     if planned:
-        caption += " plan mix = blocks of each kind the plan chose for that shape."
+        notes.append("plan mix = blocks of each kind the plan chose for that shape.")
+    if marked:
+        notes.append(FIT_CAPTION.strip())
     optional = [headers.index(h) for h in ("plan mix", "IQR ms", f"predicted peak {unit}", "tokens/s",
                                            "prediction error", "recompute FLOPs") if h in headers]
     text = {headers.index(h) for h in ("peak in", "plan mix") if h in headers}
-    return Grid(headers, rows, title=part["setup"].iloc[0], caption=caption,
+    return Grid(headers, rows, title=part["setup"].iloc[0], caption=" ".join(notes), notes=notes,
                 numeric=set(range(4, len(headers))) - text | {0, 1}, section_ends=ends,
                 optional=optional, spare=[headers.index("peak in"), headers.index(f"act. {unit}")], keys=3)
 
+
+
+FIT_MARK = " (fit)"  # a fit's trial, in a results table that also holds runs of the same setup
+FIT_CAPTION = (f" {FIT_MARK.strip()} = a trial of a `gcbench fit` search (its answer is in the fit table); the other "
+               "rows are runs and sweeps.")
+
+
+def policy_labels(part: pd.DataFrame) -> tuple[pd.Series, bool]:
+    """Each row's policy as a table shows it, and whether any is marked: where a fit's trials sit beside runs of
+    the same setup (a fit, then its --levers winner, in one file), each trial's ends in FIT_MARK, so that two
+    records of one config are told apart."""
+    trials = part["fit_id"].notna()
+    marked = bool(trials.any() and not trials.all())
+    return part["policy_label"].where(~(trials & marked), part["policy_label"] + FIT_MARK), marked
 
 
 OTHER_BASELINE = "†"  # a time ratio relative to another policy than none (none did not fit)
@@ -123,18 +139,18 @@ def time_ratio_text(ratio: float, vs: str, trusted: bool, unpaired: bool = False
             + (" u" if unpaired else ""))
 
 
-def time_caption(part: pd.DataFrame) -> str:
-    """What the time columns mean for these rows: paired or not, and why a `~` marks a number."""
+def time_notes(part: pd.DataFrame) -> list[str]:
+    """What the time columns mean for these rows, a note each: paired or not, and why a `~` marks a number."""
     ok = part[part["status"] == "ok"]
     paired = ok["time_x_paired"].any()
-    text = ("time x none: paired, the median of per-round ratios of steps run interleaved in one process. "
-            if paired else "time x none: the ratio of two separate runs' median step times (not paired). ")
+    notes = ["time x none: paired, the median of per-round ratios of steps run interleaved in one process."
+             if paired else "time x none: the ratio of two separate runs' median step times (not paired)."]
     if (ok["time_x_vs"].notna() & (ok["time_x_vs"] != "none")).any():
-        text += (f"{OTHER_BASELINE} = where none did not fit: relative to the cheapest policy that ran, the one at "
-                 f"1.00x{OTHER_BASELINE} (each record's time_ratio_vs names it). ")
+        notes.append(f"{OTHER_BASELINE} = where none did not fit: relative to the cheapest policy that ran, the one "
+                     f"at 1.00x{OTHER_BASELINE} (each record's time_ratio_vs names it).")
     if paired and not ok["time_x_paired"].all():
-        text += ("u = not paired (the ratio of two runs' medians; the record's paired_error says why, e.g. a "
-                 "compiling policy). ")
+        notes.append("u = not paired (the ratio of two runs' medians; the record's paired_error says why, e.g. a "
+                     "compiling policy).")
     untrusted = ok[~ok["timing_trusted"]]
     if len(untrusted):
         kinds: dict[str, int] = {}
@@ -142,21 +158,23 @@ def time_caption(part: pd.DataFrame) -> str:
             for kind in note_kinds(record):
                 kinds[kind] = kinds.get(kind, 0) + 1
         why = ", ".join(f"{k} ({n})" for k, n in kinds.items())
-        text += (f"~step ms = timing not trusted ({len(untrusted)} of {len(ok)} configs: {why}; each record's "
-                 "timing_notes says why). ")
+        notes.append(f"~step ms = timing not trusted ({len(untrusted)} of {len(ok)} configs: {why}; each record's "
+                     "timing_notes says why).")
     if (~ok["ratio_trusted"] & ok["time_x"].notna()).any():
-        text += ("~ratio = not trusted: a paired ratio whose 95% interval is wider than +-10%, or an unpaired one "
-                 "with a timing not trusted.")
-    return text.strip()
+        notes.append("~ratio = not trusted: a paired ratio whose 95% interval is wider than +-10%, or an unpaired "
+                     "one with a timing not trusted.")
+    return notes
 
 
 def largest_fit_grid(dev: pd.DataFrame) -> Grid | None:
     """Per setup and policy: the largest config (most tokens per step) that ran, and the smallest that did not fit,
-    among the records of runs and sweeps (a fit's trials have their own table); None when there are none."""
+    among the records of runs and sweeps (a fit's trials have their own table); None when none of them ran out of
+    memory (then "largest" would only mean "largest in the grid"). One setup is named in the title."""
     dev = without_fit_trials(dev)
-    if dev.empty:
+    if not (dev["status"] == "oom").any():
         return None
     scale, unit = byte_unit(dev["peak_bytes"].max())
+    one = dev["setup"].nunique() == 1
     rows, shown_setup = [], None
     for (setup, policy), g in sorted(dev.groupby(["setup", "policy_label"]), key=lambda kv: (kv[0][0],
                                                                                              policy_rank(kv[0][1]))):
@@ -173,9 +191,15 @@ def largest_fit_grid(dev: pd.DataFrame) -> Grid | None:
             f"{len(ok)} / {len(g)}",
         ])
         shown_setup = setup  # each setup named once, on its first row
-    return Grid(["setup", "policy", "largest config that fit", f"its peak {unit}", "smallest OOM", "ran ok"], rows,
-                caption="Among the configs tried (tokens per step = seq x batch).", numeric={3, 5}, optional=[5],
-                keys=2)
+    headers = ["setup", "policy", "largest config that fit", f"its peak {unit}", "smallest OOM", "ran ok"]
+    title = "largest config that fit, per policy"
+    if one:  # its name in the title: a column repeated in each part of a table split for a narrow terminal
+        return Grid(headers[1:], [row[1:] for row in rows], title=f"{title} · {dev['setup'].iloc[0]}",
+                    caption=LARGEST_CAPTION, numeric={2, 4}, optional=[4], keys=1)
+    return Grid(headers, rows, title=title, caption=LARGEST_CAPTION, numeric={3, 5}, optional=[5], keys=2)
+
+
+LARGEST_CAPTION = "Among the configs tried (tokens per step = seq x batch)."
 
 
 def fit_grids(dev: pd.DataFrame) -> list[Grid]:
@@ -254,7 +278,8 @@ def prediction_grid(part: pd.DataFrame) -> Grid | None:
     scale, unit = byte_unit(ok["peak_bytes"].max())
     errors = {m: ok[f"predicted_peak_bytes_{m}"] / ok["peak_bytes"] - 1 for m in methods}
     pct = lambda v: fmt_change(v) if given(v) else "-"  # noqa: E731
-    rows = [[str(r["seq_len"]), str(r["batch_size"]), r["policy_label"], f"{r['peak_bytes'] / scale:,.2f}",
+    labels, marked = policy_labels(ok)
+    rows = [[str(r["seq_len"]), str(r["batch_size"]), labels[i], f"{r['peak_bytes'] / scale:,.2f}",
              *(pct(errors[m][i]) if asked[m][i] else "off" for m in methods)] for i, r in ok.iterrows()]
     for label, stat in (("median |error|", "median"), ("worst |error|", "max")):
         rows.append(["", "", label, "", *(f"{getattr(errors[m].abs(), stat)():.1%}" if errors[m].notna().any()
@@ -270,7 +295,8 @@ def prediction_grid(part: pd.DataFrame) -> Grid | None:
                         + (f" No {', '.join(missing)} column: these runs did not ask for the simulation (--predict "
                            "on adds it)." if missing else "")
                         + (" Sharded: both per rank, measured = the rank that peaked highest (docs/scale.md)."
-                           if "shard" in part and (part["shard"] == "fsdp2").any() else ""),
+                           if "shard" in part and (part["shard"] == "fsdp2").any() else "")
+                        + (FIT_CAPTION if marked else ""),
                 numeric={0, 1, *range(3, 4 + len(methods))}, section_ends={len(rows) - 3}, keys=3)
 
 

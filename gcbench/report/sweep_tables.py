@@ -178,7 +178,4 @@ def largest_fit_table(records: list[dict[str, Any]], width: int | None = None) -
     # The same frame `gcbench report` builds from a results file (results.load adds policy_label and source).
     rows = [{**r, "policy_label": policy_label(r), "source": "sweep"} for r in records]
     grid = largest_fit_grid(results_frame(pd.json_normalize(rows, max_level=1)))
-    if grid is None:
-        return None
-    grid.title = "largest config that fit, per policy"
-    return rich_table(grid, width)
+    return None if grid is None else rich_table(grid, width)

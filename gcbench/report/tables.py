@@ -4,6 +4,7 @@ columns on a narrow terminal. One run's table (`gcbench run`) is run_table.py: i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -100,10 +101,15 @@ def terminal_tables(frame: pd.DataFrame, width: int | None = None) -> list[Table
         models = " / ".join(cpu_name(m) for m in dict.fromkeys(dev["env.cpu_model"]) if given(m))
         out.append(f"[bold]{markup(dev_label)}[/]{f' ({models})' if models else ''} — {plural(len(dev), 'config')}; "
                    f"peak memory = {markup(dev['peak_label'].iloc[0])}")
+        said: set[str] = set()  # each results table's key said once per device, under the first that needs it
         for _, part in dev.groupby("setup", sort=False):
-            out.append(rich_table(results_grid(part), width))
+            grid = results_grid(part)
+            new = [n for n in grid.notes if n not in said]
+            said.update(new)
+            if len(new) < len(grid.notes):
+                grid = replace(grid, caption=" ".join([*new, "Other keys as under the tables above."]))
+            out.append(rich_table(grid, width))
         if (largest := largest_fit_grid(dev)) is not None:
-            largest.title = "largest config that fit, per policy"
             out.append(rich_table(largest, width))
         out += [rich_table(grid, width) for grid in fit_grids(dev)]
         for _, part in dev.groupby("setup", sort=False):

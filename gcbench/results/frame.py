@@ -123,14 +123,26 @@ def _time_ratios(frame: pd.DataFrame) -> pd.DataFrame:
     frame["time_x_vs"] = frame["time_ratio_vs"].where(paired, frame["has_baseline"].map({True: "none",
                                                                                         False: None}))
     frame["time_x_paired"] = paired
-    frame["timing_trusted"] = frame["timing_stable"].map(lambda v: not (given(v) and not v)).astype(bool)
-    trusted_none = latest_per_group(frame[(frame["policy"] == "none") & (frame["status"] == "ok")]) \
-        .set_index(GROUP_KEYS)["timing_trusted"]
-    none_ok = frame.join(trusted_none.rename("_none_trusted"), on=GROUP_KEYS)["_none_trusted"]
     frame["ratio_trusted"] = [
-        paired_ratio_trusted(ratio, ci) if is_paired else (bool(own) and none_ok_ == True)  # noqa: E712
-        for is_paired, ci, ratio, own, none_ok_ in zip(paired, frame["time_ratio_ci"], frame["time_x"],
-                                                      frame["timing_trusted"], none_ok)]
+        paired_ratio_trusted(ratio, ci) if is_paired else (bool(own) and none_ok == True)  # noqa: E712
+        for is_paired, ci, ratio, own, none_ok in zip(paired, frame["time_ratio_ci"], frame["time_x"],
+                                                     frame["timing_trusted"], frame["timing_trusted_none"])]
+    return frame
+
+
+def _baselines(frame: pd.DataFrame) -> pd.DataFrame:
+    """Each row's `none` at its config (peak, median step, whether that timing is trusted): the one of its own
+    search (`_search`: its fit, or none), else the latest of any. So a `none` row is its own baseline (1.00x), though
+    a fit's trial and a run of the same config sit side by side (a fit, then its --levers winner, in one file)."""
+    columns = ["peak_bytes", "step_ms_median", "timing_trusted"]
+    ok_none = frame[(frame["policy"] == "none") & (frame["status"] == "ok")]
+    own = frame.join(ok_none.drop_duplicates([*GROUP_KEYS, "_search"], keep="last")
+                     .set_index([*GROUP_KEYS, "_search"])[columns].add_suffix("_none"), on=[*GROUP_KEYS, "_search"])
+    other = frame.join(latest_per_group(ok_none).set_index(GROUP_KEYS)[columns].add_suffix("_none"), on=GROUP_KEYS)
+    mine = own["peak_bytes_none"].notna()
+    for name in (f"{c}_none" for c in columns):
+        frame[name] = own[name].where(mine, other[name])
+    frame["has_baseline"] = frame["peak_bytes_none"].notna()
     return frame
 
 
@@ -171,10 +183,8 @@ def results_frame(df: pd.DataFrame) -> pd.DataFrame:
     # A fit's winners are timed paired at different sizes: their time ratios are not `x none` ratios.
     frame.loc[frame["fit_id"].notna(), ["time_ratio", "time_ratio_ci", "time_ratio_vs"]] = None
 
-    ok_none = latest_per_group(frame[(frame["policy"] == "none") & (frame["status"] == "ok")])
-    baseline = ok_none.set_index(GROUP_KEYS)[["peak_bytes", "step_ms_median"]].add_suffix("_none")
-    frame = frame.join(baseline, on=GROUP_KEYS)
-    frame["has_baseline"] = frame["peak_bytes_none"].notna()
+    frame["timing_trusted"] = frame["timing_stable"].map(lambda v: not (given(v) and not v)).astype(bool)
+    frame = _baselines(frame.assign(_search=search)).drop(columns="_search")
     frame["peak_x_none"] = frame["peak_bytes"] / frame["peak_bytes_none"]
     frame["step_x_none"] = frame["step_ms_median"] / frame["step_ms_median_none"]
     frame = _time_ratios(frame)
