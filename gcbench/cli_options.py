@@ -13,8 +13,8 @@ from typing import Annotated, Any, get_type_hints
 
 import typer
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.live import Live
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, RUN_FIELDS
@@ -187,26 +187,29 @@ class PredictionBar:
 
     def __init__(self, err_console: Console, what: str):
         self.console, self.what = err_console, what
-        self._bar: Progress | None = None
+        self._shown: tuple[Progress, Progress, Live | None] | None = None
         self._lock = threading.Lock()
 
     def __enter__(self) -> PredictionBar:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+        if self._shown is not None and self._shown[2] is not None:
+            self._shown[2].stop()
 
     def __call__(self, done: int, total: int, what: str) -> None:
+        from gcbench.sweeps.progress import bar_with_lines
+
         with self._lock:
-            if self._bar is None:
-                self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                                     console=self.console, transient=True, disable=not self.console.is_terminal)
-                self._bar.start()
-                self._bar.add_task(self.what, total=total)
-            self._bar.update(self._bar.task_ids[0], completed=done, total=total,
-                             description=plain(f"{self.what} {what}"))
+            if self._shown is None:  # the bar, then what is predicted now on a line under it
+                self._shown = bar_with_lines(self.console, self.console.is_terminal)
+                if self._shown[2] is not None:
+                    self._shown[2].start()
+                self._shown[0].add_task("", total=total)
+                self._shown[1].add_task("")
+            bar, line, _ = self._shown
+            bar.update(bar.task_ids[0], completed=done, total=total)
+            line.update(line.task_ids[0], description=plain(f"{self.what} {what}"))
 
 
 # A plan across levers (fits/levers.py, docs/levers.md): an option of `fit` and of `estimate --fit`.

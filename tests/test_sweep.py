@@ -545,3 +545,18 @@ def test_a_switch_that_changes_no_config_takes_one_value(tmp_path):
                                  "--predict", "on,off", "--dry-run", "--out", str(out)])
     assert result.exit_code == 2 and not out.exists()
     assert "--predict takes one value here: it does not change the config, which would be run twice" in result.output
+
+
+def test_a_finished_line_never_parts_a_number_from_its_unit_at_80_columns():
+    from rich.console import Console
+
+    from gcbench.sweeps.progress import _finished_line
+
+    record = {"status": "ok", "model": "tiny-llama", "seq_len": 64, "batch_size": 2, "policy": "full",
+              "step_ms_median": 12.34, "peak_tracked_bytes": 9_000_000, "device": "cpu"}
+    for extra, lines in (({}, 1), ({"adapter": "lora:r=8", "loss": "chunked"}, 2)):
+        console = Console(width=80, record=True)
+        console.print(_finished_line({**record, **extra}, (), console.width), highlight=False)
+        shown = console.export_text().splitlines()
+        assert len(shown) == lines and shown[-1].endswith("12.3 ms/step, peak 8.58 MiB")  # whole, on one line
+        assert max(map(len, shown)) <= 80

@@ -11,13 +11,32 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Column
+from rich.text import Text
 
 from gcbench.results.schema import STATUSES, Status, config_label, peak_bytes
 from gcbench.resolved import ResolvedRun
 from gcbench.text import markup, plain
 from gcbench.units import fmt_bytes
+
+
+BAR_WIDTH = 20  # columns: the bar's line then fits 80 with its count, times and statuses
+
+
+def bar_with_lines(console: Console | None, live: bool, *more: ProgressColumn) -> tuple[Progress, Progress,
+                                                                                         Live | None]:
+    """A bar's line with what must stay whole (its count, elapsed time, ETA, then `more`: about 60 columns), and
+    under it lines of what runs (a task each), cut short with an ellipsis where the terminal is narrower; shown
+    together by the Live (None where not `live`: a pipe, a log file)."""
+    bar = Progress(SpinnerColumn(), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("eta"), TimeRemainingColumn(), *more, console=console, transient=True,
+                   disable=not live)
+    lines = Progress(TextColumn("  {task.description}", markup=False,
+                                table_column=Column(no_wrap=True, overflow="ellipsis")),
+                     console=console, transient=True, disable=not live)
+    return bar, lines, Live(Group(bar, lines), console=console, transient=True) if live else None
 
 
 class SweepProgress:
@@ -30,15 +49,9 @@ class SweepProgress:
         self._labels: dict[int, str] = {}  # slot -> the config it runs now
         self._lock = threading.Lock()
         live = console is not None and console.is_terminal  # the bar only on a terminal; a pipe gets the lines
-        self._bar = Progress(
-            SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[counts]}"),
-            console=console, transient=True, disable=not live)
-        # Configs side by side (--devices, --jobs): under the bar, a line per GPU or core set with what it runs.
+        self._bar, self._lines, self._live = bar_with_lines(console, live, TextColumn("{task.fields[counts]}"))
+        # Configs side by side (--devices, --jobs): a line per GPU or core set with what it runs.
         self._slot_names = list(slots) if len(slots) > 1 else []
-        self._lines = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), console=console,
-                               transient=True, disable=not live)
-        self._live = Live(Group(self._bar, self._lines), console=console, transient=True) if live else None
 
     def __enter__(self) -> SweepProgress:
         if self.console is not None and self.resumed:
@@ -46,9 +59,9 @@ class SweepProgress:
                                f"{self.total} to run (--rerun runs all)")
         if self._live is not None:
             self._live.__enter__()
-        what = f"{len(self._slot_names)} slots" if self._slot_names else "starting"
-        self._task = self._bar.add_task(what, total=self.total, counts=self._counts_text())
-        self._slot_tasks = [self._lines.add_task(f"{name} · waiting") for name in self._slot_names]
+        self._task = self._bar.add_task("", total=self.total, counts=self._counts_text())
+        self._slot_tasks = [self._lines.add_task(f"{name} · waiting") for name in self._slot_names] \
+            or [self._lines.add_task("starting")]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -56,14 +69,13 @@ class SweepProgress:
             self._live.__exit__(*exc)
 
     def _counts_text(self) -> str:
-        return " · ".join(f"{s} {self.counts[s]}" for s in STATUSES)
+        """Configs per status: ok always, the others once one has it."""
+        return " · ".join(f"{s} {self.counts[s]}" for s in STATUSES if s == Status.OK or self.counts[s])
 
     def _show(self, slot: int, text: str) -> None:
         text = plain(text)  # model names and paths from configs (the columns take no markup)
-        if self._slot_names:
-            self._lines.update(self._slot_tasks[slot], description=f"{self._slot_names[slot]} · {text}")
-        else:
-            self._bar.update(self._task, description=text)
+        where = f"{self._slot_names[slot]} · " if self._slot_names else ""
+        self._lines.update(self._slot_tasks[slot if self._slot_names else 0], description=where + text)
 
     def started(self, spec: ResolvedRun, slot: int = 0) -> None:
         self._labels[slot] = config_label(spec.as_record())
@@ -101,18 +113,22 @@ class SweepProgress:
             counts = self._counts_text()
         self._bar.update(self._task, advance=1, counts=counts)
         if self.console is not None:
-            self.console.print(_finished_line(record, self._slot_names), highlight=False)
+            self.console.print(_finished_line(record, self._slot_names, self.console.width), highlight=False)
 
 
 _STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "red", "error": "bold red"}
 
 
-def _finished_line(record: dict[str, Any], slots: Sequence[str] = ()) -> str:
+def _finished_line(record: dict[str, Any], slots: Sequence[str] = (), width: int | None = None) -> str:
+    """A finished config's line (rich markup). Where its measurements do not fit after the label within `width`,
+    they go on a line of their own, indented: a wrap never parts a number from its unit."""
     status = record["status"]
     where = f"{record['device_slot']}: " if slots and record.get("device_slot") else ""
     line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {markup(where)}{markup(config_label(record))}"
     if status == Status.OK:
-        line += f"  {record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(peak_bytes(record))}"
+        measured = f"{record['step_ms_median']:.1f} ms/step, peak {fmt_bytes(peak_bytes(record))}"
+        fits = width is None or Text.from_markup(line).cell_len + 2 + len(measured) <= width
+        line += ("  " if fits else "\n" + " " * 8) + measured
     elif record.get("error"):
         line += f"  [dim]{markup(textwrap.shorten(str(record['error']), 120, placeholder=' ...'))}[/]"
     return line
