@@ -360,7 +360,7 @@ def estimate(
             results = estimate_grid({k: v for k, v in grid.items() if k in ESTIMATE_AXES}, methods, device, bar,
                                     memory, card=gpu_entry(gpu) if gpu else None, timed=gpu is not None, **one)
     rows = estimate_rows(results, memory, gpu, device)
-    _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width), piped_width=140)
+    _print_rows(rows, output_format, lambda: estimate_table(rows, memory, console.width, gpu), piped_width=140)
 
 
 def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | None, vary: str, headroom: str,

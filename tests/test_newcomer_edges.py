@@ -87,6 +87,15 @@ def test_an_estimate_table_at_80_columns_tells_every_row_apart(models, optimizer
         assert "m = the method: a(nalytic), s(imulate)" in " ".join(text.split())
 
 
+def test_an_estimate_fits_caption_says_whose_memory_it_is():
+    # --gpu NAME: what the card leaves usable; --gpu-memory: the number as given (it named "the card" with no card)
+    rows = [_estimate_row("tiny-llama", "adamw", method) for method in ("analytic", "simulate")]
+    named = " ".join(_text(estimate_table(rows, 24 * 2**30, width=None, card="rtx4090-24gb")).split())
+    given = " ".join(_text(estimate_table(rows, 24 * 2**30, width=None)).split())
+    assert "within 24.00 GiB, rtx4090-24gb less its context and those workspaces" in named
+    assert "within 24.00 GiB, --gpu-memory as given" in given and "the card" not in given
+
+
 def test_compare_lists_the_specs_only_in_one_side_within_80_columns(tmp_path, monkeypatch):
     """Labels of 81-82 characters (model, levers, seq, batch, policy, the CPU and its threads) wrapped by the
     terminal restarted at the margin: broken after a ' · ' instead, the later lines indented (issue 48)."""

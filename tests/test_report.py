@@ -388,6 +388,23 @@ def test_each_key_of_the_results_tables_is_said_once_per_device_in_a_terminal(tm
     assert (tmp_path / "report" / "report.md").read_text().count(key) == 2
 
 
+def test_compiled_cpu_runs_without_a_peak_draw_no_empty_panel(tmp_path, records):
+    # a compiled block on CPU has no tracked peak and no FLOP count (run_table.UNTRACKED): the peak figures say
+    # why they are not drawn, figure 3 draws the time bars alone, the table says what its "-" means
+    from gcbench.runner import TRACKED_PEAK_FIELDS
+
+    compiled = [{**{k: v for k, v in r.items() if k not in TRACKED_PEAK_FIELDS and "flops" not in k},
+                 "compile": "blocks"} for r in records if r["status"] == "ok"]
+    out = runner.invoke(app, ["report", str(write(tmp_path / "c.jsonl", compiled)), "--out", str(tmp_path / "r")])
+    assert out.exit_code == 0, out.output
+    md = (tmp_path / "r" / "report.md").read_text()
+    for figure in ("Peak memory vs sequence length", "Step time vs peak memory", "Memory breakdown"):
+        assert f"*{figure}" in md and "no run here has a peak (4 successful runs without a peak" in md
+    assert sorted(p.name for p in (tmp_path / "r" / "figures").glob("*.png")) == ["3-relative-cost.png",
+                                                                                  "5-throughput-vs-batch.png"]
+    assert "peak - on a run that ran ok: not measured" in md
+
+
 def test_terminal_tables_come_without_matplotlib():
     """`gcbench run` and `gcbench sweep` print tables; only a written report draws figures. (Which modules the
     readers may import at all: tests/test_layout.py.)"""

@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from gcbench.report.run_table import UNTRACKED
 from gcbench.results.frame import FAILED, SIZE_WORDS, as_int, fit_summary, given, policy_rank, without_fit_trials
 from gcbench.results.schema import PHASE_SHORT, note_kinds
 from gcbench.units import byte_unit, fmt_bytes, fmt_change, plural
@@ -56,7 +57,7 @@ def results_grid(part: pd.DataFrame) -> Grid:
     def ratio(v: Any, r: dict) -> str:
         if r["status"] != "ok":
             return "-"
-        return f"{v:.2f}x" if given(v) else "n/a"
+        return f"{v:.2f}x" if given(v) else "-" if r["has_baseline"] else "n/a"  # -: a peak not measured
 
     mixed = part["time_x_paired"].any() and not part.loc[part["status"] == "ok", "time_x_paired"].all()
 
@@ -95,6 +96,8 @@ def results_grid(part: pd.DataFrame) -> Grid:
              "optimizer step, which checkpointing cannot lower); act. = activations, the fwd+bwd peak above model "
              "state; step ms = median step time; IQR = spread of the measured step times; x none = ratio to the "
              "`none` policy at the same seq and batch; FLOPs include recompute.", *time_notes(part)]
+    if ((part["status"] == "ok") & part["peak_bytes"].isna()).any():
+        notes.append(f"peak - on a run that ran ok: not measured ({UNTRACKED}).")
     if ((part["status"] == "ok") & ~part["has_baseline"]).any():
         notes.append("n/a: no successful `none` run at that seq and batch, so the ratio is unavailable (absolute "
                      "numbers shown).")

@@ -31,7 +31,8 @@ class _Column:
     cells: list[str]
 
 
-def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, width: int | None = None) -> Table:
+def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, width: int | None = None,
+                   card: str | None = None) -> Table:
     """The table `gcbench estimate` prints: one row per config and method (rows are Estimate.as_record()s: `policy`
     the name with `policy_options` beside it, or, from older code, the whole label in `policy`; a cell no method
     could predict has `peak_bytes` None and why in `not_available`). Byte columns share one unit, chosen for the
@@ -80,7 +81,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
                     "(results/gpu/, benchmarks/published/; -: none measured)"}
     notes = ["; ".join([f"sizes in {unit}", *(text for header, text in words.items() if header in shown)]
                        + (["sharded rows: per rank (docs/scale.md)"] if sharded else [])
-                       + ([_fits_note(rows, memory_bytes)] if memory_bytes else []))]
+                       + ([_fits_note(rows, memory_bytes, card)] if memory_bytes else []))]
     if "err" not in shown and (banded := [r for r in predicted_rows if r.get(f"{PEAK_PREFIX}_configs")]):
         notes.append(peak_band_note(banded, len(predicted_rows)))  # the err column left out: its range
     notes += _time_notes(rows, shown)
@@ -145,15 +146,16 @@ def _fits(row: dict[str, Any], memory_bytes: int) -> bool | None:
     return None if row["peak_bytes"] is None else row["peak_bytes"] <= memory_bytes
 
 
-def _fits_note(rows: list[dict[str, Any]], memory_bytes: int) -> str:
+def _fits_note(rows: list[dict[str, Any]], memory_bytes: int, card: str | None) -> str:
     """What the fits column compares: the peak with the memory, or, where the caching allocator was replayed on
-    the card, whether cudaMalloc would run out (the reserved column: max_memory_reserved; past: it runs out)."""
+    the card, whether cudaMalloc would run out (the reserved column: max_memory_reserved; past: it runs out).
+    `card`: the --gpu the memory is what it leaves usable of; None: --gpu-memory, as given."""
     if not any(r.get("runs_out") is not None for r in rows):
         return f"fits = peak <= {fmt_bytes(memory_bytes)}"
+    whose = f"{card} less its context and those workspaces" if card else "--gpu-memory as given"
     return (f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the step, its cuBLAS "
-            f"workspaces included (simulate rows); fits = the step's own tensors stay within "
-            f"{fmt_bytes(memory_bytes)}, the card less its context and those workspaces (past: the allocator runs "
-            f"out there), else peak <= it")
+            f"workspaces included (simulate rows{'' if card else ', as on Hopper'}); fits = the step's own tensors "
+            f"stay within {fmt_bytes(memory_bytes)}, {whose} (past: the allocator runs out there), else peak <= it")
 
 
 def _table(title: str, caption: str, columns: list[_Column]) -> Table:

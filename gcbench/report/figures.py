@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from gcbench.report.figure_layout import (CROWDED, OOM_MARK, STYLE, UNTRUSTED_LA
                                           panel_figure, panel_title, policy_colors, policy_ticks)
 from gcbench.report.fit_figures import fit_frontier
 from gcbench.report.prediction_figure import predicted_vs_measured, predicted_vs_measured_time
+from gcbench.report.run_table import UNTRACKED
 from gcbench.results.frame import given, policy_rank, without_fit_trials
-from gcbench.units import byte_unit, fmt_bytes
+from gcbench.units import byte_unit, fmt_bytes, plural
 
 PNG_DPI = 90  # modest: the figures are embedded in report.html
 PHASE_WORDS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
@@ -151,6 +153,10 @@ def time_vs_peak(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                     else "") + note + same.caption())
 
 
+def _pct(fraction: Any) -> float | None:
+    return fraction * 100 if given(fraction) else None
+
+
 def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     panels = []
     for setup, rows in sorted(dev.groupby("setup"), key=lambda kv: kv[0]):
@@ -166,9 +172,10 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
     ok = dev[dev["status"] == "ok"]
     paired = ok["time_x_paired"].all() if len(ok) else False
     how = "paired" if paired else "unpaired" if not ok["time_x_paired"].any() else "paired where marked"
-    bars = [("peak memory saved", "#55a868", lambda r: (1 - r["peak_x_none"]) * 100),
-            (f"step time added ({how})", "#dd8452", lambda r: (r["time_x"] - 1) * 100),
-            ("FLOPs added by recompute", "#8c8c8c", lambda r: r["recompute_flops_ratio"] * 100)]
+    # Each bar's value, None where the record lacks it (a compiled CPU run has no peak and no FLOP count): no bar.
+    bars = [("peak memory saved", "#55a868", lambda r: _pct(1 - r["peak_x_none"]) if given(r["peak_x_none"]) else None),
+            (f"step time added ({how})", "#dd8452", lambda r: _pct(r["time_x"] - 1) if given(r["time_x"]) else None),
+            ("FLOPs added by recompute", "#8c8c8c", lambda r: _pct(r["recompute_flops_ratio"]))]
     untrusted_seen = False
     for ax, (setup, (seq, batch), g) in zip(axes, panels):
         g = g.assign(_rank=g["policy_label"].map(policy_rank)).sort_values("_rank")
@@ -178,10 +185,12 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
             xs, ys, records = [], [], []
             for i, r in enumerate(g.to_dict("records")):
                 # A time ratio against another baseline than none would be a different bar: left out.
-                if r["status"] == "ok" and (j != 1 or r["time_x_vs"] == "none"):
+                if r["status"] == "ok" and (j != 1 or r["time_x_vs"] == "none") and value(r) is not None:
                     xs.append(i + (j - 1) * width)
                     ys.append(value(r))
                     records.append(r)
+            if not xs:  # no record has this value (a compiled CPU run's peak): no bar, no legend entry
+                continue
             yerr = _ratio_errors(records) if j == 1 else None
             drawn = ax.bar(xs, ys, width, color=color, label=label, hatch="//" if j == 2 else None,
                            edgecolor="white" if j != 2 else "#555555", linewidth=0.5, yerr=yerr,
@@ -205,6 +214,7 @@ def relative_cost(dev: pd.DataFrame, colors: dict[str, str]) -> Drawn:
                 ax.text(i, 0, FAILED_TEXT.get(r["status"], r["status"]), ha="center", va="bottom", color="#b00020",
                         fontweight="bold")
         ax.axhline(0, color="black", lw=0.8)
+        ax.set_xlim(-0.6, len(policies) - 0.4)  # a policy's three bars keep their width where some are missing
         policy_ticks(ax, policies)
         ax.set_xlabel("checkpoint policy")
         ax.set_ylabel("% of the value under policy none")
@@ -338,6 +348,9 @@ FIGURES: list[tuple[str, str, Callable]] = [
 ]
 # Figures of every record; the others draw grids of runs and sweeps, without a fit's trials (figure 7 has them).
 ALL_RECORDS = {"6-predicted-vs-measured", "7-fit-frontier"}
+# Figures of peaks: a run that has none (compiled blocks on CPU, run_table.UNTRACKED) is left out of them, not drawn
+# as a panel without a line or a bar of model state alone.
+PEAK_FIGURES = {"1-peak-vs-seq", "2-time-vs-peak", "4-memory-breakdown"}
 
 
 def slug(text: str) -> str:
@@ -362,6 +375,14 @@ def write_figures(frame: pd.DataFrame, root: Path, folder: str = "figures") -> d
                 files.append(FigureFile(stem, title, "nothing measured here: only configs not run, or `gcbench fit` "
                                         "trials (figure 7 and the fit table)"))
                 continue
+            unmeasured = (rows["status"] == "ok") & rows["peak_bytes"].isna() if stem in PEAK_FIGURES \
+                else rows["status"].isna()
+            rows = rows[~unmeasured]
+            without = (f"{plural(int(unmeasured.sum()), 'successful run')} without a peak: {UNTRACKED}"
+                       if unmeasured.any() else "")
+            if without and not (rows["status"] == "ok").any():
+                files.append(FigureFile(stem, title, f"no run here has a peak ({without})"))
+                continue
             with mpl.rc_context(STYLE):
                 result = draw(rows, colors)
                 if result is None:
@@ -370,6 +391,7 @@ def write_figures(frame: pd.DataFrame, root: Path, folder: str = "figures") -> d
                     files.append(FigureFile(stem, title, result))
                     continue
                 fig, caption = result
+                caption += f" Left out: {without}." if without else ""
                 png, svg = f"{folder}/{name}.png", f"{folder}/{name}.svg"
                 fig.savefig(root / png, dpi=PNG_DPI, metadata={"Software": None})
                 # The SVG keeps the layout the PNG's draw computed: constrained layout, half of a save's time, once

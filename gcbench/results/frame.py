@@ -134,15 +134,15 @@ def _baselines(frame: pd.DataFrame) -> pd.DataFrame:
     """Each row's `none` at its config (peak, median step, whether that timing is trusted): the one of its own
     search (`_search`: its fit, or none), else the latest of any. So a `none` row is its own baseline (1.00x), though
     a fit's trial and a run of the same config sit side by side (a fit, then its --levers winner, in one file)."""
-    columns = ["peak_bytes", "step_ms_median", "timing_trusted"]
-    ok_none = frame[(frame["policy"] == "none") & (frame["status"] == "ok")]
+    columns = ["peak_bytes", "step_ms_median", "timing_trusted", "found"]  # found: a none run (its peak may lack)
+    ok_none = frame[(frame["policy"] == "none") & (frame["status"] == "ok")].assign(found=True)
     own = frame.join(ok_none.drop_duplicates([*GROUP_KEYS, "_search"], keep="last")
                      .set_index([*GROUP_KEYS, "_search"])[columns].add_suffix("_none"), on=[*GROUP_KEYS, "_search"])
     other = frame.join(latest_per_group(ok_none).set_index(GROUP_KEYS)[columns].add_suffix("_none"), on=GROUP_KEYS)
-    mine = own["peak_bytes_none"].notna()
+    mine = own["found_none"].notna()
     for name in (f"{c}_none" for c in columns):
         frame[name] = own[name].where(mine, other[name])
-    frame["has_baseline"] = frame["peak_bytes_none"].notna()
+    frame["has_baseline"] = frame.pop("found_none").notna()
     return frame
 
 
