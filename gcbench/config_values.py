@@ -1,5 +1,6 @@
 """The values of a config.json that transformers keeps but a training step cannot use, refused before anything is
-built (models.config_from_dict): sizes that are not positive integers, NaN, dropout probabilities outside 0..1.
+built (models.config_from_dict): sizes that are not positive integers, NaN, dropout probabilities outside 0..1,
+a normalisation's epsilon below 0.
 Each is one GcbenchError naming the file, the field and the rule."""
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from gcbench.errors import GcbenchError
 # the step, and stochastic depth and layerdrop draw against it. Names holding "prob" alone are not always one
 # (top_prob_values).
 _PROBABILITY = re.compile(r"dropout|pdrop|layerdrop|droppath|(^|_)drop_(\w+_)?rate$|^mask_(time|feature)_prob$")
+
+
+# A normalisation's epsilon (rms_norm_eps, layer_norm_eps, layer_norm_epsilon, norm_eps, ...): added to a variance
+# before its square root (torch.rsqrt in transformers' RMSNorm, torch/nn/functional.py: layer_norm): below 0 a step
+# takes the root of a negative number where a variance is small, and its loss is NaN; transformers keeps any value.
+_EPSILON = re.compile(r"(^|_)(eps|epsilon)$")
 
 
 def positive_int(value: object) -> bool:
@@ -44,6 +51,8 @@ def check_values(data: dict[str, Any], sizes: Iterable[str], origin: str) -> Non
                 and not (number and 0 <= value <= 1):
             raise GcbenchError(f"{origin}: {where}{key} is a dropout probability: a number from 0 to 1, got "
                                f"{repr(value)[:80]}")
+        if isinstance(key, str) and _EPSILON.search(key) and number and value < 0:  # its type: transformers'
+            raise GcbenchError(f"{origin}: {where}{key} is a normalisation's epsilon: 0 or more, got {value!r}")
 
 
 def _leaves(data: Any, where: str, key: Any = None) -> Iterator[tuple[str, Any, Any]]:

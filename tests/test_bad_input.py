@@ -77,6 +77,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num
     ({"attention_dropout": 1.5}, ["attention_dropout", "dropout probability", "0 to 1", "1.5"]),  # torch's, mid-step
     ({"attention_dropout": "0.1"}, ["attention_dropout", "dropout probability", "'0.1'"]),
     ({"rms_norm_eps": float("nan")}, ["rms_norm_eps", "NaN"]),  # json.dumps writes NaN; Python's reader takes it
+    ({"rms_norm_eps": -1e-06}, ["rms_norm_eps", "epsilon", "0 or more", "-1e-06"]),  # a NaN loss, no error
 ])
 def test_config_json_that_transformers_rejects_is_one_line(tmp_path, no_measuring, fields, words):
     config = tmp_path / "config.json"

@@ -419,6 +419,23 @@ def test_a_table_too_wide_for_its_essential_columns_is_split_not_cropped(tmp_pat
         assert row[grid.headers.index("step ms")] in out and row[grid.headers.index("peak x none")] in out
 
 
+def test_a_split_table_never_has_a_part_of_dashes_alone():
+    from rich.console import Console
+
+    from gcbench.report.cells import Grid
+    from gcbench.report.tables import rich_table
+
+    grid = Grid(["setup", "largest config that fit", "its peak MiB", "smallest OOM"],
+                [["a setup long enough to take half the terminal", "seq 64 x batch 3 (192 tokens)", "11.29", "-"]],
+                numeric={2}, caption="Among the configs tried.")
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(rich_table(grid, 60))
+    out = console.export_text()
+    assert "smallest OOM" not in out.split("Among")[0] and "No value in any row: smallest OOM." in " ".join(
+        out.split())
+    assert "seq 64 x batch 3" in out and "11.29" in out
+
+
 # ------------------------------------------------------------------------------------------- untrusted text
 
 EVIL = "\x1b[31mRED\x1b]0;retitled\x07\x1b[2J"

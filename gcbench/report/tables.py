@@ -45,8 +45,10 @@ def rich_table(grid: Grid, width: int | None = None) -> Table | Group:
         table = _rich_table(grid, shown, compact=True)
         if fits(table, width):
             return table
-    # ...and then split them: every value stays whole and every header readable, on any terminal width.
-    keys, rest = shown[:grid.keys], shown[grid.keys:]
+    # ...and then split them: every value stays whole and every header readable, on any terminal width. A column
+    # with no value in any row would be a part of "-" alone: it is named in the caption instead.
+    empty = [i for i in shown[grid.keys:] if all(plain(row[i]).strip() in ("", "-") for row in grid.rows)]
+    keys, rest = shown[:grid.keys], [i for i in shown[grid.keys:] if i not in empty]
     parts: list[list[int]] = [[]]
     for i in rest:
         if parts[-1] and not fits(_rich_table(grid, keys + parts[-1] + [i], compact=True), width):
@@ -57,7 +59,8 @@ def rich_table(grid: Grid, width: int | None = None) -> Table | Group:
         title = f"{grid.title or 'table'} ({n} of {len(parts)})" if len(parts) > 1 else grid.title
         tables.append(_rich_table(grid, keys + part, compact=True, title=title, caption=""))
     # The caption under the last part, as wide as the terminal (not as narrow as that part).
-    tables.append(Text(plain(_caption(grid, shown), lines=True)))
+    blank = f" No value in any row: {', '.join(grid.headers[i] for i in empty)}." if empty else ""
+    tables.append(Text(plain(_caption(grid, shown) + blank, lines=True)))
     return Group(*tables)
 
 
