@@ -47,3 +47,17 @@ def test_a_config_label_names_the_precision_where_it_is_not_the_device_default()
     assert config_label({**base, "device": "cpu", "precision": "bf16"}).endswith("full · bf16")
     assert config_label({**base, "device": "cpu", "precision": "fp32", "loss": "chunked"}) == \
         "llama-7b seq 2048 batch 1 full · loss chunked"
+
+
+def test_a_figure_of_too_many_panels_keeps_the_largest_configs_in_their_order():
+    import pandas as pd
+
+    from gcbench.report.figure_layout import largest_panels
+
+    # sorted by setup name, as figures 1 and 5 hand them over: the largest ("a ...", 8,192 tokens) come first
+    sizes = [8192, 2048, 8192, *[2048] * 10, 4096]
+    groups = [(f"{chr(97 + i)} setup", pd.DataFrame({"tokens": [t] * (3 if i == 1 else 1)}))
+              for i, t in enumerate(sizes)]
+    kept, note = largest_panels(groups, 4)
+    assert [k for k, _ in kept] == ["a setup", "b setup", "c setup", "n setup"]  # b: the most policies of the 2,048s
+    assert note == " Showing the 4 largest of 14 configs."

@@ -96,10 +96,14 @@ def log2_axis(ax: Axes, values) -> None:
 
 
 def largest_panels(groups: list, n: int = MAX_PANELS) -> tuple[list, str]:
-    """At most n panels, keeping the configs with the most tokens per step."""
+    """At most n panels ((key, rows) pairs, in the order given), keeping those whose configs have the most tokens
+    per step, then the most records (policies) among equals."""
     if len(groups) <= n:
         return groups, ""
-    return groups[-n:], f" Showing the {n} largest of {len(groups)} configs."
+    ranked = sorted(range(len(groups)), key=lambda i: (groups[i][1]["tokens"].max(), len(groups[i][1])),
+                    reverse=True)
+    kept = sorted(ranked[:n])
+    return [groups[i] for i in kept], f" Showing the {n} largest of {len(groups)} configs."
 
 
 def oom_handle(hollow: bool = False) -> Line2D:

@@ -43,6 +43,21 @@ def validate(
     raise typer.Exit(code)
 
 
+def _in_checkout_root() -> None:
+    """The plan reads its predictions (benchmarks/gpu/predicted/), runs the checkout's scripts and writes
+    results/gpu/, all from the checkout's root: elsewhere it would price every step without its predictions."""
+    from gcbench.validate.home import checkout_root, is_checkout
+
+    if is_checkout(Path(".")):
+        return
+    try:
+        where = f": cd {str(checkout_root(Path('.')))[:200]}"
+    except GcbenchError:
+        where = " (a clone of gcbench's repository)"
+    raise GcbenchError(f"validate runs in the root of a gcbench checkout, where the plan's predictions and scripts "
+                       f"are{where}")
+
+
 def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None, archive: Path | None,
                      predict: bool, import_: Path | None, gpu: str | None, smoke: bool, console: Console,
                      err_console: Console) -> int:
@@ -61,6 +76,7 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
         _check_folder(archive, "--archive")
     if import_ is not None:
         return _import(import_, console)
+    _in_checkout_root()
 
     import torch
 
