@@ -396,8 +396,8 @@ def test_the_caption_says_each_reason_whole_wrapped_at_80_columns():
     whole = _one_line(text)
     assert all(_one_line(reason) in whole for reason in reasons)
     assert "not ranked: 1 more candidate, 1 other reason: not predicted: reason number 4 and a long" in whole
-    assert "batch 6 x 1 = micro-batch x accumulation" in text  # said once what the batch column means (the top's)
-    assert text.count("micro-batch x accumulation") == 1
+    assert "batch 6 x 1 = micro-batch x accumulation" in whole  # said once what the batch column means (the top's)
+    assert whole.count("micro-batch x accumulation") == 1
     assert whole.count("not ranked (1): ") == 4 and whole.count("not ranked: ") == 1
     # a group with nothing ranked: its one line keeps the reason whole too
     for row in rows:

@@ -59,12 +59,16 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
                 f"{best / r.flops_per_token:.3f}" if best and r.flops_per_token else "-"
             table.add_row(str(i) if head == i else f"={head}", markup(r.words()), f"{r.micro_batch} x {r.accum}",
                           fmt_bytes(r.peak), value, r.method)
-        lines = [*caption, f"PREDICTED beforehand; {len(fitting)} of {len(rows)} fit; batch {fitting[0].micro_batch} "
-                 f"x {fitting[0].accum} = micro-batch x accumulation",
-                 "tokens/s = micro-batch x accumulation x seq / the step time predicted on the card "
-                 f"(docs/methodology.md, \"Predicting step time\"); =N: not told apart from row N (each within "
-                 f"{TIED:.0%} of the row above); rates: {timed_on}" if timed_on
-                 else "x best = the fewest FLOPs per token / the row's (no time model: no GPU named)"]
+        lines = [*caption, f"PREDICTED beforehand; {len(fitting)} of {plural(len(rows), 'candidate')} ranked (fit); "
+                 f"batch {fitting[0].micro_batch} x {fitting[0].accum} = micro-batch x accumulation",
+                 ("tokens/s = micro-batch x accumulation x seq / the step time predicted on the card "
+                  f"(docs/methodology.md, \"Predicting step time\"); rates: {timed_on}" if timed_on
+                  else "x best = the fewest FLOPs per token / the row's (no time model: no GPU named; sac's and "
+                       "qlora's extra work is not in FLOPs)")
+                 + ("; =N: not told apart from row N (" + (f"each within {TIED:.0%} of the row above" if timed_on
+                                                             else "the same FLOPs per token")
+                    + ": among them fewer levers, then a larger micro-batch, then a smaller peak first)" if any(
+                        h != i for i, h in enumerate(heads, 1)) else "")]
         lines += [order] if order and timed_on and len(fitting) > 1 else []
         lines += _reasons(rows)
         lines += [f"not ranked: {text}" for text, _ in missing]  # whole: the line says what to install

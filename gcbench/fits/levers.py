@@ -67,7 +67,7 @@ CLASS_LEVERS = tuple(f.name for f in RUN_FIELDS if f.plan_role == "class")
 # adapters itself: analytic.unavailable).
 ANALYTIC_BLIND = ("compile",)
 DEFAULT_TOP = 5
-NOT_NEEDED = "not predicted: one with fewer memory levers fits (name the levers to time them all)"
+NOT_NEEDED = "not predicted: one with fewer memory levers fits (name the levers to rank them all)"
 
 
 def _adapter_kind(value: Any) -> str:

@@ -72,7 +72,7 @@ def estimate_table(rows: list[dict[str, Any]], memory_bytes: int | None = None, 
             columns = [c for c in columns if c.header != header]
             left_out.append(header)
     shown = {c.header for c in columns}
-    words = {"m": "m = the method: a(nalytic), s(imulate)", "activ.": "activ. = everything else at the peak",
+    words = {"m": "m = the method: a(nalytic), s(imulate)", "activ.": "activ. = the peak less params, grads and optim",
              "in": "in = the phase that reaches the peak (opt: the optimizer step, which checkpointing cannot lower)",
              "paged": "paged = optimizer state in CUDA managed memory (bitsandbytes), not in the peak",
              "B/p": "B/p = model state bytes per parameter" + (" (over all ranks)" if sharded else ""),
