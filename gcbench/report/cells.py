@@ -171,10 +171,12 @@ def time_notes(part: pd.DataFrame) -> list[str]:
 
 def largest_fit_grid(dev: pd.DataFrame) -> Grid | None:
     """Per setup and policy: the largest config (most tokens per step) that ran, and the smallest that did not fit,
-    among the records of runs and sweeps (a fit's trials have their own table); None when none of them ran out of
-    memory (then "largest" would only mean "largest in the grid"). One setup is named in the title."""
+    among the records of runs and sweeps (a fit's trials have their own table), of the setups where one ran out of
+    memory (elsewhere "largest" would only mean "largest in the grid"); None where none did. One setup is named in
+    the title."""
     dev = without_fit_trials(dev)
-    if not (dev["status"] == "oom").any():
+    dev = dev[dev.groupby("setup")["status"].transform(lambda s: (s == "oom").any())]  # setups that hit the limit
+    if dev.empty:
         return None
     scale, unit = byte_unit(dev["peak_bytes"].max())
     one = dev["setup"].nunique() == 1
