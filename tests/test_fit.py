@@ -221,9 +221,12 @@ def test_a_recommendation_names_the_winners_it_cannot_be_told_apart_from():
     assert not rec.paired and rec.record["policy"] == "none" and rec.tied == [full]
     [line] = [x for x in recommendation_lines(rec, "batch_size") if "not told apart" in x]
     assert f"not told apart from full at seq 10 x batch 4 ({full['tokens_per_s']:,.0f} tokens/s)" in line
-    # no interval (too few steps): nothing says they differ
-    assert recommend([winner("none", 2, [20.0] * 3), two := winner("full", 2, [30.0] * 3)], lambda r: "c").tied \
-        == [two]
+    # no interval (too few steps): nothing says they differ, and the recommendation says it is unsure, not tied
+    few = recommend([winner("none", 2, [20.0] * 3), two := winner("full", 2, [30.0] * 3)], lambda r: "c")
+    assert few.tied == [two] and few.unsure == [two] and rec.unsure == []
+    lines = recommendation_lines(few, "batch_size")
+    assert any(x.startswith("  unsure against full at seq 10 x batch 2") for x in lines)
+    assert not any("not told apart" in x for x in lines)
 
 
 def test_a_fit_table_marks_a_winner_whose_own_timing_is_not_trusted():

@@ -35,7 +35,7 @@ from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
 from gcbench.results.schema import SHAPE_FIELDS, Status, config_key, config_label, fastest, peak_bytes, policy_label
 from gcbench.results.rewrite import open_for_writing
-from gcbench.results.stats import clearly_faster
+from gcbench.results.stats import told_apart
 from gcbench.results.store import append_record, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
@@ -103,9 +103,10 @@ class Recommendation:
     tokens_per_s: float
     paired: bool  # ranked by paired timing (all winners timed interleaved) rather than separate runs
     command: str
-    # the other winners whose speed cannot be told apart from this one's (results.stats.clearly_faster): a rerun
+    # the other winners whose speed cannot be told apart from this one's (results.stats.told_apart): a rerun
     # may order them the other way
     tied: list[dict[str, Any]] = field(default_factory=list)
+    unsure: list[dict[str, Any]] = field(default_factory=list)  # of the tied, those with nothing to tell by
 
 
 class Fit:
@@ -289,8 +290,10 @@ def recommend(best: list[dict[str, Any]], command) -> Recommendation | None:
     if (top := fastest(best)) is None:
         return None
     record, tokens_per_s, paired = top
-    tied = [r for r in best if r is not record and not clearly_faster(record, r, paired)]
-    return Recommendation(record, tokens_per_s, paired, command(record), tied)
+    apart = {id(r): told_apart(record, r, paired) for r in best if r is not record}
+    return Recommendation(record, tokens_per_s, paired, command(record),
+                          [r for r in best if id(r) in apart and apart[id(r)] is not True],
+                          [r for r in best if id(r) in apart and apart[id(r)] is None])
 
 
 def canonical_policy(policy: str, cap: int | None) -> str:

@@ -224,7 +224,7 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
             nxt = f"{as_int(r['next_value'])}: {FAILED.get(r['next_status'], r['next_status'])}" \
                 if given(r["next_value"]) else "range top"
             first = i == 0 or records[i - 1]["budget_key"] != r["budget_key"]  # each budget named once
-            rank = " (best)" if r["best"] else " (tied)" if r["tied"] else ""
+            rank = " (best)" if r["best"] else " (unsure)" if r["unsure"] else " (tied)" if r["tied"] else ""
             shaky = "~" if given(r["timing_trusted"]) and not r["timing_trusted"] else ""
             rows.append([fmt_bytes(r["budget_bytes"]) if first else "", r["policy"] + rank,
                          str(as_int(r["maximum"])) if fits else "stopped" if r["stopped"] else "none fit",
@@ -246,10 +246,12 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
                    + ("paired tokens/s (the winners timed interleaved in one process)" if ranked.all()
                       else "paired tokens/s where one search timed all of a budget's winners together, else each "
                       "run's own tokens/s" if ranked.any() else "each run's own tokens/s") + ".")
-        if g["tied"].any():
+        if (g["tied"] & ~g["unsure"]).any():
             caption += (" (tied) = not told apart from the best: their timings do not show the best clearly faster "
-                        "(paired rounds, else each run's own interval; too few steps show nothing), so a rerun may "
-                        "order them the other way.")
+                        "(paired rounds, else each run's own interval), so a rerun may order them the other way.")
+        if g["unsure"].any():
+            caption += (" (unsure) = too few timed steps to tell it from the best either way (no 95% interval: "
+                        "fewer than 6 steps or paired rounds), however far apart their tokens/s.")
         if any(given(v) and not v for v in g["timing_trusted"]):
             caption += " ~tokens/s = the run's own timing not trusted (its record's timing_notes say why)."
         if g["stopped"].any():

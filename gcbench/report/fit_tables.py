@@ -111,11 +111,16 @@ def recommendation_lines(rec: Any, vary: str, fits: Sequence[Any] = ()) -> list[
     how = "paired" if rec.paired else "each run's own timing"
     label = policy_label(record)
     key = "paired_tokens_per_s" if rec.paired else "tokens_per_s"
-    tied = [f"{policy_label(r)} at seq {r['seq_len']} x batch {r['batch_size']} ({r[key]:,.0f} tokens/s)"
-            for r in rec.tied]
+    def named(rows: Sequence[Any]) -> str:
+        return "; ".join(f"{policy_label(r)} at seq {r['seq_len']} x batch {r['batch_size']} ({r[key]:,.0f} tokens/s)"
+                         for r in rows)
+
+    unsure = [r for r in rec.tied if any(r is u for u in rec.unsure)]
+    tied = [r for r in rec.tied if not any(r is u for u in unsure)]
     return [f"recommended: {label} at seq {record['seq_len']} x batch {record['batch_size']}: "
             f"{rec.tokens_per_s:,.0f} tokens/s ({how}), peak {fmt_bytes(peak_bytes(record))}",
-            *([f"  not told apart from {'; '.join(tied)}: their timings do not show it clearly faster (paired "
-               "rounds, else each run's own interval; too few steps show nothing), so a rerun may order them the "
-               "other way"] if tied else []),
+            *([f"  not told apart from {named(tied)}: their timings do not show it clearly faster (paired rounds, "
+               "else each run's own interval), so a rerun may order them the other way"] if tied else []),
+            *([f"  unsure against {named(unsure)}: too few timed steps to tell them apart either way"]
+              if unsure else []),
             f"  {rec.command}"]

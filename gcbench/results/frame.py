@@ -17,7 +17,7 @@ from gcbench.errors import GcbenchError
 from gcbench.fields import DeviceKind, setup_words, spec_columns
 from gcbench.results.schema import (SHAPE_FIELDS, SIZE_WORDS, fastest, fit_policy, half_width, mix_text,
                                     policy_label)
-from gcbench.results.stats import clearly_faster
+from gcbench.results.stats import told_apart
 from gcbench.results.store import read_records, result_files
 from gcbench.units import plural
 
@@ -248,11 +248,11 @@ def fit_summary(frame: pd.DataFrame) -> pd.DataFrame:
             "next_status": nxt["status"] if nxt is not None else None,
             "stopped": len(stop) > 0, "plan_mix": answer("plan_mix_text"), "fit_id": fit_id,
             "timing_trusted": answer("timing_trusted"),
-            # what results.stats.clearly_faster reads of the winner (its size, step times, paired rounds)
+            # what results.stats.told_apart reads of the winner (its size, step times, paired rounds)
             "timing": None if best is None else {k: v for k, v in best.items() if given(v)}})
     summary = pd.DataFrame(rows, columns=columns)
     summary = summary.sort_values("fit_id", kind="stable").drop_duplicates(FIT_KEYS, keep="last")
-    summary[["rate", "rate_paired", "best", "tied"]] = None
+    summary[["rate", "rate_paired", "best", "tied", "unsure"]] = None
     for _, g in summary.groupby(FIT_KEYS[:-1]):  # the fastest at each budget, whichever search found it
         one_search = g["fit_id"].nunique() == 1  # paired timings of different searches are not one ranking
         winners = [{**r["timing"], "tokens_per_s": r["tokens_per_s"], "_index": i,  # NaN: no paired timing
@@ -264,11 +264,14 @@ def fit_summary(frame: pd.DataFrame) -> pd.DataFrame:
             for r in winners:
                 summary.loc[r["_index"], "rate"] = r["paired_tokens_per_s" if paired else "tokens_per_s"]
                 summary.loc[r["_index"], "rate_paired"] = paired
-                # not told apart from the best: a rerun may order them the other way
-                summary.loc[r["_index"], "tied"] = r is not top[0] and not clearly_faster(top[0], r, paired)
+                # not told apart from the best: a rerun may order them the other way (unsure: nothing to tell by)
+                apart = None if r is top[0] else told_apart(top[0], r, paired)
+                summary.loc[r["_index"], "tied"] = r is not top[0] and apart is not True
+                summary.loc[r["_index"], "unsure"] = r is not top[0] and apart is None
             summary.loc[top[0]["_index"], "best"] = True
     summary["best"] = summary["best"].fillna(False).astype(bool)
     summary["tied"] = summary["tied"].fillna(False).astype(bool)
+    summary["unsure"] = summary["unsure"].fillna(False).astype(bool)
     summary["rate_paired"] = summary["rate_paired"].fillna(False).astype(bool)
     summary = summary.assign(_rank=summary["policy"].map(policy_rank))
     return summary.sort_values(["device_label", "fit_setup", "vary", "fixed", "budget_key", "_rank"]) \

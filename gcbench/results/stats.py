@@ -191,15 +191,21 @@ def clearly_faster(a: Mapping[str, Any], b: Mapping[str, Any], paired: bool) -> 
     agrees): the 95% interval of their per-round tokens/s ratio lies above 1 (the median of per-round ratios can
     disagree with the ratio of the medians, which ranks them: then a is not clearly faster); else their own
     intervals of the time per token are clearly_different, a's the lower. False where an interval is missing:
-    nothing says a is faster."""
+    nothing says a is faster (told_apart says None)."""
+    return told_apart(a, b, paired) is True
+
+
+def told_apart(a: Mapping[str, Any], b: Mapping[str, Any], paired: bool) -> bool | None:
+    """clearly_faster's answer, with None where there is nothing to tell by: too few steps for an interval (or
+    paired rounds of different lengths), so that a table can say "unsure" rather than "tied"."""
     if paired and a.get("fit_paired_id") == b.get("fit_paired_id"):  # rounds of one interleaving
         xs, ys = a.get("paired_step_ms") or [], b.get("paired_step_ms") or []
         if not xs or len(xs) != len(ys):
-            return False
+            return None
         ci = Stats.of([(tokens_per_step(a) / x) / (tokens_per_step(b) / y) for x, y in zip(xs, ys)]).ci
-        return ci is not None and ci[0] > 1
+        return None if ci is None else bool(ci[0] > 1)
     if not a.get("step_ms_ci") or not b.get("step_ms_ci"):
-        return False
+        return None
     per_token = [(r["step_ms_median"] / tokens_per_step(r), [v / tokens_per_step(r) for v in r["step_ms_ci"]])
                  for r in (a, b)]
-    return per_token[0][0] < per_token[1][0] and clearly_different(*per_token[0], *per_token[1])
+    return bool(per_token[0][0] < per_token[1][0] and clearly_different(*per_token[0], *per_token[1]))
