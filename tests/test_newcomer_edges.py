@@ -96,6 +96,16 @@ def test_an_estimate_fits_caption_says_whose_memory_it_is():
     assert "within 24.00 GiB, --gpu-memory as given" in given and "the card" not in given
 
 
+def test_an_estimate_marks_its_host_bound_rows_and_times_no_row_it_could_not_predict():
+    rows = [_estimate_row("tiny-llama", "adamw", "analytic", peak_bytes=None, not_available="no formula"),
+            _estimate_row("tiny-llama", "adamw", "simulate", predicted_host_bound=True)]
+    text = " ".join(_text(estimate_table(rows, width=None)).split())
+    analytic, simulate = (line for line in _text(estimate_table(rows, width=None)).splitlines()
+                          if line.lstrip().startswith("64 "))
+    assert "8*" in simulate.split() and "8" not in analytic.split() and analytic.split().count("n/a") >= 6
+    assert "* = host-bound, the GPU waits on Python (1 of 2 rows)" in text
+
+
 def test_compare_lists_the_specs_only_in_one_side_within_80_columns(tmp_path, monkeypatch):
     """Labels of 81-82 characters (model, levers, seq, batch, policy, the CPU and its threads) wrapped by the
     terminal restarted at the margin: broken after a ' · ' instead, the later lines indented (issue 48)."""

@@ -124,12 +124,15 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
     if any("measured_configs" in r for r in rows):  # CUDA rows: the method's errors on configs like it
         columns.append(_Column("err", False, [band_cell(r) if r["peak_bytes"] is not None else na for r in rows]))
     if any(r.get("predicted_step_ms") is not None for r in rows):  # the step's time on the named card
-        columns.append(_Column("ms", False, [f"{r['predicted_step_ms']:.0f}" if r.get("predicted_step_ms") is not None
-                                             else "-" for r in rows]))
+        # a row whose method could not predict the step shows no time either (n/a); *: the GPU waits on Python
+        columns.append(_Column("ms", False, [na if r["peak_bytes"] is None else
+                                             f"{r['predicted_step_ms']:.0f}" + ("*" if r.get("predicted_host_bound")
+                                                                                else "")
+                                             if r.get("predicted_step_ms") is not None else "-" for r in rows]))
         if any(r.get(f"{TIME_PREFIX}_configs") for r in rows):  # a note says so where none has a band
             columns.append(_Column("ms err", False, [band_cell(r, TIME_PREFIX) if r.get("predicted_step_ms")
                                                      is not None else "-" for r in rows]))
-        columns.append(_Column("tok/s", False, [_rate(r["predicted_tokens_per_s"])
+        columns.append(_Column("tok/s", False, [na if r["peak_bytes"] is None else _rate(r["predicted_tokens_per_s"])
                                                 if r.get("predicted_tokens_per_s") is not None else "-"
                                                 for r in rows]))
     if memory_bytes:
@@ -205,7 +208,7 @@ def _time_notes(rows: list[dict[str, Any]], shown: set[str]) -> list[str]:
         bound = sum(1 for r in timed if r.get("predicted_host_bound"))
         notes.append("ms = predicted step time, the step's kernels and the host issuing them (docs/methodology.md, "
                      "\"Predicting step time\")" + ("; tok/s = tokens per second" if "tok/s" in shown else "")
-                     + (f"; {bound} of {len(timed)} rows host-bound (the GPU waits on Python)" if bound else ""))
+                     + (f"; * = host-bound, the GPU waits on Python ({bound} of {len(timed)} rows)" if bound else ""))
         notes += [f"time rates: {markup(basis)}" for basis in dict.fromkeys(r["time_basis"] for r in timed)]
         notes.append(time_band_note(timed, "ms", "ms err" in shown))
     missing = dict.fromkeys(r["time_not_available"] for r in rows if r.get("time_not_available")
