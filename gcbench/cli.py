@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,9 +18,9 @@ from rich.table import Table
 
 from gcbench.cli_options import (ALL, FIT_FIELDS, DevicesOption, ExecutorOption, JobsOption, LeversOption,
                                  PredictionBar, RunFormatOption, SlurmGpusOption, SlurmParallelismOption,
-                                 SlurmPartitionOption, check_format, check_jobs, domain_errors, prepare_sweep,
-                                 print_version, print_warnings, refuse_unused, step_progress, warm_children,
-                                 with_bare_switches, with_spec_options)
+                                 SlurmPartitionOption, check_format, check_jobs, domain_errors, one_line_summaries,
+                                 prepare_sweep, print_version, print_warnings, refuse_unused, step_progress,
+                                 warm_children, with_bare_switches, with_spec_options)
 from gcbench.errors import GcbenchError
 from gcbench.fields import BY_NAME, ESTIMATE_AXES, ESTIMATE_FIELDS, ESTIMATE_SIZES
 from gcbench.gpus import gpu as gpu_entry, memory_to_fit
@@ -296,8 +297,10 @@ def fit(
     title = f"{fields['model']} · largest {vary} per policy · " + (
         f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
     console.print(fit_table(fits, field_name, job.cap, markup(title)))
-    for line in recommendation_lines(rec, field_name, fits):
-        console.print(plain(line), markup=False, highlight=False, soft_wrap=True)
+    for line in map(plain, recommendation_lines(rec, field_name, fits)):  # the command whole, to paste; the rest
+        command = line.lstrip().startswith("gcbench ")                      # wrapped, its later lines indented
+        console.print(line if command else textwrap.fill(line, console.width, subsequent_indent="    "),
+                      markup=False, highlight=False, soft_wrap=True)
     console.print(f"[dim]records in {markup(out)} (fit {job.fit_id})[/]")
     if any(f.error for f in fits):
         raise typer.Exit(1)
@@ -379,6 +382,7 @@ def _estimate_fit(grid: dict[str, tuple], memory: int | None, gpu_name: str | No
 
 
 app.command(name="validate")(validate_command.validate)  # its options and work: validate/command.py (no torch)
+one_line_summaries(app)
 
 
 def _print_rows(rows: list[dict], output_format: str, table: Callable[[], Any], piped_width: int) -> None:

@@ -245,3 +245,12 @@ def refuse_unused(why: str, options: dict[str, bool]) -> None:
     given = [flag for flag, was_given in options.items() if was_given]
     if given:
         raise GcbenchError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply {why}")
+
+
+def one_line_summaries(app: typer.Typer) -> None:
+    """Each command's line in `gcbench --help`: its docstring's first paragraph on one line (typer keeps a
+    docstring's line breaks there, and at 80 columns a line ended mid-sentence: "--out adds figures" / "and a
+    report to share.")."""
+    for command in app.registered_commands:
+        first = (inspect.getdoc(command.callback) or "").split("\n\n")[0]
+        command.short_help = command.short_help or " ".join(first.split())

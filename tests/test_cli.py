@@ -86,6 +86,15 @@ def test_every_commands_help_reads_whole_at_80_columns():
         assert max(map(len, result.output.splitlines())) <= 80, name
 
 
+def test_the_command_list_gives_each_summary_as_one_paragraph():
+    # typer kept a docstring's line breaks in `gcbench --help`: "--out adds figures" / "and a report to share."
+    import re
+
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert re.search(r"report +Tables of many runs .*--out adds figures and a report to share\.", out)
+    assert re.search(r"fit +The largest batch .* bisected; then the fastest recommended", out)
+
+
 def test_models_and_policies_list_the_registries(monkeypatch):
     from rich.console import Console
 

@@ -560,3 +560,10 @@ def test_a_finished_line_never_parts_a_number_from_its_unit_at_80_columns():
         shown = console.export_text().splitlines()
         assert len(shown) == lines and shown[-1].endswith("12.3 ms/step, peak 8.58 MiB")  # whole, on one line
         assert max(map(len, shown)) <= 80
+    # an error too long for the label's line: under it, each of its lines indented (it wrapped at column 0)
+    error = "live tensors need 12.12 MiB, 91.71 KiB past the memory cap of 12.00 MiB " * 2
+    console = Console(width=80, record=True)
+    console.print(_finished_line({**record, "status": "oom", "error": error}, (), 80), highlight=False)
+    shown = console.export_text().splitlines()
+    assert len(shown) == 3 and all(line.startswith(" " * 8) and line[8] != " " for line in shown[1:])
+    assert max(map(len, shown)) <= 80 and "past the memory cap" in shown[1], shown

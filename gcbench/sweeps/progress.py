@@ -120,8 +120,8 @@ _STATUS_STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "timeout": "r
 
 
 def _finished_line(record: dict[str, Any], slots: Sequence[str] = (), width: int | None = None) -> str:
-    """A finished config's line (rich markup). Where its measurements do not fit after the label within `width`,
-    they go on a line of their own, indented: a wrap never parts a number from its unit."""
+    """A finished config's line (rich markup). Where its measurements (or its error) do not fit after the label
+    within `width`, they go on lines of their own, indented: a wrap never parts a number from its unit."""
     status = record["status"]
     where = f"{record['device_slot']}: " if slots and record.get("device_slot") else ""
     line = f"[{_STATUS_STYLE[status]}]{status:>7}[/] {markup(where)}{markup(config_label(record))}"
@@ -130,6 +130,10 @@ def _finished_line(record: dict[str, Any], slots: Sequence[str] = (), width: int
         fits = width is None or Text.from_markup(line).cell_len + 2 + len(measured) <= width
         line += ("  " if fits else "\n" + " " * 8) + measured
     elif record.get("error"):
-        line += f"  [dim]{markup(textwrap.shorten(str(record['error']), 120, placeholder=' ...'))}[/]"
+        error = textwrap.shorten(str(record["error"]), 120, placeholder=" ...")
+        if width is None or Text.from_markup(line).cell_len + 2 + len(error) <= width:
+            line += f"  [dim]{markup(error)}[/]"
+        else:  # under the label, every line of it indented
+            line += "".join(f"\n        [dim]{markup(part)}[/]" for part in textwrap.wrap(error, max(width - 8, 20)))
     return line
 
