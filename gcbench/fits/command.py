@@ -185,11 +185,14 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         caption.append(f"{vary} (top) = " + ("the top of the range searched fits: the largest batch that fits may be "
                                              "larger" if vary == "batch" else "the model's longest sequence fits"))
     if device == "cuda" and method != "simulate":
-        caption.append("peaks are max_memory_allocated: the caching allocator reserves more; --method simulate "
-                       "replays it on the card, size by size (seconds to minutes per policy)")
+        caption.append("peaks are max_memory_allocated: the caching allocator reserves more, and its segments can "
+                       "run out a size or more below max batch; --method simulate replays it on the card, size by "
+                       "size (seconds to minutes per policy)")
     best = max((r for r in rows if r["tokens_per_s"]), key=lambda r: r["tokens_per_s"], default=None)
     if best is not None:  # the command last, alone on its line: the CLI prints it outside the table (`fit_command`)
-        caption += [f"predicted fastest: {best['policy']} at {vary} {best['value']}; measure it on the card with:",
+        caption += [f"predicted fastest: {best['policy']} at {vary} {best['value']}"
+                    + (" by its allocated peak" if device == "cuda" and method != "simulate" else "")
+                    + "; measure it on the card with:",
                     fit_command({**fields, "policy": best["policy"]}, field_name, headroom if cap < usable else None)]
     title = f"{fields['model']} · largest {vary} predicted to fit · " + (
         f"seq {fields['seq_len']}" if field_name == "batch_size" else f"batch {fields['batch_size']}")
