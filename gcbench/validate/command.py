@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -102,8 +103,10 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
                           highlight=False)
             return 0
         console.print(f"gcbench GPU validation plan for {card}\nrecords in {folder}/", markup=False, highlight=False)
-        for line in validation.describe():
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        for line in validation.describe():  # commands come wrapped with their `\`; a tier's title is wrapped here
+            title = line.startswith("tier ") and len(line) > console.width
+            console.print(textwrap.fill(line, console.width, subsequent_indent=" " * 8) if title else line,
+                          markup=False, highlight=False, soft_wrap=True)
         check_budget(validation)
         return 0
 
