@@ -26,7 +26,7 @@ from gcbench.policies import parse_policy
 from gcbench.report.fit_tables import recommendation_lines
 from gcbench.results.frame import fit_summary, load, results_frame
 from gcbench.results.schema import fit_policy
-from gcbench.results.stats import Stats, clearly_faster
+from gcbench.results.stats import Stats, told_apart
 from gcbench.results.store import append_record, read_records
 from gcbench.runner import run
 from tests.helpers import assert_gradients_equal_none, assert_refused, tiny_spec
@@ -211,10 +211,10 @@ def test_a_recommendation_names_the_winners_it_cannot_be_told_apart_from():
     sqrtn = winner("sqrtn", 4, noisy(48), [48 * d * (1 + rng.gauss(0, 0.002)) for d in drift])
     rec = recommend([full, sqrtn, none], lambda r: "cmd")
     assert rec.record is none and rec.paired and rec.tied == []  # 1% apart, told apart by their shared rounds
-    assert clearly_faster(none, full, True) and not clearly_faster(full, none, True)  # one way only
+    assert told_apart(none, full, True) is True and told_apart(full, none, True) is False  # one way only
     # a resumed fit's earlier winner was timed in another interleaving: rounds of two pairings are not paired
     earlier, later = {**none, "fit_paired_id": "aaaa"}, {**full, "fit_paired_id": "bbbb"}
-    assert not recommend([earlier, later], lambda r: "cmd").paired and not clearly_faster(earlier, later, True)
+    assert not recommend([earlier, later], lambda r: "cmd").paired and told_apart(earlier, later, True) is not True
     # the same levels timed in separate runs, each +-5%: 1% is inside their noise, 20% is not
     rec = recommend([winner("none", 2, noisy(20)), full := winner("full", 4, noisy(40.4)),
                      winner("sqrtn", 4, noisy(48))], lambda r: "cmd")
@@ -461,6 +461,8 @@ def test_the_report_shows_the_fit_table_and_the_frontier_figure(tmp_path, fit_fi
     assert "largest batch that fits · tiny-llama" in md and "| full (best) | 5 |" in md and md.count("(best) |") == 3
     assert "none fit" in md and "3: OOM" in md and "full 1 · none 1" in md and "6: error" in md
     assert "| sqrtn | stopped |" in md and "range top" in md
+    # 8 MiB's none and full: paired tokens/s without the rounds behind them: nothing to tell them apart by
+    assert "| none (unsure) | 2 |" in md and "(unsure) = nothing to tell it from the best by" in md
     with Image.open(out / "figures" / "7-fit-frontier.png") as im:
         im.verify()
         assert im.size[0] > 400

@@ -97,13 +97,16 @@ def test_an_estimate_fits_caption_says_whose_memory_it_is():
 
 
 def test_an_estimate_marks_its_host_bound_rows_and_times_no_row_it_could_not_predict():
-    rows = [_estimate_row("tiny-llama", "adamw", "analytic", peak_bytes=None, not_available="no formula"),
-            _estimate_row("tiny-llama", "adamw", "simulate", predicted_host_bound=True)]
+    rows = [_estimate_row("tiny-llama", "adamw", "analytic", peak_bytes=None, not_available="no formula",
+                          predicted_host_bound=True, measured_time_configs=3),
+            _estimate_row("tiny-llama", "adamw", "simulate", predicted_host_bound=True),
+            _estimate_row("tiny-llama", "adamw", "simulate", batch_size=2)]
     text = " ".join(_text(estimate_table(rows, width=None)).split())
-    analytic, simulate = (line for line in _text(estimate_table(rows, width=None)).splitlines()
-                          if line.lstrip().startswith("64 "))
-    assert "8*" in simulate.split() and "8" not in analytic.split() and analytic.split().count("n/a") >= 6
-    assert "* = host-bound, the GPU waits on Python (1 of 2 rows)" in text
+    analytic, simulate, _ = (line for line in _text(estimate_table(rows, width=None)).splitlines()
+                             if line.lstrip().startswith("64 "))
+    assert "8*" in simulate.split() and "8" not in analytic.split() and "%" not in analytic
+    assert analytic.split().count("n/a") >= 7  # its time and its time's band too
+    assert "* = host-bound, the GPU waits on Python (1 of 2 rows)" in text  # the n/a row is not one of them
 
 
 def test_compare_lists_the_specs_only_in_one_side_within_80_columns(tmp_path, monkeypatch):

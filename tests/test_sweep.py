@@ -567,3 +567,23 @@ def test_a_finished_line_never_parts_a_number_from_its_unit_at_80_columns():
     shown = console.export_text().splitlines()
     assert len(shown) == 3 and all(line.startswith(" " * 8) and line[8] != " " for line in shown[1:])
     assert max(map(len, shown)) <= 80 and "past the memory cap" in shown[1], shown
+
+
+def test_the_progress_bar_keeps_its_count_and_eta_whole_at_80_columns():
+    # the config's label took the line's width first: the bar, its count and the ETA were squeezed out
+    import io
+
+    from rich.console import Console
+
+    from gcbench.sweeps.progress import SweepProgress
+
+    console = Console(width=80, force_terminal=True, file=io.StringIO(), color_system=None)
+    with SweepProgress(console, 16, 0) as view:
+        view.counts.update({"ok": 3, "oom": 1})
+        view._bar.update(view._task, advance=4, counts=view._counts_text())
+        view._show(0, "tiny-llama seq 64 batch 2 full · lora:r=8 · loss chunked · measuring peaks per phase " * 2)
+        shown = Console(width=80, record=True, file=io.StringIO())
+        shown.print(view._live.renderable)
+    bar, what = shown.export_text().splitlines()[:2]
+    assert "4/16" in bar and "eta" in bar and bar.rstrip().endswith("ok 3 · oom 1") and "…" not in bar
+    assert what.startswith("  tiny-llama seq 64 batch 2 full") and what.rstrip().endswith("…") and len(what) <= 80

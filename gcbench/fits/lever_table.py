@@ -68,7 +68,7 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
                  + ("; =N: not told apart from row N (" + (f"each within {TIED:.0%} of the row above" if timed_on
                                                              else "the same FLOPs per token")
                     + ": among them fewer levers, then a larger micro-batch, then a smaller peak first)" if any(
-                        h != i for i, h in enumerate(heads, 1)) else "")]
+                        h != i for i, h in enumerate(heads[:top], 1)) else "")]
         lines += [order] if order and timed_on and len(fitting) > 1 else []
         lines += _reasons(rows)
         lines += [f"not ranked: {text}" for text, _ in missing]  # whole: the line says what to install

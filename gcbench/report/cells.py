@@ -96,8 +96,9 @@ def results_grid(part: pd.DataFrame) -> Grid:
              "optimizer step, which checkpointing cannot lower); act. = activations, the fwd+bwd peak above model "
              "state; step ms = median step time; IQR = spread of the measured step times; x none = ratio to the "
              "`none` policy at the same seq and batch; FLOPs include recompute.", *time_notes(part)]
-    if ((part["status"] == "ok") & part["peak_bytes"].isna()).any():
-        notes.append(f"peak - on a run that ran ok: not measured ({UNTRACKED}).")
+    if (unmeasured := (part["status"] == "ok") & part["peak_bytes"].isna()).any():
+        compiled = (part.loc[unmeasured, "compile"] == "blocks").any() if "compile" in part else False
+        notes.append("peak - on a run that ran ok: not measured" + (f" ({UNTRACKED})." if compiled else "."))
     if ((part["status"] == "ok") & ~part["has_baseline"]).any():
         notes.append("n/a: no successful `none` run at that seq and batch, so the ratio is unavailable (absolute "
                      "numbers shown).")
@@ -197,7 +198,7 @@ def largest_fit_grid(dev: pd.DataFrame) -> Grid | None:
         ])
         shown_setup = setup  # each setup named once, on its first row
     headers = ["setup", "policy", "largest config that fit", f"its peak {unit}", "smallest OOM", "ran ok"]
-    title = "largest config that fit, per policy"
+    title = LARGEST_TITLE
     if one:  # its name in the title: a column repeated in each part of a table split for a narrow terminal
         return Grid(headers[1:], [row[1:] for row in rows], title=f"{title} · {dev['setup'].iloc[0]}",
                     caption=LARGEST_CAPTION, numeric={2, 4}, optional=[4], keys=1)
@@ -205,6 +206,7 @@ def largest_fit_grid(dev: pd.DataFrame) -> Grid | None:
 
 
 LARGEST_CAPTION = "Among the configs tried (tokens per step = seq x batch)."
+LARGEST_TITLE = "largest config that fit, per policy"
 
 
 def fit_grids(dev: pd.DataFrame) -> list[Grid]:
@@ -250,8 +252,8 @@ def fit_grids(dev: pd.DataFrame) -> list[Grid]:
             caption += (" (tied) = not told apart from the best: their timings do not show the best clearly faster "
                         "(paired rounds, else each run's own interval), so a rerun may order them the other way.")
         if g["unsure"].any():
-            caption += (" (unsure) = too few timed steps to tell it from the best either way (no 95% interval: "
-                        "fewer than 6 steps or paired rounds), however far apart their tokens/s.")
+            caption += (" (unsure) = nothing to tell it from the best by, however far apart their tokens/s: no 95% "
+                        "interval (too few or too correlated steps, or a record without one).")
         if any(given(v) and not v for v in g["timing_trusted"]):
             caption += " ~tokens/s = the run's own timing not trusted (its record's timing_notes say why)."
         if g["stopped"].any():

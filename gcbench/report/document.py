@@ -13,8 +13,8 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from gcbench.report.cells import (Grid, environment_grid, fit_grids, grid_grid, largest_fit_grid, prediction_grid,
-                                  results_grid)
+from gcbench.report.cells import (LARGEST_TITLE, Grid, environment_grid, fit_grids, grid_grid, largest_fit_grid,
+                                  prediction_grid, results_grid)
 from gcbench.report.publish import publish
 from gcbench.results.frame import FAILED
 from gcbench.text import md_text, plain
@@ -73,7 +73,8 @@ def report_blocks(frame: pd.DataFrame, figures: dict[str, list], sources: list[s
                    Heading("Results", 3)]
         for _, part in dev.groupby("setup", sort=False):
             blocks.append(results_grid(part))
-        if (largest := largest_fit_grid(dev)) is not None:
+        if (largest := largest_fit_grid(dev)) is not None:  # the heading says what it is; the title, its setup
+            largest.title = largest.title.removeprefix(LARGEST_TITLE).removeprefix(" · ")
             blocks += [Heading("Largest config that fit, per policy", 3), largest]
         if fits := fit_grids(dev):
             blocks += [Heading("Largest size that fits a memory budget, per policy (gcbench fit)", 3), *fits]

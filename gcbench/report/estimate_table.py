@@ -125,13 +125,12 @@ def _columns(rows: list[dict[str, Any]], varying: list[str], several_models: boo
         columns.append(_Column("err", False, [band_cell(r) if r["peak_bytes"] is not None else na for r in rows]))
     if any(r.get("predicted_step_ms") is not None for r in rows):  # the step's time on the named card
         # a row whose method could not predict the step shows no time either (n/a); *: the GPU waits on Python
-        columns.append(_Column("ms", False, [na if r["peak_bytes"] is None else
-                                             f"{r['predicted_step_ms']:.0f}" + ("*" if r.get("predicted_host_bound")
-                                                                                else "")
-                                             if r.get("predicted_step_ms") is not None else "-" for r in rows]))
+        columns.append(_Column("ms", False, [na if r["peak_bytes"] is None else f"{r['predicted_step_ms']:.0f}"
+                                             + ("*" if r.get("predicted_host_bound") else "") if _timed(r) else "-"
+                                             for r in rows]))
         if any(r.get(f"{TIME_PREFIX}_configs") for r in rows):  # a note says so where none has a band
-            columns.append(_Column("ms err", False, [band_cell(r, TIME_PREFIX) if r.get("predicted_step_ms")
-                                                     is not None else "-" for r in rows]))
+            columns.append(_Column("ms err", False, [band_cell(r, TIME_PREFIX) if _timed(r) else
+                                                     na if r["peak_bytes"] is None else "-" for r in rows]))
         columns.append(_Column("tok/s", False, [na if r["peak_bytes"] is None else _rate(r["predicted_tokens_per_s"])
                                                 if r.get("predicted_tokens_per_s") is not None else "-"
                                                 for r in rows]))
@@ -200,10 +199,15 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s / 1e3:.3g}k" if tokens_per_s >= 1e3 else f"{tokens_per_s:.3g}"
 
 
+def _timed(row: dict[str, Any]) -> bool:
+    """A row that shows a step time: predicted, by a method that predicted the step (its peak too)."""
+    return row.get("predicted_step_ms") is not None and row["peak_bytes"] is not None
+
+
 def _time_notes(rows: list[dict[str, Any]], shown: set[str]) -> list[str]:
     """What the time columns are and rest on (the card's rates: measured or assumed), or why a row has no time."""
     notes = []
-    timed = [r for r in rows if r.get("predicted_step_ms") is not None]
+    timed = [r for r in rows if _timed(r)]
     if timed and "ms" in shown:
         bound = sum(1 for r in timed if r.get("predicted_host_bound"))
         notes.append("ms = predicted step time, the step's kernels and the host issuing them (docs/methodology.md, "

@@ -377,9 +377,10 @@ def write_figures(frame: pd.DataFrame, root: Path, folder: str = "figures") -> d
                 continue
             unmeasured = (rows["status"] == "ok") & rows["peak_bytes"].isna() if stem in PEAK_FIGURES \
                 else rows["status"].isna()
+            compiled = "compile" in rows and bool((rows.loc[unmeasured, "compile"] == "blocks").all())
             rows = rows[~unmeasured]
-            without = (f"{plural(int(unmeasured.sum()), 'successful run')} without a peak: {UNTRACKED}"
-                       if unmeasured.any() else "")
+            without = (f"{plural(int(unmeasured.sum()), 'successful run')} without a peak"
+                       + (f": {UNTRACKED}" if compiled else "") if unmeasured.any() else "")
             if without and not (rows["status"] == "ok").any():
                 files.append(FigureFile(stem, title, f"no run here has a peak ({without})"))
                 continue

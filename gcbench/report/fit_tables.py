@@ -121,6 +121,7 @@ def recommendation_lines(rec: Any, vary: str, fits: Sequence[Any] = ()) -> list[
             f"{rec.tokens_per_s:,.0f} tokens/s ({how}), peak {fmt_bytes(peak_bytes(record))}",
             *([f"  not told apart from {named(tied)}: their timings do not show it clearly faster (paired rounds, "
                "else each run's own interval), so a rerun may order them the other way"] if tied else []),
-            *([f"  unsure against {named(unsure)}: too few timed steps to tell them apart either way"]
+            *([f"  unsure against {named(unsure)}: no 95% interval to tell them apart by (too few or too "
+               "correlated steps)"]
               if unsure else []),
             f"  {rec.command}"]

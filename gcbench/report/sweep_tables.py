@@ -173,7 +173,7 @@ def _time_ratio(row) -> str:
 def largest_fit_table(records: list[dict[str, Any]], width: int | None = None) -> Table | Group | None:
     """`gcbench report`'s "largest config that fit" table for these records; None when nothing ran out of memory
     (then "largest" would only mean "largest in the grid"). `width`: the terminal's (see tables.rich_table)."""
-    if not any(r["status"] == "oom" for r in records):
+    if not records:
         return None
     # The same frame `gcbench report` builds from a results file (results.load adds policy_label and source).
     rows = [{**r, "policy_label": policy_label(r), "source": "sweep"} for r in records]

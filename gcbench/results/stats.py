@@ -185,19 +185,14 @@ def tokens_per_step(record: Mapping[str, Any]) -> int:
     return record["batch_size"] * record["seq_len"] * (record.get("grad_accum") or 1)
 
 
-def clearly_faster(a: Mapping[str, Any], b: Mapping[str, Any], paired: bool) -> bool:
-    """Whether record a's speed (tokens/s; a fit's winners differ in size) is above b's past their noise. `paired`
-    (both timed in the same interleaved rounds, as results.schema.fastest ranks them, and their fit_paired_id
-    agrees): the 95% interval of their per-round tokens/s ratio lies above 1 (the median of per-round ratios can
-    disagree with the ratio of the medians, which ranks them: then a is not clearly faster); else their own
-    intervals of the time per token are clearly_different, a's the lower. False where an interval is missing:
-    nothing says a is faster (told_apart says None)."""
-    return told_apart(a, b, paired) is True
-
-
 def told_apart(a: Mapping[str, Any], b: Mapping[str, Any], paired: bool) -> bool | None:
-    """clearly_faster's answer, with None where there is nothing to tell by: too few steps for an interval (or
-    paired rounds of different lengths), so that a table can say "unsure" rather than "tied"."""
+    """Whether record a's speed (tokens/s; a fit's winners differ in size) is clearly above b's, past their noise:
+    True, False, or None where there is nothing to tell by (no 95% interval: too few or too correlated steps,
+    paired rounds of different lengths, an older record without one), so that a table says "unsure", not "tied".
+    `paired` (both timed in the same interleaved rounds, as results.schema.fastest ranks them, and their
+    fit_paired_id agrees): the 95% interval of their per-round tokens/s ratio lies above 1 (the median of per-round
+    ratios can disagree with the ratio of the medians, which ranks them: then a is not clearly faster); else their
+    own intervals of the time per token are clearly_different, a's the lower."""
     if paired and a.get("fit_paired_id") == b.get("fit_paired_id"):  # rounds of one interleaving
         xs, ys = a.get("paired_step_ms") or [], b.get("paired_step_ms") or []
         if not xs or len(xs) != len(ys):
