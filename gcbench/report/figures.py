@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib as mpl
 import pandas as pd
@@ -375,8 +375,7 @@ def write_figures(frame: pd.DataFrame, root: Path, folder: str = "figures") -> d
                 files.append(FigureFile(stem, title, "nothing measured here: only configs not run, or `gcbench fit` "
                                         "trials (figure 7 and the fit table)"))
                 continue
-            unmeasured = (rows["status"] == "ok") & rows["peak_bytes"].isna() if stem in PEAK_FIGURES \
-                else rows["status"].isna()
+            unmeasured = (rows["status"] == "ok") & rows["peak_bytes"].isna() & (stem in PEAK_FIGURES)
             compiled = "compile" in rows and bool((rows.loc[unmeasured, "compile"] == "blocks").all())
             rows = rows[~unmeasured]
             without = (f"{plural(int(unmeasured.sum()), 'successful run')} without a peak"
