@@ -241,8 +241,8 @@ def test_a_command_that_leaves_a_thread_running_exits_as_python_does(tmp_path):
     """Another thread still running at the end: Python's own exit waits for it, so the entry point leaves the end
     to it, finalization included."""
     held = tmp_path / "held.txt"
-    done = subprocess.run([sys.executable, "-c", _ENDING, str(held), "thread", "models"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", _ENDING, str(held), "thread", "policies"], capture_output=True,
+                          text=True, timeout=120)  # policies: torch loaded, 1.5 s (models builds 37 presets: 7 s)
     assert done.returncode == 0, done.stderr
     assert "thread done" in done.stdout and "atexit ran" in done.stdout and held.read_text() == "finalized"
 
@@ -263,15 +263,15 @@ def test_a_profiled_or_traced_process_keeps_python_s_own_exit(tmp_path, watch):
 def test_a_command_whose_output_was_closed_at_its_start_still_ends_cleanly():
     """stdout closed when the process starts (`gcbench ... >&-`): Python sets sys.stdout to None, which the early
     end skips as Python's own exit does (no traceback, exit 0)."""
-    done = subprocess.run([sys.executable, "-m", "gcbench", "models"], stderr=subprocess.PIPE, text=True,
+    done = subprocess.run([sys.executable, "-m", "gcbench", "policies"], stderr=subprocess.PIPE, text=True,
                           timeout=120, preexec_fn=lambda: os.close(1))
     assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
-@pytest.mark.parametrize("argv", [["models"], ["--version"]])
+@pytest.mark.parametrize("argv", [["policies"], ["--version"]])
 def test_output_to_a_full_disk_is_one_line_and_exit_1(argv):
-    # `gcbench models > /dev/full` was a traceback ending in OSError: [Errno 28]
+    # `gcbench models > /dev/full` was a traceback ending in OSError: [Errno 28] (policies: the same table path)
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "gcbench", *argv], stdout=full, stderr=subprocess.PIPE,
                               text=True, timeout=120)
