@@ -258,6 +258,11 @@ def test_fit_command_prints_the_table_and_the_command(tmp_path):
     assert result.exit_code == 0, result.output
     assert "max batch" in result.stdout and "recommended:" in result.stdout and "gcbench run --model" in \
         result.stdout
+    # at 80 columns: the recommendation wrapped, its later lines indented; the command whole on its line, to paste
+    lines = result.stdout.splitlines()
+    [command] = [line for line in lines if line.lstrip().startswith("gcbench run --model")]
+    assert command.rstrip().endswith("--memory-cap 12MiB") and all(len(line) <= 80 for line in lines
+                                                                   if line != command), result.stdout
     best = [r for r in read_records(out) if r.get("paired_tokens_per_s")]
     assert len(best) == 3
 
