@@ -187,29 +187,30 @@ class PredictionBar:
 
     def __init__(self, err_console: Console, what: str):
         self.console, self.what = err_console, what
-        self._shown: tuple[Progress, Progress, Live | None] | None = None
+        self._bar: Progress | None = None  # made by the first call: the bar, then what is predicted now under it
+        self._line: Progress | None = None
+        self._live: Live | None = None
         self._lock = threading.Lock()
 
     def __enter__(self) -> PredictionBar:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._shown is not None and self._shown[2] is not None:
-            self._shown[2].stop()
+        if self._live is not None:
+            self._live.stop()
 
     def __call__(self, done: int, total: int, what: str) -> None:
         from gcbench.sweeps.progress import bar_with_lines
 
         with self._lock:
-            if self._shown is None:  # the bar, then what is predicted now on a line under it
-                self._shown = bar_with_lines(self.console, self.console.is_terminal)
-                if self._shown[2] is not None:
-                    self._shown[2].start()
-                self._shown[0].add_task("", total=total)
-                self._shown[1].add_task("")
-            bar, line, _ = self._shown
-            bar.update(bar.task_ids[0], completed=done, total=total)
-            line.update(line.task_ids[0], description=plain(f"{self.what} {what}"))
+            if self._bar is None or self._line is None:
+                self._bar, self._line, self._live = bar_with_lines(self.console, self.console.is_terminal)
+                if self._live is not None:
+                    self._live.start()
+                self._bar.add_task("", total=total)
+                self._line.add_task("")
+            self._bar.update(self._bar.task_ids[0], completed=done, total=total)
+            self._line.update(self._line.task_ids[0], description=plain(f"{self.what} {what}"))
 
 
 # A plan across levers (fits/levers.py, docs/levers.md): an option of `fit` and of `estimate --fit`.

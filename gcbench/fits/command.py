@@ -184,14 +184,15 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
     if any(r["range_top"] for r in rows):  # seq's top is the model's longest: nothing longer runs
         caption.append(f"{vary} (top) = " + ("the top of the range searched fits: the largest batch that fits may be "
                                              "larger" if vary == "batch" else "the model's longest sequence fits"))
-    if device == "cuda" and method != "simulate":
+    by_allocated = device == "cuda" and method != "simulate"  # no allocator replayed: the peak alone decides
+    if by_allocated:
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more, and its segments can "
                        "run out a size or more below max batch; --method simulate replays it on the card, size by "
                        "size (seconds to minutes per policy)")
     best = max((r for r in rows if r["tokens_per_s"]), key=lambda r: r["tokens_per_s"], default=None)
     if best is not None:  # the command last, alone on its line: the CLI prints it outside the table (`fit_command`)
         caption += [f"predicted fastest: {best['policy']} at {vary} {best['value']}"
-                    + (" by its allocated peak" if device == "cuda" and method != "simulate" else "")
+                    + (" by its allocated peak" if by_allocated else "")
                     + "; measure it on the card with:",
                     fit_command({**fields, "policy": best["policy"]}, field_name, headroom if cap < usable else None)]
     title = f"{fields['model']} · largest {vary} predicted to fit · " + (

@@ -290,10 +290,9 @@ def recommend(best: list[dict[str, Any]], command) -> Recommendation | None:
     if (top := fastest(best)) is None:
         return None
     record, tokens_per_s, paired = top
-    apart = {id(r): told_apart(record, r, paired) for r in best if r is not record}
+    others = [(r, told_apart(record, r, paired)) for r in best if r is not record]
     return Recommendation(record, tokens_per_s, paired, command(record),
-                          [r for r in best if id(r) in apart and apart[id(r)] is not True],
-                          [r for r in best if id(r) in apart and apart[id(r)] is None])
+                          [r for r, apart in others if apart is not True], [r for r, apart in others if apart is None])
 
 
 def canonical_policy(policy: str, cap: int | None) -> str:

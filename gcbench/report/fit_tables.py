@@ -115,7 +115,7 @@ def recommendation_lines(rec: Any, vary: str, fits: Sequence[Any] = ()) -> list[
         return "; ".join(f"{policy_label(r)} at seq {r['seq_len']} x batch {r['batch_size']} ({r[key]:,.0f} tokens/s)"
                          for r in rows)
 
-    unsure = [r for r in rec.tied if any(r is u for u in rec.unsure)]
+    unsure = rec.unsure  # of the tied, those with nothing to tell them apart by
     tied = [r for r in rec.tied if not any(r is u for u in unsure)]
     return [f"recommended: {label} at seq {record['seq_len']} x batch {record['batch_size']}: "
             f"{rec.tokens_per_s:,.0f} tokens/s ({how}), peak {fmt_bytes(peak_bytes(record))}",
