@@ -322,8 +322,9 @@ def estimate(
                                                                 "method, one per line)")] = "table",
     fit_: Annotated[bool, typer.Option("--fit", help="per policy, the largest batch (--vary) predicted to fit "
                                                      "--gpu or --gpu-memory, and its predicted step time")] = False,
-    gpu: Annotated[str | None, typer.Option(help="a GPU by name (h100-80gb, a100-40gb, rtx4090-24gb, ...; "
-                                                 "docs/fit.md): the memory to fit in (less its context)",
+    gpu: Annotated[str | None, typer.Option(help="a GPU by name (h100-80gb, a100-40gb, rtx4090-24gb, ...; h200 "
+                                                 "where it names one card; docs/fit.md): the memory to fit in (less "
+                                                 "its context)",
                                             metavar="<name>")] = None,
     vary: Annotated[str, typer.Option(help="with --fit: batch | seq")] = "batch",
     headroom: Annotated[str, typer.Option(help="with --fit: part of the memory kept free, e.g. 5%",
@@ -341,6 +342,7 @@ def estimate(
         if output_format not in ("table", "json"):
             raise GcbenchError(f"unknown --format {output_format!r} (table, json)")
         memory = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+        gpu = gpu_entry(gpu).name if gpu is not None else None  # h200 -> h200-141gb, the name every output shows
         grid, _ = parse_options(spec_values, fields=ESTIMATE_FIELDS)
         if "model" not in grid:
             raise GcbenchError("no --model given: which model to estimate (see `gcbench models`)")

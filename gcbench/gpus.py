@@ -35,6 +35,7 @@ Where each number comes from:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from gcbench.errors import GcbenchError
@@ -171,13 +172,21 @@ GPUS: list[Gpu] = [
 
 
 def gpu(name: str) -> Gpu:
-    """The table's entry for --gpu NAME (one with a memory size); GcbenchError naming the known ones."""
+    """The table's entry for --gpu NAME (one with a memory size): its own name, or the leading words of it where
+    they name one card alone, in any case, with or without "nvidia" before them (h200, H200, nvidia-h200 and
+    "NVIDIA H200" are h200-141gb, as results/gpu/ and nvidia-smi name it; h100 is two cards and is refused, naming
+    both); GcbenchError naming the known ones."""
     known = [g for g in GPUS if g.memory_mib is not None]
     if "," in name:
         raise GcbenchError(f"--gpu takes one card, got {name!r}: give each card a command of its own")
-    for g in known:
-        if g.name == name.strip().lower():
-            return g
+    words = re.split(r"[\s_-]+", name.strip().lower())
+    words = words[1:] if words[0] == "nvidia" and len(words) > 1 else words
+    found = [g for g in known if g.name.split("-")[:len(words)] == words]
+    exact = [g for g in found if g.name == "-".join(words)]
+    if exact or len(found) == 1:
+        return (exact or found)[0]
+    if found:
+        raise GcbenchError(f"--gpu {name!r} names {len(found)} cards: {', '.join(g.name for g in found)}; give one")
     raise GcbenchError(f"unknown --gpu {name!r}; known: {', '.join(g.name for g in known)} (or give --gpu-memory)")
 
 

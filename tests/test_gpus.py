@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from gcbench.errors import GcbenchError
 from gcbench.gpus import CUDA_CONTEXT_BYTES, for_device, gpu
 
 H200 = Path(__file__).resolve().parent.parent / "results" / "gpu" / "nvidia-h200"
@@ -39,3 +42,34 @@ def test_a_device_at_hand_is_matched_by_the_total_torch_reports():
     assert for_device("NVIDIA H200", reading["total_bytes"]) is gpu("h200-141gb")
     assert for_device("NVIDIA H200", reading["total_bytes"] // 2) is None  # a slice of one is not the card
     assert for_device("NVIDIA A100 80GB PCIe", 81_920 * 2**20) is None  # "A100" matches the 40 GB entry
+
+
+def test_a_card_is_named_by_its_leading_words_where_they_name_it_alone():
+    # as results/gpu/ (nvidia-h200), nvidia-smi ("NVIDIA H200") and people ("h200", "H200") name it
+    for name in ("h200-141gb", "h200", "H200", "nvidia-h200", "NVIDIA H200", " h200_141GB "):
+        assert gpu(name).name == "h200-141gb", name
+    assert gpu("h100-pcie").name == "h100-pcie-80gb" and gpu("h100-80gb").name == "h100-80gb"
+    assert gpu("l4").name == "l4-24gb"  # a word, not a prefix of one: l40s-48gb is not named by l4
+    for name, cards in (("h100", "h100-pcie-80gb, h100-80gb"), ("a100", "a100-80gb, a100-40gb")):
+        with pytest.raises(GcbenchError, match=f"names 2 cards: {cards}; give one"):
+            gpu(name)
+    for name in ("h20", "nvidia", "", "-", "h200-80gb", "v100"):  # v100: matched by a device's name only
+        with pytest.raises(GcbenchError, match="unknown --gpu"):
+            gpu(name)
+
+
+def test_the_commands_show_a_short_card_name_as_the_cards_own():
+    from typer.testing import CliRunner
+
+    from gcbench.cli import app
+
+    shown = CliRunner().invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--method", "analytic",
+                                     "--policy", "none", "--fit", "--gpu", "H200", "--format", "json"])
+    assert shown.exit_code == 0, shown.output
+    assert {json.loads(line)["gpu"] for line in shown.stdout.splitlines()} == {"h200-141gb"}
+    table = CliRunner().invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--method", "analytic",
+                                     "--gpu", "H200"])
+    assert table.exit_code == 0, table.output
+    assert "h200-141gb" in table.stdout and "H200" not in table.stdout.replace("NVIDIA H200", "")
+    plan = CliRunner().invoke(app, ["validate", "--dry-run", "--gpu", "h100"])
+    assert plan.exit_code == 2 and "the plan is made for h100-80gb, h200-141gb" in plan.stderr

@@ -153,7 +153,8 @@ def _fits_note(rows: list[dict[str, Any]], memory_bytes: int, card: str | None) 
     the card, whether cudaMalloc would run out (the reserved column: max_memory_reserved; past: it runs out).
     `card`: the --gpu the memory is what it leaves usable of; None: --gpu-memory, as given."""
     if not any(r.get("runs_out") is not None for r in rows):
-        return f"fits = peak <= {fmt_bytes(memory_bytes)}"
+        whose = f"{card} less its CUDA context and cuBLAS workspaces" if card else "--gpu-memory as given"
+        return f"fits = peak <= {fmt_bytes(memory_bytes)}, {whose}"
     whose = f"{card} less its context and those workspaces" if card else "--gpu-memory as given"
     return (f"reserved = max_memory_reserved, PyTorch's caching allocator replayed on the step, its cuBLAS "
             f"workspaces included (simulate rows{'' if card else ', as on Hopper'}); fits = the step's own tensors "

@@ -3,6 +3,7 @@ predict, dry run, or run (then archive). Every bad input is a GcbenchError befor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import typer
 from rich.console import Console
 
 from gcbench.cli_options import domain_errors
+from gcbench import gpus
 from gcbench.errors import GcbenchError
 from gcbench.validate.plan import (CARDS, COMMAND_LIMIT_S, DEVICE_NAMES, PREDICTED, SMOKE_ROOT, results_folder,
                                    tiers as plan_tiers)
@@ -33,7 +35,7 @@ def validate(
     import_: Annotated[Path | None, Opt("--import", metavar="<archive>",
                                         help="merge a GPU archive into this checkout: records, report, quoted numbers"
                                         )] = None,
-    gpu: Annotated[str | None, Opt(help="card to plan for: h100-80gb (default), h200-141gb")] = None,
+    gpu: Annotated[str | None, Opt(help="card to plan for: h100-80gb (default), h200-141gb (or h200)")] = None,
     smoke: Annotated[bool, Opt("--smoke", help="the plan on tiny models, into results/gpu-smoke/")] = False,
 ) -> None:
     """The GPU validation in tiers of at most 8 minutes, resumable (docs/gpu.md). Exit 0: all done; 75: stopped at
@@ -70,6 +72,8 @@ def validate_command(*, dry_run: bool, deadline: float | None, tiers: str | None
         raise GcbenchError(f"--deadline and --archive go with a run, not with {modes[0]}")
     if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
         raise GcbenchError(f"--deadline must be a positive number of seconds, got {deadline:g}")
+    with contextlib.suppress(GcbenchError):  # h200 -> h200-141gb; a name of no card is refused below
+        gpu = gpus.gpu(gpu).name if gpu is not None else None
     if gpu is not None and gpu not in CARDS:
         raise GcbenchError(f"--gpu {gpu!r}: the plan is made for {', '.join(CARDS)}")
     wanted = _tier_numbers(tiers)
