@@ -587,3 +587,23 @@ def test_the_progress_bar_keeps_its_count_and_eta_whole_at_80_columns():
     bar, what = shown.export_text().splitlines()[:2]
     assert "4/16" in bar and "eta" in bar and bar.rstrip().endswith("ok 3 · oom 1") and "…" not in bar
     assert what.startswith("  tiny-llama seq 64 batch 2 full") and what.rstrip().endswith("…") and len(what) <= 80
+
+
+def test_all_five_statuses_wrap_under_themselves_and_leave_the_count_and_eta_whole_at_80_columns():
+    # with every status seen the counts took 45 columns: rich cut the count to "1100/12…" and the ETA to "e…"
+    import io
+
+    from rich.console import Console
+
+    from gcbench.sweeps.progress import SweepProgress
+
+    console = Console(width=80, force_terminal=True, file=io.StringIO(), color_system=None)
+    with SweepProgress(console, 1200, 0) as view:
+        view.counts.update({"ok": 1000, "oom": 30, "timeout": 10, "error": 20, "skipped": 40})
+        view._bar.update(view._task, advance=1100, counts=view._counts_text())
+        shown = Console(width=80, record=True, file=io.StringIO())
+        shown.print(view._live.renderable)
+    first, second = shown.export_text().splitlines()[:2]
+    assert "…" not in first + second and "1100/1200" in first and " eta " in first and "━" in first
+    counts = " ".join((first.split("-:--:--")[1] + second).split())
+    assert counts == "ok 1000 · oom 30 · timeout 10 · error 20 · skipped 40"

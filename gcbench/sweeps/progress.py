@@ -27,11 +27,14 @@ BAR_WIDTH = 20  # columns: the bar's line then fits 80 with its count, times and
 
 def bar_with_lines(console: Console | None, live: bool, *more: ProgressColumn) -> tuple[Progress, Progress,
                                                                                          Live | None]:
-    """A bar's line with what must stay whole (its count, elapsed time, ETA, then `more`: about 60 columns), and
+    """A bar's line with what must stay whole (its count, elapsed time, ETA), then `more` (about 60 columns in
+    all; where `more` is longer, such as a sweep's five statuses, it wraps under itself at a word), and
     under it lines of what runs (a task each), cut short with an ellipsis where the terminal is narrower; shown
     together by the Live (None where not `live`: a pipe, a log file)."""
-    bar = Progress(SpinnerColumn(), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("eta"), TimeRemainingColumn(), *more, console=console, transient=True,
+    whole = Column(no_wrap=True)  # each column copies it (Progress.make_tasks_table): `more` wraps first
+    bar = Progress(SpinnerColumn(), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(table_column=whole),
+                   TimeElapsedColumn(table_column=whole), TextColumn("eta", table_column=whole),
+                   TimeRemainingColumn(table_column=whole), *more, console=console, transient=True,
                    disable=not live)
     lines = Progress(TextColumn("  {task.description}", markup=False,
                                 table_column=Column(no_wrap=True, overflow="ellipsis")),
@@ -49,7 +52,10 @@ class SweepProgress:
         self._labels: dict[int, str] = {}  # slot -> the config it runs now
         self._lock = threading.Lock()
         live = console is not None and console.is_terminal  # the bar only on a terminal; a pipe gets the lines
-        self._bar, self._lines, self._live = bar_with_lines(console, live, TextColumn("{task.fields[counts]}"))
+        # the counts wrap at a word under themselves where all five statuses outgrow the line (a column of
+        # their own: with none, rich squeezed the count and ETA to make room)
+        counts = TextColumn("{task.fields[counts]}", table_column=Column())
+        self._bar, self._lines, self._live = bar_with_lines(console, live, counts)
         # Configs side by side (--devices, --jobs): a line per GPU or core set with what it runs.
         self._slot_names = list(slots) if len(slots) > 1 else []
 
