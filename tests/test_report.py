@@ -541,3 +541,20 @@ def test_a_simulation_no_run_asked_for_is_left_out_not_shown_as_failed(tmp_path,
     assert sorted("+2.0%" in row for row in rows) == [False] * (len(ok) - 1) + [True]
     assert sum("| off |" in row for row in rows) == len(ok) - 1
     assert "off = this run did not ask for the simulation (--predict on)." in section
+
+
+def test_a_ratio_to_a_none_run_without_a_peak_says_so_beside_a_measured_peak(tmp_path, records):
+    # none's records without a peak (a results file written by hand, or by another tool) beside full's: full's
+    # peak stood beside a bare "-" no note explained
+    from gcbench.runner import TRACKED_PEAK_FIELDS
+
+    mixed = [{k: v for k, v in r.items() if k not in TRACKED_PEAK_FIELDS}
+             if r["status"] == "ok" and r["policy"] == "none" else r for r in records]
+    out = runner.invoke(app, ["report", str(write(tmp_path / "m.jsonl", mixed))])
+    assert out.exit_code == 0, out.output
+    rows = [[c.strip() for c in line.split("│")] for line in out.stdout.splitlines() if "│ ok" in line]
+    peak_x = {(r[1], r[3]): r[7] for r in rows}  # seq, policy -> peak x none
+    assert peak_x == {("32", "none"): "-", ("32", "full"): "n/a", ("64", "none"): "-", ("64", "full"): "n/a"}
+    said = " ".join(out.stdout.split())
+    assert "peak x none n/a beside a peak: the `none` run at that seq and batch measured none." in said
+    assert "peak - on a run that ran ok: not measured." in said

@@ -57,7 +57,9 @@ def results_grid(part: pd.DataFrame) -> Grid:
     def ratio(v: Any, r: dict) -> str:
         if r["status"] != "ok":
             return "-"
-        return f"{v:.2f}x" if given(v) else "-" if r["has_baseline"] else "n/a"  # -: a peak not measured
+        if given(v):
+            return f"{v:.2f}x"
+        return "-" if r["has_baseline"] and not given(r["peak_bytes"]) else "n/a"  # -: its own peak not measured
 
     mixed = part["time_x_paired"].any() and not part.loc[part["status"] == "ok", "time_x_paired"].all()
 
@@ -102,6 +104,9 @@ def results_grid(part: pd.DataFrame) -> Grid:
     if ((part["status"] == "ok") & ~part["has_baseline"]).any():
         notes.append("n/a: no successful `none` run at that seq and batch, so the ratio is unavailable (absolute "
                      "numbers shown).")
+    if ((part["status"] == "ok") & part["has_baseline"] & part["peak_bytes"].notna()
+            & part["peak_x_none"].isna()).any():
+        notes.append("peak x none n/a beside a peak: the `none` run at that seq and batch measured none.")
     if predicted:
         notes.append("prediction error = predicted / measured peak - 1.")
     if "oom_predicted" in part and (part["oom_predicted"] == True).any():  # noqa: E712 - NaN where absent
