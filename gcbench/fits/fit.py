@@ -33,9 +33,9 @@ from gcbench.instruments import free_after_context
 from gcbench.paired import choose_baseline, pairable
 from gcbench.policies import Plan, parse_policy
 from gcbench.policies.plan import canonical_size
-from gcbench.results.schema import SHAPE_FIELDS, Status, config_key, config_label, fastest, peak_bytes, policy_label
+from gcbench.results.schema import SHAPE_FIELDS, Status, config_key, config_label, peak_bytes, policy_label
 from gcbench.results.rewrite import open_for_writing
-from gcbench.results.stats import told_apart
+from gcbench.results.stats import standing
 from gcbench.results.store import append_record, read_records
 from gcbench.runner import check_fits, model_size
 from gcbench.fields import RUN_FIELDS, DeviceKind, Role, run_field
@@ -287,12 +287,10 @@ class Fit:
 def recommend(best: list[dict[str, Any]], command) -> Recommendation | None:
     """The fastest of the policies' largest configs (results.schema.fastest), with the command that runs it and the
     others it cannot be told apart from."""
-    if (top := fastest(best)) is None:
+    if (found := standing(best)) is None:
         return None
-    record, tokens_per_s, paired = top
-    others = [(r, told_apart(record, r, paired)) for r in best if r is not record]
-    return Recommendation(record, tokens_per_s, paired, command(record),
-                          [r for r, apart in others if apart is not True], [r for r, apart in others if apart is None])
+    return Recommendation(found.top, found.tokens_per_s, found.paired, command(found.top), found.tied,
+                          found.unsure)
 
 
 def canonical_policy(policy: str, cap: int | None) -> str:

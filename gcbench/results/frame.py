@@ -15,9 +15,9 @@ import pandas as pd
 
 from gcbench.errors import GcbenchError
 from gcbench.fields import DeviceKind, setup_words, spec_columns
-from gcbench.results.schema import (SHAPE_FIELDS, SIZE_WORDS, fastest, fit_policy, half_width, mix_text,
+from gcbench.results.schema import (SHAPE_FIELDS, SIZE_WORDS, fit_policy, half_width, mix_text,
                                     policy_label)
-from gcbench.results.stats import told_apart
+from gcbench.results.stats import standing
 from gcbench.results.store import read_records, result_files
 from gcbench.units import plural
 
@@ -259,16 +259,14 @@ def fit_summary(frame: pd.DataFrame) -> pd.DataFrame:
                     "paired_tokens_per_s": r["paired_tokens_per_s"] if one_search and given(
                         r["paired_tokens_per_s"]) else None}
                    for i, r in g[g["maximum"].notna()].iterrows()]
-        if (top := fastest(winners)) is not None:
-            paired = top[2]
+        if (found := standing(winners)) is not None:
             for r in winners:
-                summary.loc[r["_index"], "rate"] = r["paired_tokens_per_s" if paired else "tokens_per_s"]
-                summary.loc[r["_index"], "rate_paired"] = paired
-                # not told apart from the best: a rerun may order them the other way (unsure: nothing to tell by)
-                apart = None if r is top[0] else told_apart(top[0], r, paired)
-                summary.loc[r["_index"], "tied"] = r is not top[0] and apart is not True
-                summary.loc[r["_index"], "unsure"] = r is not top[0] and apart is None
-            summary.loc[top[0]["_index"], "best"] = True
+                summary.loc[r["_index"], "rate"] = r["paired_tokens_per_s" if found.paired else "tokens_per_s"]
+                summary.loc[r["_index"], "rate_paired"] = found.paired
+            # not told apart from the best: a rerun may order them the other way (unsure: nothing to tell by)
+            summary.loc[[r["_index"] for r in found.tied], "tied"] = True
+            summary.loc[[r["_index"] for r in found.unsure], "unsure"] = True
+            summary.loc[found.top["_index"], "best"] = True
     summary["best"] = summary["best"].fillna(False).astype(bool)
     summary["tied"] = summary["tied"].fillna(False).astype(bool)
     summary["unsure"] = summary["unsure"].fillna(False).astype(bool)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gcbench.results.schema import half_width
+from gcbench.results.schema import fastest, half_width
 
 CONFIDENCE = 0.95
 # The fewest samples with an interval: min..max of 6 independent samples brackets the median with probability
@@ -204,3 +204,25 @@ def told_apart(a: Mapping[str, Any], b: Mapping[str, Any], paired: bool) -> bool
     per_token = [(r["step_ms_median"] / tokens_per_step(r), [v / tokens_per_step(r) for v in r["step_ms_ci"]])
                  for r in (a, b)]
     return bool(per_token[0][0] < per_token[1][0] and clearly_different(*per_token[0], *per_token[1]))
+
+
+@dataclass(frozen=True)
+class Standing:
+    """The fastest of a fit's winners (results.schema.fastest) and the others a rerun may order the other way."""
+
+    top: Mapping[str, Any]
+    tokens_per_s: float
+    paired: bool  # ranked by paired timing (all winners timed interleaved) rather than separate runs
+    tied: list[Mapping[str, Any]]  # not told apart from the top (told_apart is not True)
+    unsure: list[Mapping[str, Any]]  # of the tied, those with nothing to tell them by (told_apart is None)
+
+
+def standing(best: Sequence[Mapping[str, Any]]) -> Standing | None:
+    """The fastest of `best` (a fit's winners), and which of the others are tied with it or unsure against it:
+    `gcbench fit`'s recommendation and the report's fit table read the same answer."""
+    if (found := fastest(best)) is None:
+        return None
+    top, tokens_per_s, paired = found
+    others = [(r, told_apart(top, r, paired)) for r in best if r is not top]
+    return Standing(top, tokens_per_s, paired, [r for r, apart in others if apart is not True],
+                    [r for r, apart in others if apart is None])
