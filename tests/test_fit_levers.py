@@ -13,7 +13,7 @@ from gcbench.cli import app
 from gcbench.errors import GcbenchError
 from gcbench.fits import lever_command, levers
 from gcbench.fits.lever_command import make_plan
-from gcbench.fits.levers import ADAPTERS, FULL, NOT_NEEDED, Row, lever_space, predict_plan, ranked
+from gcbench.fits.levers import ADAPTERS, FULL, NOT_NEEDED, Row, lever_space, predict_plan, ranked, tier_heads
 from gcbench.fits.lever_table import lever_tables
 from gcbench.optimizers import OptimizerKind
 from tests.helpers import assert_refused
@@ -74,6 +74,19 @@ def test_ranked_by_speed_then_fewer_changes_then_batch_then_peak():
     order = ranked([slow, out, adapter, large_peak, two_changes, fast_big, fast, small_peak])
     assert order == [fast, fast_big, small_peak, large_peak, two_changes, slow, adapter, out]
     assert [r.group for r in order[:7]] == [FULL] * 6 + [ADAPTERS]
+
+
+def test_a_chain_not_told_apart_is_one_tier_whatever_the_tie_breaks_put_first():
+    # each within 3% of the next faster: 5,737 > 5,599 > 5,487 > 5,406 tokens/s is one tier; the tie-breaks put
+    # the slowest first (no change), and the table numbered them 1, 2, =2, 4: row 4 faster than rows 1-3
+    none, sac, full, sac8 = _row("none"), _row("sac", batch=8), _row("full"), _row("sac", "adamw8bit")
+    for row, tokens in ((none, 5406), (sac, 5599), (full, 5487), (sac8, 5737)):
+        row.tokens_per_s = tokens
+    order = ranked([sac8, sac, full, none])
+    assert order == [none, sac, full, sac8] and tier_heads(order) == [1, 1, 1, 1]
+    apart = _row("none", "adafactor")
+    apart.tokens_per_s = 5000  # 7.5% below the slowest of them: a tier of its own
+    assert tier_heads(ranked([sac8, sac, full, none, apart])) == [1, 1, 1, 1, 5]
 
 
 @dataclass

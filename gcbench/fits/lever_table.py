@@ -65,7 +65,7 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
                   f"(docs/methodology.md, \"Predicting step time\"); rates: {timed_on}" if timed_on
                   else "x best = the fewest FLOPs per token / the row's (no time model: no GPU named; sac's and "
                        "qlora's extra work is not in FLOPs)")
-                 + ("; =N: not told apart from row N (" + (f"each within {TIED:.0%} of the row above" if timed_on
+                 + ("; =N: not told apart from row N (" + (f"each within {TIED:.0%} of the next faster" if timed_on
                                                              else "the same FLOPs per token")
                     + ": among them fewer levers, then a larger micro-batch, then a smaller peak first)" if any(
                         h != i for i, h in enumerate(heads[:top], 1)) else "")]

@@ -36,32 +36,37 @@ def time_row(row: Row, fields: dict[str, Any], target: str, rates: Any) -> None:
 
 def ranked(rows: list[Row]) -> list[Row]:
     """The rows that fit, full fine-tuning first, each group by predicted speed (tokens/s on the card, most first;
-    without a card FLOPs per token, fewest first), where two are within TIED of the group's next faster one the
-    fewer changes, the larger micro-batch, the smaller peak first; then the others as they came."""
-    def speed(r: Row) -> float:
-        if r.tokens_per_s:
-            return -r.tokens_per_s
-        return float(f"{r.flops_per_token:.9g}") if r.flops_per_token else math.inf
-
-    fitting = sorted((r for r in rows if r.fits), key=lambda r: (r.group != FULL, speed(r)))
-    # runs of rows each within TIED of the one before: one tier, ordered by the tie-breaks
-    tiers: list[list[Row]] = []
-    for r in fitting:
-        if tiers and tiers[-1][-1].group == r.group and tied(tiers[-1][-1], r):
-            tiers[-1].append(r)
-        else:
-            tiers.append([r])
+    without a card FLOPs per token, fewest first), where rows are not told apart (`tiers`) the fewer changes, the
+    larger micro-batch, the smaller peak first; then the others as they came."""
+    tiers = _tiers(rows)
     order = [r for tier in tiers for r in sorted(tier, key=lambda r: (r.changes, -(r.micro_batch or 0), r.peak or 0))]
     return order + [r for r in rows if not r.fits]
 
 
 def tier_heads(rows: list[Row]) -> list[int]:
-    """For each of `rows` (ranked, fitting), the 1-based position of the first row of its tier: rows each within
-    TIED of the one before are not told apart."""
-    heads: list[int] = []
-    for i, r in enumerate(rows):
-        heads.append(heads[-1] if i and rows[i - 1].group == r.group and tied(rows[i - 1], r) else i + 1)
-    return heads
+    """For each of `rows` (ranked, fitting), the 1-based position of the first row of its tier (`tiers`), which
+    the table shows as =N: a tier is one whatever the tie-breaks put first."""
+    tier_of = {id(r): n for n, tier in enumerate(_tiers(rows)) for r in tier}
+    first: dict[int, int] = {}
+    return [first.setdefault(tier_of[id(r)], i) for i, r in enumerate(rows, 1)]
+
+
+def _tiers(rows: list[Row]) -> list[list[Row]]:
+    """The rows that fit in runs not told apart, fastest first (full fine-tuning's, then the adapters'): sorted by
+    speed, each run of rows each within TIED of the next faster one is one tier (a slower row that the tie-breaks
+    put first does not part it)."""
+    def speed(r: Row) -> float:
+        if r.tokens_per_s:
+            return -r.tokens_per_s
+        return float(f"{r.flops_per_token:.9g}") if r.flops_per_token else math.inf
+
+    tiers: list[list[Row]] = []
+    for r in sorted((r for r in rows if r.fits), key=lambda r: (r.group != FULL, speed(r))):
+        if tiers and tiers[-1][-1].group == r.group and tied(tiers[-1][-1], r):
+            tiers[-1].append(r)
+        else:
+            tiers.append([r])
+    return tiers
 
 
 def tied(a: Row, b: Row) -> bool:
