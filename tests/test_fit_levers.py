@@ -102,10 +102,12 @@ class _Est:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
+    optimizer_paged_bytes: int | None = None  # an optimizer that pages nothing, as estimators.Estimate has it
 
 
 # A fake model of memory (bytes) and FLOPs: state by optimizer, activations per sample by policy and loss.
-STATE = {"adamw": 80, "adafactor": 40, "adamw8bit": 60}
+STATE = {"adamw": 80, "adafactor": 40, "adamw8bit": 60, "paged_adamw8bit": 2}
+PAGED = {"paged_adamw8bit": 50}  # in CUDA managed memory, outside the allocator's peak
 PER_SAMPLE = {("none", "ce"): 30, ("none", "chunked"): 20, ("full", "ce"): 5, ("full", "chunked"): 4,
               ("sac", "ce"): 12, ("sac", "chunked"): 10}
 FLOPS = {("none", "ce"): 300, ("none", "chunked"): 310, ("full", "ce"): 400, ("full", "chunked"): 410,
@@ -119,11 +121,13 @@ def _fake(monkeypatch, budget):
         optimizer, loss = fields.get("optimizer", "adamw"), fields.get("loss", "ce")
         predicted.append((policy, optimizer, loss))
         per, state = PER_SAMPLE[(policy, loss)], STATE[optimizer]
-        best = min((budget - state) // per, search.hi) if budget - state >= per else None
+        room = search.budget - state  # the budget it is given (less a paged optimizer's state), as predict_fit
+        best = min(room // per, search.hi) if room >= per else None
         return _Found(best, _Est(state + per * best) if best else None, state + per * ((best or 0) + 1))
 
     monkeypatch.setattr(levers, "predict_fit", fake_fit)
-    monkeypatch.setattr(levers, "estimate", lambda spec, method, target: _Est(0, STATE[spec.optimizer]))
+    monkeypatch.setattr(levers, "estimate", lambda spec, method, target: _Est(
+        0, optimizer_bytes=STATE[spec.optimizer], optimizer_paged_bytes=PAGED.get(spec.optimizer)))
     monkeypatch.setattr(levers, "step_flops", lambda spec, target: FLOPS[(spec.policy.name, spec.loss)] * 64)
     return predicted
 
@@ -147,6 +151,24 @@ def test_plan_ranks_fitting_candidates_by_predicted_tokens_per_s(monkeypatch):
     skipped = [r for r in rows if r.reason == NOT_NEEDED]
     assert skipped and all(r.levers["optimizer"] != "adamw" or r.levers["loss"] != "ce" for r in skipped)
     assert ("none", "adafactor", "ce") not in predicted and ("none", "adamw", "chunked") not in predicted
+
+
+def test_a_paged_optimizers_state_stays_on_the_card_beside_the_peak(monkeypatch):
+    # paged past the budget the state moves over PCIe every step, a time the model does not predict: the plan
+    # ranked such a row first (its allocator peak alone within the budget, 13.59 GiB of paged state beside it)
+    _fake(monkeypatch, 100)
+    plan = make_plan({**TINY, "optimizer": ("adamw", "paged_adamw8bit")}, "policy,optimizer", 100, "cuda", None)
+    rows = {(r.levers["policy"], r.levers["optimizer"]): r for r in predict_plan(plan, top=1)}
+    paged = rows[("none", "paged_adamw8bit")]
+    # 100 - 50 paged - 2 in the allocator leaves one sample of 30 (the allocator's part alone: three)
+    assert (paged.micro_batch, paged.peak, paged.paged) == (1, 32, 50) and not rows[("none", "adamw")].fits
+    _fake(monkeypatch, 60)
+    plan = make_plan({**TINY, "optimizer": ("paged_adamw8bit",)}, "policy", 60, "cuda", None)
+    none = next(r for r in predict_plan(plan, top=1) if r.levers["policy"] == "none")
+    assert not none.fits and none.reason == "batch 1 does not fit beside its paged optimizer state (50 B)"
+    plan = make_plan({**TINY, "optimizer": ("paged_adamw8bit",)}, "policy", 40, "cuda", None)
+    assert {r.reason for r in predict_plan(plan, top=1)} == {"model state 52 B (50 B of it paged optimizer state) "
+                                                             "> budget"}
 
 
 def test_on_a_card_the_plan_ranks_by_predicted_step_time_and_ties_what_it_cannot_tell_apart(monkeypatch):

@@ -70,6 +70,9 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
                     + ": among them fewer levers, then a larger micro-batch, then a smaller peak first)" if any(
                         h != i for i, h in enumerate(heads[:top], 1)) else "")]
         lines += [order] if order and timed_on and len(fitting) > 1 else []
+        if paged := max((r.paged for r in fitting[:top]), default=0):  # docs/levers.md, "Paged optimizers"
+            lines.append(f"a paged optimizer's peak leaves room for its paged state ({fmt_bytes(paged)}) within the "
+                         "budget: past it the state pages over PCIe every step, a time not predicted")
         lines += _reasons(rows)
         lines += [f"not ranked: {text}" for text, _ in missing]  # whole: the line says what to install
         if plan.refused and group == FULL:

@@ -1,11 +1,13 @@
 """`gcbench fit --levers auto` (and `gcbench estimate --fit --gpu NAME --levers auto`): a plan across the memory
 levers, not only the policy. See docs/levers.md, "A plan across levers".
 
-The space is the product of the candidate values in CANDIDATES (one table), less the levers the user fixed, less
-what reasoning rules out (`candidates`): an adapter trains under 1% of the parameters, so with an adapter the
-optimizer and its step are not searched (their state is that small); the CUDA-only values (qlora, the paged
-optimizers) only for a CUDA target. Each candidate gets the largest micro-batch predicted to fit (the search of
-`estimate --fit`, predict.py), and with a global batch (--batch) the accumulation that reaches it.
+The space is the product of the candidate values in CANDIDATES (space.py: one table), less the levers the user
+fixed, less what reasoning rules out (`candidates`): an adapter trains under 1% of the parameters, so with an
+adapter the optimizer and its step are not searched (their state is that small); the CUDA-only values (qlora, the
+paged optimizers) only for a CUDA target; a paged optimizer's state must stay on the card beside the peak (past it
+the driver pages it over PCIe every step, a time the model does not predict). Each candidate gets the largest
+micro-batch predicted to fit (the search of `estimate --fit`, predict.py), and with a global batch (--batch) the
+accumulation that reaches it.
 
 Ranked by predicted tokens/s on the card (a CUDA target with a card gcbench has rates for): each candidate that
 fits simulated at its micro-batch and accumulation, and its step played on the card by the time model
@@ -40,24 +42,17 @@ from gcbench.adapters import parse_adapter
 from gcbench.errors import GcbenchError
 from gcbench.estimators import analytic, estimate, step_flops
 from gcbench.estimators.estimates import Progress
-from gcbench.fields import RUN_FIELDS, Role, default_precision, run_field, setup_words
+from gcbench.fields import RUN_FIELDS, Role, run_field, setup_words
 from gcbench.fits.fit import DEFAULT_BATCH_RANGE
 from gcbench.fits.predict import predict_fit, spec_at
 from gcbench.fits.ranking import (  # noqa: F401 - the plan's ranking, and the groups it ranks apart
     ADAPTERS, FULL, TIED, ranked, tied, tier_heads, time_row)
 from gcbench.fits.search import Search
+from gcbench.fits.space import (  # noqa: F401 - what --levers may name (lever_command reads them here)
+    CANDIDATES, LEVERS, lever_default, lever_space)
+from gcbench.optimizers import optimizer_kind
 from gcbench.units import fmt_bytes
 
-# The candidate values of each lever a plan searches: the one table, made of the fields' declarations (fields.py:
-# `plan`, `plan_role`). `policy` there: fit's policies less `plan` (itself a search over kinds of block, a
-# simulation per kind at every size tried) and `sqrtn` (it recomputes as much as `full` and keeps more: ceil(N/k)
-# inputs and k blocks' internals against N inputs and one block's, unless a block's internals are under sqrt(N)
-# inputs: hundreds of layers). A value its field does not declare (yet) is left out when a plan is made.
-CANDIDATES: dict[str, tuple[Any, ...]] = {f.name: f.plan for f in RUN_FIELDS if f.plan is not None}
-LEVERS = tuple(CANDIDATES)  # what --levers may name
-AUTO = tuple(f.name for f in RUN_FIELDS if f.plan is not None and f.plan_role != "named")
-CUDA_ONLY = ("qlora", "paged_adamw8bit", "paged_adamw32bit")  # values for a CUDA target only: CUDA's kernels
-CPU_PRECISIONS = {"bf16": "fp32", "amp-bf16": "bf16"}  # a CPU target's default is fp32; bf16 the lever
 # The levers that change a step's FLOPs (recompute, the loss's chunks, no weight gradients of a frozen base), and
 # those of them a class is made of. QLoRA counts as LoRA (its 4-bit base is dequantised: no matmul FLOPs of its own).
 COST_LEVERS = tuple(f.name for f in RUN_FIELDS if f.plan_role in ("class", "flops"))
@@ -88,7 +83,10 @@ class Row:
     target: str = "cuda"
     micro_batch: int | None = None
     accum: int = 1
-    peak: int | None = None
+    peak: int | None = None  # max_memory_allocated at micro_batch
+    # a paged optimizer's state in CUDA managed memory, which must stay on the card beside the peak: past it the
+    # driver pages it over PCIe every step, a time the model does not predict (docs/levers.md, "Paged optimizers")
+    paged: int = 0
     flops_per_token: float | None = None
     tokens_per_s: float | None = None  # predicted on the card (the time model); None without one
     step_ms: float | None = None
@@ -100,7 +98,7 @@ class Row:
         return FULL if self.spec_fields.get("adapter", "none") == "none" else ADAPTERS
 
     def _of(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(_as_lora(self.spec_fields.get(k, _default(k, self.target))) for k in names)
+        return tuple(_as_lora(self.spec_fields.get(k, lever_default(k, self.target))) for k in names)
 
     @property
     def cost_class(self) -> tuple[str, ...]:
@@ -114,15 +112,15 @@ class Row:
     @property
     def level(self) -> tuple[int, int]:
         """(levers it adds to its class that cost FLOPs, memory levers it adds: QLoRA's 4-bit base is one)."""
-        memory = sum(1 for k, v in self.levers.items() if k not in COST_LEVERS and v != _default(k, self.target))
+        memory = sum(1 for k, v in self.levers.items() if k not in COST_LEVERS and v != lever_default(k, self.target))
         return (sum(1 for k in COST_LEVERS if k not in CLASS_LEVERS and k in self.levers
-                    and self.levers[k] != _default(k, self.target)),
+                    and self.levers[k] != lever_default(k, self.target)),
                 memory + (_adapter_kind(self.spec_fields.get("adapter")) == "qlora"))
 
     @property
     def changes(self) -> int:
         """How many levers differ from their defaults (LoRA's 4-bit base counted as one more)."""
-        return sum(1 for k in CLASS_LEVERS if k in self.levers and self.levers[k] != _default(k, self.target)) \
+        return sum(1 for k in CLASS_LEVERS if k in self.levers and self.levers[k] != lever_default(k, self.target)) \
             + sum(self.level)
 
     @property
@@ -131,7 +129,7 @@ class Row:
 
     def words(self) -> str:
         """The policy, then the levers that differ from the defaults, as setup names say them."""
-        changed = {k: v for k, v in self.levers.items() if k != "policy" and v != _default(k, self.target)}
+        changed = {k: v for k, v in self.levers.items() if k != "policy" and v != lever_default(k, self.target)}
         words = [str(self.spec_fields["policy"])] if "policy" in self.levers else []
         words += [w for w in (setup_words({**changed, "grad_accum": self.accum}, roles=(Role.LEVER,)),) if w]
         return " · ".join(words) or "defaults"
@@ -160,68 +158,6 @@ class LeverPlan:
         return Search(1, self.hi, self.budget).bound + (1 if self.global_batch else 0)
 
 
-def _default(name: str, target: str) -> Any:
-    """A lever's value where it is not given: its field's default; the precision `gcbench run` picks on `target`."""
-    if name == "precision":
-        return default_precision(target)
-    return run_field(name).default
-
-
-def lever_space(levers: str, given: Mapping[str, tuple[Any, ...]], target: str
-                ) -> tuple[dict[str, tuple[Any, ...]], dict[str, Any]]:
-    """(the levers searched -> their candidates, the levers fixed -> their value) from --levers (auto or
-    comma-separated names) and the values given on the command line (field -> values): one value fixes a lever
-    (not searched; an error where --levers names it), several are its candidates."""
-    words = tuple(n.strip().replace("-", "_") for n in levers.split(","))
-    unknown = [n for n in words if n not in (*LEVERS, "auto")]
-    twice = [n for i, n in enumerate(words) if n in words[:i]]
-    why = (f"unknown lever {unknown[0]!r}" if unknown else "auto (every lever) stands alone: give auto or lever names"
-           if "auto" in words and len(words) > 1 else f"lever {twice[0]!r} named twice" if twice else None)
-    if why:
-        raise GcbenchError(f"--levers {levers!r}: {why} (auto, or some of {', '.join(LEVERS)})")
-    names = AUTO if words == ("auto",) else words
-    searched: dict[str, tuple[Any, ...]] = {}
-    fixed: dict[str, Any] = {}
-    for name in names:
-        values = tuple(given.get(name, ()))
-        if len(values) == 1:
-            if words != ("auto",):
-                raise GcbenchError(f"--levers names {run_field(name).flag} and --{run_field(name).flag} fixes it to "
-                                   f"{values[0]}: search it (leave --{run_field(name).flag} out or give several "
-                                   "values) or leave it out of --levers")
-            fixed[name] = values[0]
-        elif name == "grad_accum":
-            if values:
-                raise GcbenchError("--levers grad_accum derives the accumulation from the global batch (--batch): "
-                                   "give no --grad-accum")
-            searched[name] = ()
-        else:
-            searched[name] = values or _declared(name, target)
-    for name, values in given.items():
-        if name not in searched and len(values) > 1:
-            raise GcbenchError(f"--{run_field(name).flag} takes one value here (several are for levers --levers "
-                               "searches)")
-        if name not in searched:
-            fixed[name] = values[0]
-    return searched, fixed
-
-
-def _declared(name: str, target: str) -> tuple[Any, ...]:
-    """The table's candidates of a lever that its field declares (and that run on the target)."""
-    values = []
-    for value in CANDIDATES[name]:
-        if target != "cuda" and value in CUDA_ONLY:
-            continue
-        if name == "precision" and target != "cuda":
-            value = CPU_PRECISIONS[value]
-        try:
-            run_field(name).parse(value)
-        except GcbenchError:  # not declared (yet) by its field
-            continue
-        values.append(value)
-    return tuple(values)
-
-
 def candidates(plan: LeverPlan, refused: list[str] | None = None) -> list[Row]:
     """Every candidate of the plan, in the table's order; with an adapter the optimizer and its step are not
     searched (their state is the adapters'). A combination the run itself refuses (compile with sac, ...) is no
@@ -234,7 +170,7 @@ def candidates(plan: LeverPlan, refused: list[str] | None = None) -> list[Row]:
             # the optimizer and its step change the adapters' state: under 1% of the model's at the default rank
             for name in ("optimizer", "optim_in_backward"):
                 if name in levers:
-                    levers[name] = plan.fields.get(name, _default(name, plan.target))
+                    levers[name] = plan.fields.get(name, lever_default(name, plan.target))
         key = tuple(sorted((k, str(v)) for k, v in levers.items()))
         if key in seen:
             continue
@@ -314,7 +250,7 @@ def predict_plan(plan: LeverPlan, card: Any = None, progress: Progress | None = 
 def candidate_fields(plan: LeverPlan, row: Row) -> dict[str, Any]:
     """The candidate's fields as predicted: on the CPU (the target says what), no cap, the target's precision."""
     return {**row.spec_fields, "device": "cpu", "memory_cap_bytes": None,
-            "precision": row.spec_fields.get("precision") or _default("precision", plan.target)}
+            "precision": row.spec_fields.get("precision") or lever_default("precision", plan.target)}
 
 
 def _screen(plan: LeverPlan, rows: list[Row], tell) -> None:
@@ -327,8 +263,10 @@ def _screen(plan: LeverPlan, rows: list[Row], tell) -> None:
     except GcbenchError as e:
         reason = f"not predicted: {e}"
     else:
-        state = found.param_bytes + found.grad_bytes + found.optimizer_bytes
-        reason = f"model state {fmt_bytes(state)} > budget" if state > plan.budget else None
+        paged = found.optimizer_paged_bytes or 0
+        state = found.param_bytes + found.grad_bytes + found.optimizer_bytes + paged
+        included = f" ({fmt_bytes(paged)} of it paged optimizer state)" if paged else ""
+        reason = f"model state {fmt_bytes(state)}{included} > budget" if state > plan.budget else None
     for r in rows:
         r.reason = reason
     tell("model state", 1, plan.per_row * len(rows) if reason else 0)
@@ -376,12 +314,13 @@ def _search(plan: LeverPlan, row: Row, tell) -> None:
         tell(f"{row.words()}: batch {value}")
 
     try:
+        row.paged = _paged(plan, fields, row.method)
         # from batch 1: one prediction says that nothing fits, and a fitting one's peak guides the next
-        found = predict_fit(fields, fields["policy"], "batch_size", Search(1, plan.hi, plan.budget), plan.target,
-                            tried=tried, method=row.method, prior=1)
+        found = predict_fit(fields, fields["policy"], "batch_size", Search(1, plan.hi, plan.budget - row.paged),
+                            plan.target, tried=tried, method=row.method, prior=1)
         row.micro_batch, row.peak = found.value, found.estimate.peak_bytes if found.estimate else None
         if row.micro_batch is None:
-            row.reason = "batch 1 does not fit"
+            row.reason = "batch 1 does not fit" + _paged_words(row.paged, " beside")
         elif plan.global_batch:
             made[0] += 1
             _accumulate(plan, row, fields)
@@ -397,10 +336,23 @@ def _accumulate(plan: LeverPlan, row: Row, fields: dict[str, Any]) -> None:
     for m in (m for m in range(row.micro_batch, 0, -1) if g % m == 0):
         found = estimate(spec_at({**fields, "grad_accum": g // m}, fields["policy"], "batch_size", m), row.method,
                          plan.target)
-        if found.peak_bytes <= plan.budget:
+        if found.peak_bytes <= plan.budget - row.paged:
             row.micro_batch, row.accum, row.peak = m, g // m, found.peak_bytes
             return
-    row.reason, row.micro_batch = f"no micro-batch x accumulation makes batch {g} fit", None
+    row.reason = f"no micro-batch x accumulation makes batch {g} fit" + _paged_words(row.paged, " beside")
+    row.micro_batch = None
+
+
+def _paged(plan: LeverPlan, fields: dict[str, Any], method: str) -> int:
+    """The bytes of a paged optimizer's state in CUDA managed memory (none elsewhere): the same at any size."""
+    if plan.target != "cuda" or optimizer_kind(fields.get("optimizer", "adamw")).paged is None:
+        return 0
+    return estimate(spec_at(fields, fields["policy"], "batch_size", 1), method, plan.target).optimizer_paged_bytes or 0
+
+
+def _paged_words(paged: int, how: str) -> str:
+    """` beside its paged optimizer state (13.59 GiB)`, where there is one."""
+    return f"{how} its paged optimizer state ({fmt_bytes(paged)})" if paged else ""
 
 
 def _count(plan: LeverPlan, rows: list[Row]) -> None:
@@ -409,7 +361,7 @@ def _count(plan: LeverPlan, rows: list[Row]) -> None:
     row = rows[0]
     fields = {**candidate_fields(plan, row), "grad_accum": 1,
               "adapter": _as_lora(row.spec_fields.get("adapter", "none"))}
-    fields.update({k: _default(k, plan.target) for k in ("optimizer", "optim_in_backward", "compile")})
+    fields.update({k: lever_default(k, plan.target) for k in ("optimizer", "optim_in_backward", "compile")})
     try:
         flops = step_flops(spec_at(fields, fields["policy"], "batch_size", 1), plan.target)
     except GcbenchError as e:
