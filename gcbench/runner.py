@@ -119,10 +119,14 @@ def check_fits(spec: ResolvedRun, size: ModelSize, free: int | None, predicted_p
     for limit, by_cap in limits:
         if limit is not None and need > 0.9 * limit:
             per_block = model_state_bytes(spec, size.block_shapes, cuda, size.block_frozen_bytes)
-            rest = need - per_block * size.n_blocks
-            fit_layers = math.floor((0.5 * limit - rest) / per_block)
-            hint = f"try --layers {fit_layers}" if fit_layers >= 1 else \
-                "even one block does not fit; choose a smaller model"
+            rest = need - per_block * size.n_blocks  # the embeddings, the head and the last norm
+            # half the memory for the model state leaves the rest to activations; 90% is the most this check takes
+            roomy, most = (math.floor((share * limit - rest) / per_block) for share in (0.5, 0.9))
+            hint = f"try --layers {roomy}" if roomy >= 1 else \
+                f"try --layers {most} (its model state then within 90%, little left for activations)" \
+                if most >= 1 else f"its embeddings and head alone need {fmt_bytes(rest)}; choose a smaller model"
+            if spec.param_dtype.itemsize > 2:
+                hint += ", or --precision bf16"
             grads = "" if spec.optim_in_backward else "gradients and "
             raise WontFit(f"{spec.model} needs {fmt_bytes(need)} for parameters, {grads}{spec.optimizer} state "
                           f"({spec.precision}) but {room(by_cap)}; {hint}", by_cap=by_cap)

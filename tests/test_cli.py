@@ -299,3 +299,32 @@ def test_only_a_write_to_the_output_is_taken_for_a_lost_output():
 
     assert not _writing_output(raised(read_failed)) and _writing_output(raised(write_failed))
 
+
+
+def test_a_model_too_large_is_told_what_would_fit_and_never_that_nothing_does_when_something_would():
+    # Mistral-Nemo (12B) on a 22 GiB CPU was told "even one block does not fit; choose a smaller model", and
+    # --layers 1 then ran: the hint left half the memory to activations; the refusal takes 90% for the state
+    import math
+
+    import pytest
+
+    from gcbench.resolved import resolve
+    from gcbench.runner import WontFit, check_fits, model_size, model_state_bytes
+    from gcbench.spec import RunSpec
+    from gcbench.units import fmt_bytes
+
+    for precision, suffix in (("fp32", ", or --precision bf16"), ("bf16", "")):
+        spec = resolve(RunSpec(model="tiny-llama", seq_len=32, batch_size=1, device="cpu", precision=precision))
+        size = model_size(spec)
+        need = model_state_bytes(spec, size.shapes, False, size.frozen_bytes)
+        block = model_state_bytes(spec, size.block_shapes, False, size.block_frozen_bytes)
+        rest = need - block * size.n_blocks
+        assert rest < 2.7 * block  # what makes the first case below refused, with room for a block
+        for free, hint in ((2 * (rest + block), "; try --layers 1" + suffix),
+                           (math.ceil((rest + 1.5 * block) / 0.9), "; try --layers 1 (its model state then within "
+                                                                    "90%, little left for activations)" + suffix),
+                           (rest, f"; its embeddings and head alone need {fmt_bytes(rest)}; choose a smaller model"
+                                  + suffix)):
+            with pytest.raises(WontFit) as refused:
+                check_fits(spec, size, free)
+            assert str(refused.value).endswith(hint), str(refused.value)
