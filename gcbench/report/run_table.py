@@ -179,7 +179,19 @@ def _phase_text(record: dict[str, Any]) -> str:
     peaks = " · ".join(f"{PHASE_SHORT[phase]} {fmt_bytes(record[f'{phase}_peak_bytes'])}"
                        for phase in PHASES if record.get(f"{phase}_peak_bytes"))
     stepped = "; the optimizer steps inside backward" if record.get("optim_in_backward") else ""
-    return f"{peaks}{stepped}; {PHASE_ADVICE[record['peak_phase']]}"
+    return f"{peaks}{stepped}; {_advice(record)}"
+
+
+def _advice(record: dict[str, Any]) -> str:
+    """What can lower the step's peak: where the activations saved for backward are under half of the peak above
+    model state, the rest is the step's own temporaries (a tied embedding's gradients, the logits), and checkpointing
+    lowers only the saved part (a 1.7B model at seq 128: 29 MiB saved of 1.13 GiB, the same peak under none and
+    full)."""
+    saved, above = record.get("saved_activation_bytes"), record.get("activation_peak_bytes")
+    if record["peak_phase"] == "optimizer" or saved is None or not above or 2 * saved >= above:
+        return PHASE_ADVICE[record["peak_phase"]]
+    return (f"saved activations are {fmt_bytes(saved)} of the {fmt_bytes(above)} above model state: checkpointing "
+            "can lower that part only")
 
 
 # why measuring stopped, where it was a limit ("ci" and "fixed" need no words); the default --max-time is the rule,
