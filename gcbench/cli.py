@@ -353,7 +353,7 @@ def estimate(
             from gcbench.fits.lever_command import estimate_levers
             refuse_unused("with --levers: a plan searches the micro-batch at --seq", {"--vary": vary != "batch"})
             return estimate_levers({"seq_len": (ESTIMATE_SIZES["seq_len"],), **grid}, levers, memory, gpu, headroom,
-                                   device, console, PredictionBar(err_console, "predicting"), fit_)
+                                   device, console, PredictionBar(err_console, "predicting"), fit_, output_format)
         if fit_:
             return _estimate_fit(grid, memory, gpu, vary, headroom, device, output_format, methods)
         refuse_unused("without --fit", {"--vary": vary != "batch", "--headroom": headroom != "0%"})

@@ -515,3 +515,16 @@ def test_the_gpu_table_names_a_device_only_when_its_memory_is_that_entrys():
     assert for_device("NVIDIA A100 80GB PCIe", 81_920 * 2**20) is None  # "A100" alone is the 40 GB entry
     assert for_device("NVIDIA GH200 480GB", 97_871 * 2**20) is None  # not the H200 entry, whose name it contains
     assert peak_flops("NVIDIA GH200 480GB") == 989e12
+
+
+def test_estimate_fit_json_rows_each_name_their_setup_and_the_size_found():
+    # the rows carried policy and value alone: two setups' outputs in one file could not be told apart
+    result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu-memory", "64MiB",
+                                 "--policy", "none,full", "--optimizer", "adafactor", "--method", "analytic",
+                                 "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["policy"] for r in rows] == ["none", "full"]
+    for r in rows:
+        assert (r["model"], r["seq_len"], r["optimizer"], r["vary"]) == ("tiny-llama", 64, "adafactor", "batch_size")
+        assert r["batch_size"] == r["value"] and r["value"] >= 1

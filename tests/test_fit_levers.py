@@ -2,6 +2,7 @@
 predicted tokens/s (on fake predictions, exactly), the level-by-level search within a class, an end-to-end CPU plan
 verified by a real run, bad input, and tables that fit 80 columns."""
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -292,6 +293,37 @@ def test_estimate_levers_for_a_gpu_by_name():
     assert result.exit_code == 0, result.output
     assert "tokens/s" in result.stdout and "rtx4090-24gb" in result.stdout
     assert all(len(line) <= 80 for line in result.stdout.splitlines())
+
+
+def test_the_plan_as_json_is_a_row_per_candidate_ranked_as_the_table_with_why_the_rest_are_not():
+    # --format json with --levers printed the rich table, exit 0: a script reading it failed
+    from gcbench.fits.lever_table import lever_rows
+
+    plan = make_plan(TINY, "policy,optimizer", 12 * 2**20, "cuda", None)
+    for i, row in enumerate(plan.rows):
+        row.micro_batch, row.peak, row.method = 2, 11 * 2**20, "simulate"
+        row.tokens_per_s, row.step_ms = 1000.0 - i, 64 * 2 / (1000.0 - i) * 1e3
+        if i == 1:
+            row.reason = "batch 1 does not fit"
+    order = ranked(plan.rows)
+    rows = [json.loads(json.dumps(r, default=str)) for r in lever_rows(plan, order, "h200-141gb", "datasheet")]
+    assert [r["config"] for r in rows] == [r.words() for r in order]  # one group: the table's order
+    ranks = [(r["rank"], r["tier"]) for r in rows]
+    assert ranks[:len(order) - 1] == [(i, 1) for i in range(1, len(order))]  # 1000, 998, ... each within 3%
+    assert rows[-1]["rank"] is None and rows[-1]["not_ranked"] == "batch 1 does not fit"
+    first = rows[0]
+    assert (first["model"], first["seq_len"], first["target"], first["batch_size"], first["gpu"]) == \
+        ("tiny-llama", 64, "cuda", 2, "h200-141gb") and "device" not in first
+    assert first["predicted_tokens_per_s"] == 1000.0 and first["peak_bytes"] == 11 * 2**20
+
+
+@pytest.mark.slow  # seconds on 2 cores
+def test_estimate_levers_writes_json_lines_where_asked():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu-memory",
+                                 "64MiB", "--levers", "policy", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert rows and {r["policy"] for r in rows} >= {"none", "full"} and rows[0]["rank"] == 1
 
 
 def test_a_plan_needs_the_sequence_length():

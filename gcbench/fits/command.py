@@ -157,7 +157,9 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         tokens = spec_fields["seq_len"] * spec_fields["batch_size"] * fields.get("grad_accum", 1)
         step, timed = _step_time(fixed, policy, field_name, found, device, card)
         step_s, host_bound = (step.step_ms / 1e3, step.host_bound) if step else (None, None)
-        rows.append({"policy": policy, "value": found.value, "peak": found.estimate.peak_bytes
+        # the setup too, each row read alone (--format json): the model, sizes and levers, the size found in its field
+        rows.append({**fields, field_name: found.value, "vary": field_name,
+                     "policy": policy, "value": found.value, "peak": found.estimate.peak_bytes
                      if found.estimate else None, "next_peak": found.next_peak, "step_s": step_s,
                      "tokens_per_s": tokens / step_s if step_s else None, "method": found.method,
                      "predictions": found.predictions, "flops": found.flops, "budget_bytes": cap,

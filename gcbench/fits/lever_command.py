@@ -124,9 +124,10 @@ def leave_out_unrunnable(plan: LeverPlan) -> None:
 
 
 def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu_name: str | None, headroom: str,
-                    target: str, console: Console, bar: Any, fit: bool = True) -> None:
+                    target: str, console: Console, bar: Any, fit: bool = True, output_format: str = "table") -> None:
     """`gcbench estimate --fit --levers`: the plan for a GPU by name (or --gpu-memory), nothing run. `bar`: as
-    fit_levers'. `fit`: whether --fit was given (--levers plans a fit: without it, one line and nothing else)."""
+    fit_levers'. `fit`: whether --fit was given (--levers plans a fit: without it, one line and nothing else).
+    `output_format` json: a JSON object per candidate and line on stdout (lever_table.lever_rows)."""
     if not fit:
         raise GcbenchError("--levers goes with --fit: a plan of the fastest configuration that fits")
     if (memory is None) == (gpu_name is None):
@@ -140,19 +141,33 @@ def estimate_levers(grid: dict[str, tuple], levers: str, memory: int | None, gpu
     plan = make_plan(grid, levers, budget, target, batch[0] if len(batch) == 1 and batch[0] > 1 else None)
     with bar:
         ranked = predict_plan(plan, card, bar)
+    if output_format == "json":
+        import json
+
+        from gcbench.fits.lever_table import lever_rows
+
+        for row in lever_rows(plan, ranked, card.name if card else None, _timed_on(ranked, card)):
+            console.out(json.dumps(row, default=str), highlight=False)
+        return
     where = card.budget_words() if card else "--gpu-memory"
     _print(plan, ranked, console, [f"budget {fmt_bytes(budget)}: {where}" + (f", less {headroom}"
                                                                               if headroom != "0%" else "")], card)
 
 
+def _timed_on(ranked: list[Row], card: Any) -> str | None:
+    """Where the time model's rates for `card` come from, where a row was timed on it; else None."""
+    from gcbench.estimators.card_rates import rates_for
+
+    rates = rates_for(card)
+    return rates.basis if any(r.tokens_per_s for r in ranked) and not isinstance(rates, str) else None
+
+
 def _print(plan: LeverPlan, ranked: list[Row], console: Console, caption: list[str], card: Any = None) -> None:
     from gcbench.estimators.bands import order_error
-    from gcbench.estimators.card_rates import rates_for
     from gcbench.fits.lever_table import lever_tables
     from gcbench.results.band_words import order_note
 
-    rates = rates_for(card)
-    timed_on = rates.basis if any(r.tokens_per_s for r in ranked) and not isinstance(rates, str) else None
+    timed_on = _timed_on(ranked, card)
     # its rows differ in levers that change the class (optimizer, adapter, loss) and in ones that do not
     order = order_note(card.name, order_error(card.name), ["within", "across"]) if timed_on and card else None
     out = console if console.is_terminal else Console(width=80)

@@ -121,3 +121,24 @@ def verification_lines(row: Row, record: Mapping[str, Any], out: Any) -> list[st
             f"tokens/s: measured {record.get('tokens_per_s') or 0:,.0f}"
             + (f", predicted {row.tokens_per_s:,.0f}" if row.tokens_per_s else ""),
             f"record in {plain(out)}"]
+
+
+def lever_rows(plan: LeverPlan, ranked: Sequence[Row], gpu: str | None, timed_on: str | None) -> list[dict[str, Any]]:
+    """`estimate --fit --levers --format json`: a row per candidate, ranked ones first as the tables order them,
+    each read alone: its setup, levers, rank and tier (`=N` in the table: the rank of the first row it is not told
+    apart from; None where not ranked, with `not_ranked` saying why), and what was predicted (bytes, ms)."""
+    rows = []
+    for group in (FULL, ADAPTERS):
+        shown = [r for r in ranked if r.group == group]
+        fitting = [r for r in shown if r.fits]
+        heads = tier_heads(fitting) + [None] * (len(shown) - len(fitting))
+        for i, (r, head) in enumerate(zip(fitting + [r for r in shown if not r.fits], heads), 1):
+            rows.append({"model": plan.fields["model"], "seq_len": plan.fields["seq_len"], "group": group,
+                         "rank": i if r.fits else None, "tier": head, "config": r.words(),
+                         "levers": r.levers, **{k: v for k, v in r.spec_fields.items() if k != "device"},
+                         "target": plan.target, "batch_size": r.micro_batch, "grad_accum": r.accum,
+                         "peak_bytes": r.peak, "optimizer_paged_bytes": r.paged or None,
+                         "predicted_step_ms": r.step_ms, "predicted_tokens_per_s": r.tokens_per_s,
+                         "flops_per_token": r.flops_per_token, "method": r.method or None, "not_ranked": r.reason,
+                         "budget_bytes": plan.budget, "gpu": gpu, "time_basis": timed_on})
+    return rows
