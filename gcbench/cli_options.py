@@ -215,9 +215,10 @@ class PredictionBar:
 
 # A plan across levers (fits/levers.py, docs/levers.md): an option of `fit` and of `estimate --fit`.
 LeversOption = Annotated[str | None, typer.Option(help="plan across levers: auto (policy, adapter, optimizer, its "
-                                                      "step, loss, compile, accumulation to --batch) or some of "
-                                                      "them, comma-separated: the configs predicted to fit, ranked "
-                                                      "by predicted tokens/s", metavar="<auto|levers>")]
+                                                      "step, loss, accumulation to --batch) or some of those, "
+                                                      "precision and compile, comma-separated: the configs "
+                                                      "predicted to fit, ranked by predicted tokens/s",
+                                                      metavar="<auto|levers>")]
 
 
 def print_version(value: bool) -> None:

@@ -528,3 +528,13 @@ def test_estimate_fit_json_rows_each_name_their_setup_and_the_size_found():
     for r in rows:
         assert (r["model"], r["seq_len"], r["optimizer"], r["vary"]) == ("tiny-llama", 64, "adafactor", "batch_size")
         assert r["batch_size"] == r["value"] and r["value"] >= 1
+
+
+def test_estimate_fit_where_nothing_fits_says_what_may():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu-memory", "1MiB",
+                                 "--policy", "none,full", "--method", "analytic"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.split())
+    assert "nothing fits: an adapter (--adapter lora, qlora), a lighter optimizer (--optimizer adamw8bit, " \
+           "adafactor) or a shorter --seq may; --levers auto searches them" in said
+    assert "peaks are max_memory_allocated" not in said  # no size found: nothing for the allocator to undo

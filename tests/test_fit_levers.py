@@ -479,3 +479,27 @@ def test_the_caption_says_each_reason_whole_wrapped_at_80_columns():
 def test_a_bad_value_is_one_line_not_a_refused_combination(given):
     with pytest.raises(GcbenchError):
         make_plan({**TINY, **given}, "auto", 12 * 2**20, "cpu", None)
+
+
+def test_a_lever_the_command_fixed_is_named_in_the_title():
+    # --adapter qlora --levers auto: no row names qlora (it is no lever searched), and nothing else said it
+    plan = make_plan({**TINY, "adapter": ("qlora",)}, "policy", 12 * 2**20, "cuda", None)
+    for row in plan.rows:
+        row.micro_batch, row.peak, row.flops_per_token, row.method = 2, 2**20, 10.0, "simulate"
+    text = " ".join(_render(lever_tables(plan, ranked(plan.rows), ["budget 12.00 MiB"], None)[0]).split())
+    assert "tiny-llama · seq 64 · qlora · plan across levers · adapters" in text
+    plan = make_plan(TINY, "policy", 12 * 2**20, "cuda", None)  # nothing fixed: the title as it was
+    for row in plan.rows:
+        row.micro_batch, row.peak, row.flops_per_token, row.method = 2, 2**20, 10.0, "simulate"
+    assert "tiny-llama · seq 64 · plan across levers · full fine-tune" in " ".join(
+        _render(lever_tables(plan, ranked(plan.rows), ["budget 12.00 MiB"], None)[0]).split())
+
+
+def test_the_help_names_what_auto_searches_and_what_only_a_name_adds():
+    from gcbench.fits.space import AUTO, LEVERS
+
+    shown = " ".join(runner.invoke(app, ["estimate", "--help"], env={"COLUMNS": "200"}).stdout.split())
+    words = {"optim_in_backward": "its step", "grad_accum": "accumulation to --batch"}
+    auto = shown.split("auto (")[1].split(")")[0]
+    assert all(words.get(name, name) in auto for name in AUTO), auto
+    assert all(name not in auto and name in shown for name in set(LEVERS) - set(AUTO)), auto

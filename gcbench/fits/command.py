@@ -183,11 +183,15 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         if len(timed_rows) > 1:  # the fastest is named below: how far such an order holds
             caption.append(order_note(card.name, order_error(card.name), ["within"]))  # one setup: one class
     caption += refused
+    if rows and not any(r["value"] for r in rows):  # what a user can change next (docs/levers.md)
+        shorter = "a shorter --seq" if field_name == "batch_size" else "a smaller --batch"
+        caption.append(f"nothing fits: an adapter (--adapter lora, qlora), a lighter optimizer (--optimizer "
+                       f"adamw8bit, adafactor) or {shorter} may; --levers auto searches them")
     if any(r["range_top"] for r in rows):  # seq's top is the model's longest: nothing longer runs
         caption.append(f"{vary} (top) = " + ("the top of the range searched fits: the largest batch that fits may be "
                                              "larger" if vary == "batch" else "the model's longest sequence fits"))
     by_allocated = device == "cuda" and method != "simulate"  # no allocator replayed: the peak alone decides
-    if by_allocated:
+    if by_allocated and any(r["value"] for r in rows):
         caption.append("peaks are max_memory_allocated: the caching allocator reserves more, and its segments can "
                        "run out a size or more below max batch; --method simulate replays it on the card, size by "
                        "size (seconds to minutes per policy)")

@@ -14,7 +14,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gcbench.fits.levers import ADAPTERS, DEFAULT_TOP, FULL, TIED, LeverPlan, Row, tier_heads
+from gcbench.fields import Role, setup_words
+from gcbench.fits.levers import (ADAPTERS, DEFAULT_TOP, FULL, LEVERS, TIED, LeverPlan, Row, lever_default,
+                                 tier_heads)
 from gcbench.results.schema import Status, peak_bytes
 from gcbench.text import markup, plain
 from gcbench.units import fmt_bytes, fmt_change, plural
@@ -47,7 +49,8 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
                 shown.append(Text(plain(f"{name}: {head}: " + "; ".join(why + [text for text, _ in missing]))))
             continue
         speed = "tokens/s" if timed_on else "x best"
-        table = Table(title=markup(f"{fields['model']} · seq {fields['seq_len']} · plan across levers · {group}"),
+        table = Table(title=markup(f"{fields['model']} · seq {fields['seq_len']}{_fixed_words(plan)} · plan across "
+                                   f"levers · {group}"),
                       box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for col in ("#", "levers", "batch", "peak", speed, "by"):
             table.add_column(col, justify="left" if col == "levers" else "right", no_wrap=col != "levers",
@@ -142,3 +145,12 @@ def lever_rows(plan: LeverPlan, ranked: Sequence[Row], gpu: str | None, timed_on
                          "flops_per_token": r.flops_per_token, "method": r.method or None, "not_ranked": r.reason,
                          "budget_bytes": plan.budget, "gpu": gpu, "time_basis": timed_on})
     return rows
+
+
+def _fixed_words(plan: LeverPlan) -> str:
+    """` · qlora`: the levers the command fixed away from their defaults (--adapter qlora with --levers auto), which
+    no row names."""
+    fixed = {k: v for k, v in plan.fields.items()
+             if k in LEVERS and k not in plan.searched and v != lever_default(k, plan.target)}
+    words = setup_words({"grad_accum": 1, **fixed}, roles=(Role.LEVER,)) if fixed else ""
+    return f" · {words}" if words else ""
