@@ -175,13 +175,15 @@ def gpu(name: str) -> Gpu:
     """The table's entry for --gpu NAME (one with a memory size): its own name, or the leading words of it where
     they name one card alone, in any case, with or without "nvidia" before them (h200, H200, nvidia-h200 and
     "NVIDIA H200" are h200-141gb, as results/gpu/ and nvidia-smi name it; h100 is two cards and is refused, naming
-    both); GcbenchError naming the known ones."""
+    both), or its name and more words ("NVIDIA H100 80GB HBM3"); GcbenchError naming the known ones."""
     known = [g for g in GPUS if g.memory_mib is not None]
     if "," in name:
         raise GcbenchError(f"--gpu takes one card, got {name!r}: give each card a command of its own")
-    words = re.split(r"[\s_-]+", name.strip().lower())
-    words = words[1:] if words[0] == "nvidia" and len(words) > 1 else words
-    found = [g for g in known if g.name.split("-")[:len(words)] == words]
+    # nvidia-smi's and torch's names too: "NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3" (a name and more)
+    words = re.split(r"[\s_-]+", re.sub(r"\brtx[\s_-]+(?=\d)", "rtx", name.strip().lower()))
+    words = [w for w in words if w not in ("nvidia", "geforce")] or words
+    found = [g for g in known if g.name.split("-")[:len(words)] == words] or \
+        [g for g in known if words[:len(g.name.split("-"))] == g.name.split("-")]
     exact = [g for g in found if g.name == "-".join(words)]
     if exact or len(found) == 1:
         return (exact or found)[0]

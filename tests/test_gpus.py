@@ -50,6 +50,9 @@ def test_a_card_is_named_by_its_leading_words_where_they_name_it_alone():
         assert gpu(name).name == "h200-141gb", name
     assert gpu("h100-pcie").name == "h100-pcie-80gb" and gpu("h100-80gb").name == "h100-80gb"
     assert gpu("l4").name == "l4-24gb"  # a word, not a prefix of one: l40s-48gb is not named by l4
+    # as nvidia-smi and torch.cuda.get_device_name() name them: a card's name and more words
+    assert gpu("NVIDIA H100 80GB HBM3").name == "h100-80gb" and gpu("NVIDIA H100 PCIe").name == "h100-pcie-80gb"
+    assert gpu("NVIDIA GeForce RTX 4090").name == gpu("rtx 4090").name == "rtx4090-24gb"
     for name, cards in (("h100", "h100-pcie-80gb, h100-80gb"), ("a100", "a100-80gb, a100-40gb")):
         with pytest.raises(GcbenchError, match=f"names 2 cards: {cards}; give one"):
             gpu(name)
