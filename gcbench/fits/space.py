@@ -11,9 +11,10 @@ from gcbench.fields import RUN_FIELDS, default_precision, run_field
 
 # The candidate values of each lever a plan searches: the one table, made of the fields' declarations (fields.py:
 # `plan`, `plan_role`). `policy` there: fit's policies less `plan` (itself a search over kinds of block, a
-# simulation per kind at every size tried) and `sqrtn` (it recomputes as much as `full` and keeps more: ceil(N/k)
-# inputs and k blocks' internals against N inputs and one block's, unless a block's internals are under sqrt(N)
-# inputs: hundreds of layers). A value its field does not declare (yet) is left out when a plan is made.
+# simulation per kind at every size tried) and `sqrtn` (it recomputes as much as `full` and, in the middle of the
+# backward, keeps more: ceil(N/k) inputs and k blocks' internals against N inputs and one block's; it fits more
+# only where a block's internals are under sqrt(N) inputs, or where the logits put the peak at the backward's start:
+# docs/levers.md). A value its field does not declare (yet) is left out when a plan is made.
 CANDIDATES: dict[str, tuple[Any, ...]] = {f.name: f.plan for f in RUN_FIELDS if f.plan is not None}
 LEVERS = tuple(CANDIDATES)  # what --levers may name
 AUTO = tuple(f.name for f in RUN_FIELDS if f.plan is not None and f.plan_role != "named")
