@@ -2,6 +2,7 @@
 the plan's choice, and bad input."""
 
 import itertools
+import io
 import json
 import math
 import os
@@ -538,3 +539,17 @@ def test_estimate_fit_where_nothing_fits_says_what_may():
     assert "nothing fits: an adapter (--adapter lora, qlora), a lighter optimizer (--optimizer adamw8bit, " \
            "adafactor) or a shorter --seq may; --levers auto searches them" in said
     assert "peaks are max_memory_allocated" not in said  # no size found: nothing for the allocator to undo
+
+
+def test_a_predicted_fit_tables_title_stays_whole_where_the_terminal_has_room():
+    # a 64-column table wrapped its longer title at 80 columns: "· seq" / "4096"
+    from rich.console import Console
+
+    from gcbench.report.fit_tables import predicted_fit_table
+
+    rows = [{"policy": "full", "value": 8, "peak": 2**30, "next_peak": 2**31, "step_s": 2.0, "tokens_per_s": 16384,
+             "method": "analytic", "range_top": False}]
+    title = "configs/mistral-nemo-12b.json · largest batch predicted to fit · seq 4096"
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(predicted_fit_table(rows, "batch_size", title, ["budget"]))
+    assert console.export_text().splitlines()[0].strip() == title

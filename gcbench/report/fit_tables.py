@@ -9,14 +9,16 @@ from typing import Any
 from rich import box
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from gcbench.results.schema import SIZE_WORDS, mix_text, peak_bytes, policy_label
 from gcbench.units import fmt_bytes
 
 
 def _table(title: str, caption: list[str], columns: list[str]) -> Table:
+    # as wide as its title where the terminal allows (rich clamps to it): a narrow table wrapped "· seq" / "4096"
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                  caption="\n".join(caption), caption_justify="left")
+                  caption="\n".join(caption), caption_justify="left", min_width=Text.from_markup(title).cell_len)
     for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "note") else "right",
                          no_wrap=col != "note")
