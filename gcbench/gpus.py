@@ -175,15 +175,18 @@ def gpu(name: str) -> Gpu:
     """The table's entry for --gpu NAME (one with a memory size): its own name, or the leading words of it where
     they name one card alone, in any case, with or without "nvidia" before them (h200, H200, nvidia-h200 and
     "NVIDIA H200" are h200-141gb, as results/gpu/ and nvidia-smi name it; h100 is two cards and is refused, naming
-    both), or its name and more words ("NVIDIA H100 80GB HBM3"); GcbenchError naming the known ones."""
+    both), or its name and more words ("NVIDIA H100 80GB HBM3", but not a PCIe or NVL board's: "NVIDIA A100 80GB
+    PCIe" is not the SXM a100-80gb); GcbenchError naming the known ones."""
     known = [g for g in GPUS if g.memory_mib is not None]
     if "," in name:
         raise GcbenchError(f"--gpu takes one card, got {name!r}: give each card a command of its own")
-    # nvidia-smi's and torch's names too: "NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3" (a name and more)
+    # nvidia-smi's and torch's names too: "NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3" (a name and more),
+    # "NVIDIA A100-SXM4-80GB" (the entries without a form factor in their name are the SXM boards)
     words = re.split(r"[\s_-]+", re.sub(r"\brtx[\s_-]+(?=\d)", "rtx", name.strip().lower()))
-    words = [w for w in words if w not in ("nvidia", "geforce")] or words
+    words = [w for w in words if w not in ("nvidia", "geforce") and not re.fullmatch(r"sxm\d?", w)] or words
     found = [g for g in known if g.name.split("-")[:len(words)] == words] or \
-        [g for g in known if words[:len(g.name.split("-"))] == g.name.split("-")]
+        [g for g in known if words[:len(g.name.split("-"))] == g.name.split("-")
+         and not {"pcie", "nvl"} & set(words[len(g.name.split("-")):])]  # more words, not another board's
     exact = [g for g in found if g.name == "-".join(words)]
     if exact or len(found) == 1:
         return (exact or found)[0]

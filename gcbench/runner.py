@@ -124,7 +124,9 @@ def check_fits(spec: ResolvedRun, size: ModelSize, free: int | None, predicted_p
             roomy, most = (math.floor((share * limit - rest) / per_block) for share in (0.5, 0.9))
             hint = f"try --layers {roomy}" if roomy >= 1 else \
                 f"try --layers {most} (its model state then within 90%, little left for activations)" \
-                if most >= 1 else f"its embeddings and head alone need {fmt_bytes(rest)}; choose a smaller model"
+                if most >= 1 else f"its embeddings and head alone need {fmt_bytes(rest)}; choose a smaller model" \
+                if rest > 0.9 * limit else f"one block with its embeddings and head needs " \
+                f"{fmt_bytes(rest + per_block)}; choose a smaller model"
             if spec.param_dtype.itemsize > 2:
                 hint += ", or --precision bf16"
             grads = "" if spec.optim_in_backward else "gradients and "

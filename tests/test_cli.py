@@ -324,7 +324,11 @@ def test_a_model_too_large_is_told_what_would_fit_and_never_that_nothing_does_wh
                            (math.ceil((rest + 1.5 * block) / 0.9), "; try --layers 1 (its model state then within "
                                                                     "90%, little left for activations)" + suffix),
                            (rest, f"; its embeddings and head alone need {fmt_bytes(rest)}; choose a smaller model"
-                                  + suffix)):
+                                  + suffix),
+                           # those alone within 90%, not with a block: the block is what does not fit
+                           (math.ceil((rest + 0.5 * block) / 0.9), f"; one block with its embeddings and head needs "
+                                                                    f"{fmt_bytes(rest + block)}; choose a smaller "
+                                                                    "model" + suffix)):
             with pytest.raises(WontFit) as refused:
                 check_fits(spec, size, free)
             assert str(refused.value).endswith(hint), str(refused.value)

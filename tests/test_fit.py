@@ -539,6 +539,12 @@ def test_estimate_fit_where_nothing_fits_says_what_may():
     assert "nothing fits: an adapter (--adapter lora, qlora), a lighter optimizer (--optimizer adamw8bit, " \
            "adafactor) or a shorter --seq may; --levers auto searches them" in said
     assert "peaks are max_memory_allocated" not in said  # no size found: nothing for the allocator to undo
+    # what was given is not suggested again; qlora and adamw8bit are CUDA's
+    given = runner.invoke(app, ["estimate", "--model", "tiny-llama", "--seq", "64", "--fit", "--gpu-memory", "1MiB",
+                                "--policy", "none", "--method", "analytic", "--optimizer", "adafactor",
+                                "--device", "cpu"])
+    said = " ".join(given.stdout.split())
+    assert "nothing fits: an adapter (--adapter lora) or a shorter --seq may; --levers auto searches them" in said
 
 
 def test_a_predicted_fit_tables_title_stays_whole_where_the_terminal_has_room():

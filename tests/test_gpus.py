@@ -53,6 +53,10 @@ def test_a_card_is_named_by_its_leading_words_where_they_name_it_alone():
     # as nvidia-smi and torch.cuda.get_device_name() name them: a card's name and more words
     assert gpu("NVIDIA H100 80GB HBM3").name == "h100-80gb" and gpu("NVIDIA H100 PCIe").name == "h100-pcie-80gb"
     assert gpu("NVIDIA GeForce RTX 4090").name == gpu("rtx 4090").name == "rtx4090-24gb"
+    assert gpu("NVIDIA A100-SXM4-80GB").name == "a100-80gb" and gpu("NVIDIA A100-SXM4-40GB").name == "a100-40gb"
+    for other_board in ("NVIDIA A100 80GB PCIe", "h100-80gb-pcie", "NVIDIA H100 NVL"):  # not the SXM entries' rates
+        with pytest.raises(GcbenchError, match="unknown --gpu"):
+            gpu(other_board)
     for name, cards in (("h100", "h100-pcie-80gb, h100-80gb"), ("a100", "a100-80gb, a100-40gb")):
         with pytest.raises(GcbenchError, match=f"names 2 cards: {cards}; give one"):
             gpu(name)

@@ -556,5 +556,5 @@ def test_a_ratio_to_a_none_run_without_a_peak_says_so_beside_a_measured_peak(tmp
     peak_x = {(r[1], r[3]): r[7] for r in rows}  # seq, policy -> peak x none
     assert peak_x == {("32", "none"): "-", ("32", "full"): "n/a", ("64", "none"): "-", ("64", "full"): "n/a"}
     said = " ".join(out.stdout.split())
-    assert "peak x none n/a beside a peak: the `none` run at that seq and batch measured none." in said
+    assert "peak x none n/a beside a peak: the `none` run at that seq and batch measured no peak." in said
     assert "peak - on a run that ran ok: not measured." in said

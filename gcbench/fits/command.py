@@ -183,10 +183,15 @@ def predicted_fits(grid: dict[str, tuple], memory: int | None, gpu_name: str | N
         if len(timed_rows) > 1:  # the fastest is named below: how far such an order holds
             caption.append(order_note(card.name, order_error(card.name), ["within"]))  # one setup: one class
     caption += refused
-    if rows and not any(r["value"] for r in rows):  # what a user can change next (docs/levers.md)
-        shorter = "a shorter --seq" if field_name == "batch_size" else "a smaller --batch"
-        caption.append(f"nothing fits: an adapter (--adapter lora, qlora), a lighter optimizer (--optimizer "
-                       f"adamw8bit, adafactor) or {shorter} may; --levers auto searches them")
+    if rows and not any(r["value"] for r in rows):  # what a user can change next, not given yet (docs/levers.md)
+        cuda = device == "cuda"
+        may = [f"an adapter (--adapter lora{', qlora' if cuda else ''})"] if fields.get("adapter", "none") == "none" \
+            else []
+        may += [f"a lighter optimizer (--optimizer {'adamw8bit, ' if cuda else ''}adafactor)"] \
+            if fields.get("optimizer", "adamw") in ("adamw", "adamw-loop", "adamw-fused") else []
+        may.append("a shorter --seq" if field_name == "batch_size" else "a smaller --batch")
+        caption.append(f"nothing fits: {', '.join(may[:-1])}{' or ' if len(may) > 1 else ''}{may[-1]} may; "
+                       "--levers auto searches them")
     if any(r["range_top"] for r in rows):  # seq's top is the model's longest: nothing longer runs
         caption.append(f"{vary} (top) = " + ("the top of the range searched fits: the largest batch that fits may be "
                                              "larger" if vary == "batch" else "the model's longest sequence fits"))

@@ -50,7 +50,6 @@ from gcbench.fits.ranking import (  # noqa: F401 - the plan's ranking, and the g
 from gcbench.fits.search import Search
 from gcbench.fits.space import (  # noqa: F401 - what --levers may name (lever_command reads them here)
     CANDIDATES, LEVERS, lever_default, lever_space)
-from gcbench.optimizers import optimizer_kind
 from gcbench.units import fmt_bytes
 
 # The levers that change a step's FLOPs (recompute, the loss's chunks, no weight gradients of a frozen base), and
@@ -258,17 +257,18 @@ def _screen(plan: LeverPlan, rows: list[Row], tell) -> None:
     none of them is searched."""
     fields = candidate_fields(plan, rows[0])
     method = "analytic" if analytic_knows({**fields, "policy": "full"}) else "simulate"
+    paged = 0
     try:
         found = estimate(spec_at(fields, "full", "batch_size", 1), method, plan.target)
     except GcbenchError as e:
         reason = f"not predicted: {e}"
     else:
-        paged = found.optimizer_paged_bytes or 0
+        paged = found.optimizer_paged_bytes or 0  # the same at any policy and size: each row's search keeps room
         state = found.param_bytes + found.grad_bytes + found.optimizer_bytes + paged
         included = f" ({fmt_bytes(paged)} of it paged optimizer state)" if paged else ""
         reason = f"model state {fmt_bytes(state)}{included} > budget" if state > plan.budget else None
     for r in rows:
-        r.reason = reason
+        r.reason, r.paged = reason, paged
     tell("model state", 1, plan.per_row * len(rows) if reason else 0)
 
 
@@ -314,7 +314,6 @@ def _search(plan: LeverPlan, row: Row, tell) -> None:
         tell(f"{row.words()}: batch {value}")
 
     try:
-        row.paged = _paged(plan, fields, row.method)
         # from batch 1: one prediction says that nothing fits, and a fitting one's peak guides the next
         found = predict_fit(fields, fields["policy"], "batch_size", Search(1, plan.hi, plan.budget - row.paged),
                             plan.target, tried=tried, method=row.method, prior=1)
@@ -341,13 +340,6 @@ def _accumulate(plan: LeverPlan, row: Row, fields: dict[str, Any]) -> None:
             return
     row.reason = f"no micro-batch x accumulation makes batch {g} fit" + _paged_words(row.paged, " beside")
     row.micro_batch = None
-
-
-def _paged(plan: LeverPlan, fields: dict[str, Any], method: str) -> int:
-    """The bytes of a paged optimizer's state in CUDA managed memory (none elsewhere): the same at any size."""
-    if plan.target != "cuda" or optimizer_kind(fields.get("optimizer", "adamw")).paged is None:
-        return 0
-    return estimate(spec_at(fields, fields["policy"], "batch_size", 1), method, plan.target).optimizer_paged_bytes or 0
 
 
 def _paged_words(paged: int, how: str) -> str:

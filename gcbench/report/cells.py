@@ -106,7 +106,7 @@ def results_grid(part: pd.DataFrame) -> Grid:
                      "numbers shown).")
     if ((part["status"] == "ok") & part["has_baseline"] & part["peak_bytes"].notna()
             & part["peak_x_none"].isna()).any():
-        notes.append("peak x none n/a beside a peak: the `none` run at that seq and batch measured none.")
+        notes.append("peak x none n/a beside a peak: the `none` run at that seq and batch measured no peak.")
     if predicted:
         notes.append("prediction error = predicted / measured peak - 1.")
     if "oom_predicted" in part and (part["oom_predicted"] == True).any():  # noqa: E712 - NaN where absent

@@ -13,8 +13,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gcbench.cli_options import domain_errors
 from gcbench import gpus
+from gcbench.cli_options import domain_errors
 from gcbench.errors import GcbenchError
 from gcbench.validate.plan import (CARDS, COMMAND_LIMIT_S, DEVICE_NAMES, PREDICTED, SMOKE_ROOT, results_folder,
                                    tiers as plan_tiers)
