@@ -35,9 +35,8 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
     fields = plan.fields
     shown: list[RenderableType] = []
     for group in (FULL, ADAPTERS):
-        rows = [r for r in ranked if r.group == group]
+        rows, fitting, heads = _group(ranked, group)
         missing = _by_reason([r for r in plan.unrunnable if r.group == group])
-        fitting = [r for r in rows if r.fits]
         name = group.split(" (")[0]
         if not fitting:
             if rows or missing:
@@ -56,7 +55,6 @@ def lever_tables(plan: LeverPlan, ranked: Sequence[Row], caption: list[str], tim
             table.add_column(col, justify="left" if col == "levers" else "right", no_wrap=col != "levers",
                              overflow="fold")
         best = min((r.flops_per_token for r in fitting if r.flops_per_token), default=None)
-        heads = tier_heads(fitting)
         for i, (r, head) in enumerate(zip(fitting[:top], heads), 1):
             value = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else \
                 f"{best / r.flops_per_token:.3f}" if best and r.flops_per_token else "-"
@@ -132,10 +130,9 @@ def lever_rows(plan: LeverPlan, ranked: Sequence[Row], gpu: str | None, timed_on
     apart from; None where not ranked, with `not_ranked` saying why), and what was predicted (bytes, ms)."""
     rows = []
     for group in (FULL, ADAPTERS):
-        shown = [r for r in ranked if r.group == group]
-        fitting = [r for r in shown if r.fits]
-        heads = tier_heads(fitting) + [None] * (len(shown) - len(fitting))
-        for i, (r, head) in enumerate(zip(fitting + [r for r in shown if not r.fits], heads), 1):
+        shown, fitting, heads = _group(ranked, group)
+        for i, (r, head) in enumerate(zip(fitting + [r for r in shown if not r.fits],
+                                          heads + [None] * (len(shown) - len(fitting))), 1):
             rows.append({"model": plan.fields["model"], "seq_len": plan.fields["seq_len"], "group": group,
                          "rank": i if r.fits else None, "tier": head, "config": r.words(),
                          "levers": r.levers, **{k: v for k, v in r.spec_fields.items() if k != "device"},
@@ -145,6 +142,13 @@ def lever_rows(plan: LeverPlan, ranked: Sequence[Row], gpu: str | None, timed_on
                          "flops_per_token": r.flops_per_token, "method": r.method or None, "not_ranked": r.reason,
                          "budget_bytes": plan.budget, "gpu": gpu, "time_basis": timed_on})
     return rows
+
+
+def _group(ranked: Sequence[Row], group: str) -> tuple[list[Row], list[Row], list[int]]:
+    """A group's rows as ranked, those of them that fit, and each fitting row's tier head (the table's =N)."""
+    rows = [r for r in ranked if r.group == group]
+    fitting = [r for r in rows if r.fits]
+    return rows, fitting, tier_heads(fitting)
 
 
 def _fixed_words(plan: LeverPlan) -> str:
